@@ -1,0 +1,1 @@
+"""Reproducible mechanism diagnostics ("papers"), run by ``kvlab reproduce``."""
