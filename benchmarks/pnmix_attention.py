@@ -1,0 +1,160 @@
+"""Decode-attention benchmark: PN-Mix from packed codes against its baselines, one run.
+
+Single-query decode attention (SmolLM2-135M shape: 9 query heads, 3 kv heads, head_dim 64,
+batch 1) over contexts of 1K–32K tokens. Rows, timed in the same process with
+``torch.utils.benchmark`` (median of ``blocked_autorange``):
+
+* ``pnmix_packed``   — :func:`kvlab.pnmix.attention.pnmix_attention` on the packed cache;
+* ``dequant_sdpa``   — dequantize the whole PN-Mix cache, then SDPA (what ``transformers``'
+  ``QuantizedCache`` does every decode step);
+* ``sdpa_fp16`` / ``sdpa_fp32`` — SDPA over the exact cache in that dtype.
+
+Ratios are against ``sdpa_fp32`` of the same context. Bytes are the cache's persistent bytes
+(PN-Mix: counted from its stored tensors) and the exact cache's tensor bytes. Throughput of
+quantize+pack is the time of one ``PNMixCache.append`` of the whole context (prefill).
+
+    python benchmarks/pnmix_attention.py --contexts 1024,4096,16384,32768 --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+from kvlab.device import accelerator_info, resolve_device
+from kvlab.pnmix.attention import pnmix_attention
+from kvlab.pnmix.cache import PNMixCache, PNMixConfig
+from kvlab.rope import RotaryConfig, apply_rotary
+
+HEADS_Q, HEADS_KV, HEAD_DIM = 9, 3, 64
+
+
+def _median_seconds(fn, min_run_time: float) -> float:
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def run(contexts: list[int], device: torch.device, min_run_time: float) -> list[dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    rotary = RotaryConfig(head_dim=HEAD_DIM, base=100000.0)
+    for length in contexts:
+        positions = torch.arange(length)
+        keys = apply_rotary(
+            torch.randn(1, HEADS_KV, length, HEAD_DIM, generator=gen), positions, rotary
+        ).to(device)
+        values = torch.randn(1, HEADS_KV, length, HEAD_DIM, generator=gen).to(device)
+        query = apply_rotary(
+            torch.randn(1, HEADS_Q, 1, HEAD_DIM, generator=gen), torch.tensor([length - 1]), rotary
+        ).to(device)
+        cache = PNMixCache(
+            PNMixConfig(),
+            batch_size=1,
+            num_key_value_heads=HEADS_KV,
+            head_dim=HEAD_DIM,
+            device=device,
+        )
+        start = time.perf_counter()
+        cache.append(keys, values)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        quantize_seconds = time.perf_counter() - start
+
+        def packed(c: PNMixCache = cache, q: torch.Tensor = query) -> torch.Tensor:
+            return pnmix_attention(q, c, causal=False)
+
+        def dequant(c: PNMixCache = cache, q: torch.Tensor = query) -> torch.Tensor:
+            k, v = c.dequantize()
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        exact = {}
+        for dtype in (torch.float16, torch.float32):
+            k, v, q = keys.to(dtype), values.to(dtype), query.to(dtype)
+            exact[dtype] = (k, v, q)
+
+        def sdpa(dtype: torch.dtype, tensors: dict = exact) -> torch.Tensor:
+            k, v, q = tensors[dtype]
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        assert torch.allclose(packed(), dequant(), atol=1e-4, rtol=1e-4)
+        times = {
+            "pnmix_packed": _median_seconds(packed, min_run_time),
+            "dequant_sdpa": _median_seconds(dequant, min_run_time),
+            "sdpa_fp16": _median_seconds(lambda: sdpa(torch.float16), min_run_time),
+            "sdpa_fp32": _median_seconds(lambda: sdpa(torch.float32), min_run_time),
+        }
+        base = times["sdpa_fp32"]
+        rows.append(
+            {
+                "context_tokens": length,
+                "seconds": times,
+                "ratio_vs_sdpa_fp32": {name: t / base for name, t in times.items()},
+                "pnmix_persistent_bytes": cache.persistent_bytes,
+                "fp16_cache_bytes": 2 * keys.numel() * 2,
+                "fp32_cache_bytes": 2 * keys.numel() * 4,
+                "quantize_pack_tokens_per_second": length / quantize_seconds,
+            }
+        )
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    head = (
+        "| context | PN-Mix packed | dequant+SDPA | SDPA fp16 | SDPA fp32 | packed / dequant "
+        "| PN-Mix bytes | fp16 bytes | quantize+pack tok/s |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        s = r["seconds"]
+        lines.append(
+            f"| {r['context_tokens']} | {s['pnmix_packed'] * 1e3:.3f} ms "
+            f"| {s['dequant_sdpa'] * 1e3:.3f} ms | {s['sdpa_fp16'] * 1e3:.3f} ms "
+            f"| {s['sdpa_fp32'] * 1e3:.3f} ms | {s['pnmix_packed'] / s['dequant_sdpa']:.2f}× "
+            f"| {r['pnmix_persistent_bytes']:,} | {r['fp16_cache_bytes']:,} "
+            f"| {r['quantize_pack_tokens_per_second']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per row")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/pnmix_attention.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    rows = run([int(c) for c in args.contexts.split(",")], device, args.min_run_time)
+    machine = {
+        "accelerator": accelerator_info(device).label,
+        "processor": platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "shape": {
+            "num_attention_heads": HEADS_Q,
+            "num_key_value_heads": HEADS_KV,
+            "head_dim": HEAD_DIM,
+            "batch": 1,
+            "query_tokens": 1,
+        },
+    }
+    table = render(rows)
+    print(json.dumps(machine))
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
