@@ -476,3 +476,12 @@ def test_relay_attention_errors():
     )
     with pytest.raises(ValueError, match="at least one valid slot"):
         relay_attention(query, broken, cfg)
+
+
+def test_float16_overflow_after_rotation_is_a_clear_error() -> None:
+    cfg = RotaryConfig(head_dim=2)
+    keys = torch.tensor([60000.0, 60000.0], dtype=torch.float16).view(1, 1, 1, 2)
+    keys = torch.cat([keys, keys], dim=2)  # two slots at positions 0 and 1
+    keep = torch.tensor([[[True, False]]])
+    with pytest.raises(ValueError, match=r"overflow torch\.float16"):
+        relay(keys, keys.clone(), torch.tensor([0, 1]), keep, cfg, endpoint=5)

@@ -575,3 +575,19 @@ def test_repeated_relays_keep_dtype_and_accuracy(dtype, layout):
     bound = steps * math.sqrt(2) * (ROTATION_ERROR_BOUND + UNIT_ROUNDOFF[dtype]) * 1.05
     assert (err <= bound * pair_norms(x, cfg)).all()
     assert torch.isfinite(y).all()
+
+
+def test_equal_configs_hash_equal() -> None:
+    a = RotaryConfig(head_dim=8, scaling={"rope_type": "linear", "factor": 4})
+    b = RotaryConfig(head_dim=8, scaling={"rope_type": "linear", "factor": 4.0})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "llama4_text"])
+def test_interleaved_model_types_from_hf_config(model_type: str) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
+    assert RotaryConfig.from_hf_config(config).layout == "interleaved"

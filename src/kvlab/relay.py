@@ -124,8 +124,8 @@ def relay(
     Raises:
         ValueError: a head with zero kept tokens (names the (b, h)), a keep mask with more
             slots than the cache, shape, dtype or device mismatches, non-integer positions,
-            a non-bool keep mask, non-finite keys or values, or an endpoint below
-            ``max(kept count) - 1``.
+            a non-bool keep mask, non-finite keys or values, an endpoint below
+            ``max(kept count) - 1``, or relayed keys that overflow the input dtype.
     """
     if not isinstance(keys, Tensor) or keys.dim() != 4:
         raise ValueError(f"keys must be a [B, H_kv, S, D] tensor, got {_shape(keys)}")
@@ -210,6 +210,12 @@ def relay(
     moved_keys = keys.gather(2, source.unsqueeze(-1).expand_as(keys))
     moved_values = values.gather(2, source.unsqueeze(-1).expand_as(values))
     relayed_keys = rotate_by_delta(moved_keys, delta, cfg)
+    if not bool(torch.isfinite(relayed_keys).all()):
+        raise ValueError(
+            f"relayed keys overflow {keys.dtype}: a rotated pair exceeds the dtype's range "
+            "(its norm is preserved, but one coordinate can grow by up to sqrt(2)); relay in "
+            "float32 or bfloat16"
+        )
 
     empty_slot = ~valid.unsqueeze(-1)
     return RelayedCache(

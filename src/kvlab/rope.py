@@ -81,7 +81,6 @@ _OPTIONAL_KEYS: dict[str, frozenset[str]] = {
         {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}
     ),
 }
-_CARRIED_KEYS = frozenset({"rope_theta", "partial_rotary_factor"})
 # HF rope types that this module deliberately does not implement (they are not pure
 # position-independent frequency tables, or need per-model data): a clear error names them.
 _UNSUPPORTED_TYPES = frozenset(
@@ -92,7 +91,21 @@ _UNSUPPORTED_TYPES = frozenset(
 # "Interleave them instead of usual shape" variant), from transformers 5.24's modeling files.
 # Every other model type is assumed to use rotate_half ("half"); pass `layout=` to override.
 _INTERLEAVED_MODEL_TYPES = frozenset(
-    {"gptj", "codegen", "glm", "glm4", "ernie4_5", "ernie4_5_moe", "helium"}
+    {
+        "gptj",
+        "codegen",
+        "glm",
+        "glm4",
+        "ernie4_5",
+        "ernie4_5_moe",
+        "helium",
+        # Cohere's rotate_half pairs x[..., ::2] with x[..., 1::2]; Llama 4 rotates (2i, 2i+1)
+        # through view_as_complex.
+        "cohere",
+        "cohere2",
+        "llama4",
+        "llama4_text",
+    }
 )
 # Model types with a fixed base of 10000 and a `rotary_dim` attribute instead of rope_parameters.
 _ROTARY_DIM_MODEL_TYPES = frozenset({"gptj", "codegen"})
@@ -122,7 +135,11 @@ class _FrozenMapping(Mapping):
         return len(self._data)
 
     def __hash__(self) -> int:
-        return hash(tuple(sorted((k, repr(v)) for k, v in self._data.items())))
+        # Hash values as ==-compatible keys (4 == 4.0 must hash alike): floats for numbers.
+        def key(v: Any) -> Any:
+            return float(v) if _is_real(v) else repr(v)
+
+        return hash(tuple(sorted((k, key(v)) for k, v in self._data.items())))
 
     def __repr__(self) -> str:
         return repr(self._data)
