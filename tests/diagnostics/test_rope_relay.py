@@ -16,8 +16,9 @@ from kvlab.diagnostics.paper import RunContext
 from kvlab.diagnostics.rope_relay import CONFIGURATION, run_seed
 
 SEED_000 = json.loads(
-    (Path(__file__).resolve().parents[1] / "fixtures" / "seeds" / "000_8249d5d9ce5c6fb7.txt")
-    .read_text()
+    (
+        Path(__file__).resolve().parents[1] / "fixtures" / "seeds" / "000_8249d5d9ce5c6fb7.txt"
+    ).read_text()
 )
 
 
@@ -36,8 +37,12 @@ def test_one_seed_meets_the_spec(tmp_path: Path, seed: int) -> None:
     m = result.metrics
     assert list(m) == list(SEED_000["metrics"])
     assert m["max_reference_absolute_error"] < 1e-6
-    for key in ("values_unchanged", "nonrotary_tail_unchanged",
-                "heterogeneous_endpoints_aligned", "query_and_answer_positions_synchronized"):
+    for key in (
+        "values_unchanged",
+        "nonrotary_tail_unchanged",
+        "heterogeneous_endpoints_aligned",
+        "query_and_answer_positions_synchronized",
+    ):
         assert m[key] is True, key
     for key in ("gradient_norm_keys", "gradient_norm_values", "gradient_norm_queries"):
         assert 0 < m[key] < float("inf"), key
@@ -66,9 +71,25 @@ def _nested_keys(obj: object, prefix: str = "") -> list[str]:
 def test_cli_end_to_end_writes_a_valid_artifact_in_reference_layout(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "kvlab.cli", "reproduce", "--paper", "rope-relay",
-         "--seeds", "42,43,44", "--device", "cpu", "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "kvlab.cli",
+            "reproduce",
+            "--paper",
+            "rope-relay",
+            "--seeds",
+            "42,43,44",
+            "--device",
+            "cpu",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "unsynchronized_query_mean_logit_error" in done.stdout
@@ -82,27 +103,81 @@ def test_cli_end_to_end_writes_a_valid_artifact_in_reference_layout(tmp_path: Pa
     seed_prov = list(SEED_000["provenance"])
     assert list(artifact["provenance"])[: len(seed_prov)] == seed_prov
     assert artifact["evaluation_protocol"]["formal_comparison"] is False
-    assert artifact["provenance"]["command_argv"][:3] == ["kvlab", "reproduce", "--paper"]
+    assert artifact["provenance"]["command_argv"][:5] == [
+        "python",
+        "-m",
+        "kvlab.cli",
+        "reproduce",
+        "--paper",
+    ]
     assert raw_path.is_file()
     assert validate_artifact(artifact_path).ok
-    done = subprocess.run([sys.executable, "-m", "kvlab.cli", "validate", str(artifact_path)],
-                          capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlab.cli", "validate", str(artifact_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout
 
 
 def test_cli_rejects_unknown_paper_and_absent_device(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvlab.cli", "reproduce", "--paper", "nope"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 2
     assert "known papers: rope-relay, pn-mix" in done.stdout
     if not torch.cuda.is_available():
         done = subprocess.run(
-            [sys.executable, "-m", "kvlab.cli", "reproduce", "--paper", "rope-relay",
-             "--device", "cuda", "--output-dir", str(tmp_path)],
-            capture_output=True, text=True, check=False,
+            [
+                sys.executable,
+                "-m",
+                "kvlab.cli",
+                "reproduce",
+                "--paper",
+                "rope-relay",
+                "--device",
+                "cuda",
+                "--output-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         assert done.returncode == 2
         assert "CUDA is not available" in done.stdout
         assert not (tmp_path / "rope-relay").exists()
+
+
+def _wrong_tokens(keys, values, positions, keep, cfg, endpoint=None):
+    from kvlab.relay import relay
+
+    shifted = keep.roll(1, dims=-1)  # same counts, different tokens
+    return relay(keys, values, positions, shifted, cfg, endpoint)
+
+
+def _wrong_endpoint(keys, values, positions, keep, cfg, endpoint=None):
+    from kvlab.relay import relay
+
+    return relay(keys, values, positions, keep, cfg, endpoint=keys.shape[2])
+
+
+@pytest.mark.parametrize("broken", [_wrong_tokens, _wrong_endpoint])
+def test_a_broken_relay_fails_the_computed_checks(tmp_path: Path, monkeypatch, broken) -> None:
+    from kvlab.diagnostics import rope_relay
+
+    monkeypatch.setattr(rope_relay, "relay", broken)
+    m = run_seed(_context(tmp_path), 42).metrics
+    flags = [
+        m["values_unchanged"],
+        m["heterogeneous_endpoints_aligned"],
+        m["query_and_answer_positions_synchronized"],
+    ]
+    assert not all(flags)
+    if broken is _wrong_tokens:
+        assert m["max_reference_absolute_error"] > 1e-3

@@ -75,6 +75,7 @@ class Paper:
             data from the context and the per-seed results.
         baselines_compared: whether each seed's result compares against a baseline.
         uses_text: whether ``--text`` applies.
+        min_text_bytes: the least text the diagnostic reads (bytes), checked before running.
         finalize: optional hook after the artifact is written (returns extra files written).
     """
 
@@ -92,4 +93,5 @@ class Paper:
     dataset: Callable[[RunContext, list[SeedResult]], tuple[dict[str, Any], str]]
     baselines_compared: bool = False
     uses_text: bool = False
+    min_text_bytes: int = 0
     finalize: Callable[[PaperRun], list[Path]] | None = None

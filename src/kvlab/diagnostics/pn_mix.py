@@ -298,7 +298,7 @@ def validation_record(
         pydantic.ValidationError: the record does not fit schema v1.
     """
     from kvlab.artifacts import aggregate_metrics
-    from kvlab.diagnostics.runner import display_path, module_paths
+    from kvlab.diagnostics.runner import COMMON_RUNNER_MODULES, display_path, module_paths
 
     context = run.context
     assert context.text is not None
@@ -334,7 +334,9 @@ def validation_record(
     )
     now = _dt.datetime.now(_dt.timezone.utc)
     record_path = context.output_dir / f"validation-{accelerator.model.lower()}-{now:%Y%m%d}.json"
-    files = module_paths(PAPER.implementation_modules) + module_paths(PAPER.runner_modules)
+    files = module_paths(
+        PAPER.implementation_modules + PAPER.runner_modules + COMMON_RUNNER_MODULES
+    )
     commit, _dirty = git_state()
     record = {
         "schema_version": 1,
@@ -404,18 +406,12 @@ PAPER = Paper(
         "kvlab.pnmix.attention",
         "kvlab.rope",
     ),
-    runner_modules=(
-        "kvlab.diagnostics.pn_mix",
-        "kvlab.models.byte_rope_gqa",
-        "kvlab.diagnostics.runner",
-        "kvlab.diagnostics.paper",
-        "kvlab.data",
-        "kvlab.cli",
-    ),
+    runner_modules=("kvlab.diagnostics.pn_mix", "kvlab.models.byte_rope_gqa"),
     configuration=CONFIGURATION,
     run_seed=run_seed,
     dataset=_dataset,
     baselines_compared=True,
     uses_text=True,
+    min_text_bytes=TEXT_BYTES,
     finalize=_write_validation_record,
 )

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvlab.diagnostics.paper import Paper, RunContext, SeedResult
-from kvlab.relay import relay, relay_attention, relay_logits
+from kvlab.relay import relay, relay_attention
 from kvlab.rope import RotaryConfig, apply_rotary
 
 __all__ = ["CONFIGURATION", "PAPER", "run_seed"]
@@ -82,63 +82,62 @@ def run_seed(context: RunContext, seed: int) -> SeedResult:
     rot = cfg["rotary_dimension"]
     questions = cfg["question_length"]
 
+    slots, dim = cfg["slots"], cfg["key_dimension"]
+    endpoint = slots - 1  # SPEC §2 default: a fixed-size cache, positions never exceed slots
     max_error = 0.0
     values_same = tails_same = endpoints_aligned = synchronized = True
-    next_positions: set[int] = set()
     loss = torch.zeros((), device=device)
     unsync_errors = []
     kept_counts = []
+    next_positions: set[int] = set()
     for layer in range(cfg["layers"]):
         keys_rotated = apply_rotary(raw_keys[layer], positions, rotary)
         relayed = relay(keys_rotated, values[layer], positions, keep[layer], rotary)
-        valid = relayed.valid
-        kept_counts.extend(relayed.kept_counts.flatten().tolist())
-        # Reference: the raw keys rotated directly at the new positions.
-        source = relayed.source_index.clamp(min=0)
-        gathered_raw = torch.gather(
-            raw_keys[layer], 2, source.unsqueeze(-1).expand(-1, -1, -1, cfg["key_dimension"])
-        )
-        reference = apply_rotary(gathered_raw, relayed.positions.clamp(min=0), rotary)
-        error = (relayed.keys - reference).abs()[valid]
-        max_error = max(max_error, float(error.detach().max()))
-        gathered_values = torch.gather(
-            values[layer], 2, source.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1])
-        )
-        values_same &= bool(torch.equal(relayed.values[valid], gathered_values[valid]))
-        gathered_rotated = torch.gather(
-            keys_rotated, 2, source.unsqueeze(-1).expand(-1, -1, -1, cfg["key_dimension"])
-        )
-        tails_same &= bool(
-            torch.equal(relayed.keys[..., rot:][valid], gathered_rotated[..., rot:][valid])
-        )
-        # Every head's kept tokens end at the shared endpoint, contiguously.
-        endpoint = relayed.next_position - 1
-        counts = relayed.kept_counts
-        last_slot_pos = relayed.positions[..., -1]
-        first_pos = torch.where(valid, relayed.positions, torch.iinfo(torch.int64).max).amin(-1)
-        endpoints_aligned &= bool((last_slot_pos == endpoint).all())
-        endpoints_aligned &= bool((first_pos == endpoint - counts + 1).all())
-        next_positions.add(int(relayed.next_position))
-        # Synchronized question positions: relay attention equals the direct reference with
-        # queries rotated at next_position, next_position + 1, ...
-        sync_positions = torch.arange(questions, device=device) + relayed.next_position
-        out = relay_attention(queries[layer], relayed, rotary)
-        sync_raw = relay_logits(queries[layer], relayed, rotary, query_positions=sync_positions)
-        logits = (sync_raw / cfg["key_dimension"] ** 0.5).masked_fill(
-            ~valid.unsqueeze(-2), float("-inf")
-        )
-        expected = torch.softmax(logits, dim=-1) @ relayed.values.float()
-        synchronized &= bool((out.float() - expected).abs().max() <= SYNC_TOLERANCE)
+        out = relay_attention(queries[layer], relayed, rotary)  # [1, H, Q, Dv]
         loss = loss + out.pow(2).mean()
-        # Unsynchronized: the questions keep their original-stream positions.
-        unsync_positions = torch.arange(questions, device=device) + positions.max() + 1
-        unsync = relay_logits(queries[layer], relayed, rotary, query_positions=unsync_positions)
-        diff = (unsync - sync_raw).abs()
-        unsync_errors.append(diff.masked_select(valid.unsqueeze(-2).expand_as(diff)))
-    synchronized &= len(next_positions) == 1
+        next_positions.add(int(relayed.next_position))
+        # Every check below compares the relay's output with a reference built here from
+        # the keep mask and SPEC §2 alone, never from the relay's own bookkeeping.
+        for head in range(cfg["physical_kv_heads"]):
+            kept = keep[layer, 0, head].nonzero().squeeze(-1)  # original slots, in order
+            count = int(kept.numel())
+            kept_counts.append(count)
+            new_positions = torch.arange(endpoint - count + 1, endpoint + 1, device=device)
+            expected_valid = torch.arange(slots, device=device) >= slots - count
+            got_keys = relayed.keys[0, head, slots - count :]
+            got_values = relayed.values[0, head]
+            endpoints_aligned &= bool(torch.equal(relayed.valid[0, head], expected_valid))
+            endpoints_aligned &= bool(
+                torch.equal(relayed.positions[0, head, slots - count :], new_positions)
+            )
+            reference = apply_rotary(raw_keys[layer, 0, head, kept], new_positions, rotary)
+            max_error = max(max_error, float((got_keys - reference).detach().abs().max()))
+            values_same &= bool(
+                torch.equal(got_values[slots - count :], values[layer, 0, head, kept])
+            )
+            values_same &= bool((got_values[: slots - count] == 0).all())
+            tails_same &= bool(torch.equal(got_keys[:, rot:], raw_keys[layer, 0, head, kept, rot:]))
+            # Synchronized: the answer equals float64 attention of the questions rotated at
+            # endpoint + 1, endpoint + 2, ... over the directly rotated kept keys.
+            sync_positions = torch.arange(questions, device=device) + endpoint + 1
+            q_sync = apply_rotary(queries[layer, 0, head].double(), sync_positions, rotary)
+            logits = q_sync @ reference.double().T / dim**0.5
+            expected = torch.softmax(logits, dim=-1) @ values[layer, 0, head, kept].double()
+            synchronized &= bool(
+                (out[0, head].double() - expected).detach().abs().max() <= SYNC_TOLERANCE
+            )
+            # Unsynchronized: the questions keep their original-stream positions (after the
+            # last original position) against the same relayed keys.
+            unsync_positions = torch.arange(questions, device=device) + positions.max() + 1
+            q_unsync = apply_rotary(queries[layer, 0, head], unsync_positions, rotary)
+            q_synced = apply_rotary(queries[layer, 0, head], sync_positions, rotary)
+            diff = (q_unsync - q_synced) @ got_keys.T  # raw logits, before 1/sqrt(d)
+            unsync_errors.append(diff.detach().abs().flatten())
+    synchronized &= next_positions == {endpoint + 1}
+    endpoints_aligned &= kept_counts == list(cfg["retained_counts"])
     endpoints_aligned &= len(set(kept_counts)) > 1
     loss.backward()
-    unsync_error = torch.cat(unsync_errors).detach().mean()
+    unsync_error = torch.cat(unsync_errors).mean()
     metrics: dict[str, Any] = {
         "max_reference_absolute_error": max_error,
         "values_unchanged": values_same,
@@ -177,12 +176,7 @@ PAPER = Paper(
     implementation_status="component_only",
     diagnostic_only=True,
     implementation_modules=("kvlab.rope", "kvlab.relay"),
-    runner_modules=(
-        "kvlab.diagnostics.rope_relay",
-        "kvlab.diagnostics.runner",
-        "kvlab.diagnostics.paper",
-        "kvlab.cli",
-    ),
+    runner_modules=("kvlab.diagnostics.rope_relay",),
     configuration=CONFIGURATION,
     run_seed=run_seed,
     dataset=_dataset,

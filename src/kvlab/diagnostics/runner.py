@@ -16,7 +16,30 @@ from kvlab.artifacts.provenance import source_root
 from kvlab.device import accelerator_info
 from kvlab.diagnostics.paper import Paper, PaperRun, RunContext
 
-__all__ = ["display_path", "module_paths", "render_metrics_table", "run_paper", "seeds_label"]
+__all__ = [
+    "COMMON_RUNNER_MODULES",
+    "display_path",
+    "module_paths",
+    "render_metrics_table",
+    "run_paper",
+    "seeds_label",
+]
+
+COMMON_RUNNER_MODULES: tuple[str, ...] = (
+    "kvlab.cli",
+    "kvlab.data",
+    "kvlab.device",
+    "kvlab.diagnostics.paper",
+    "kvlab.diagnostics.registry",
+    "kvlab.diagnostics.runner",
+    "kvlab.artifacts.aggregate",
+    "kvlab.artifacts.builders",
+    "kvlab.artifacts.io",
+    "kvlab.artifacts.provenance",
+    "kvlab.artifacts.schemas",
+)
+"""Modules that shape every artifact (command line, aggregation, provenance, schemas); their
+sources are hashed into every run's ``runner_sha256`` besides the paper's own runner."""
 
 
 def module_paths(modules: Sequence[str]) -> list[str]:
@@ -85,7 +108,7 @@ def run_paper(paper: Paper, context: RunContext, console: Console | None = None)
         artifact_path=display_path(artifact_path),
         raw_result_path=display_path(raw_path),
         implementation_files=module_paths(paper.implementation_modules),
-        runner_files=module_paths(paper.runner_modules),
+        runner_files=module_paths(paper.runner_modules + COMMON_RUNNER_MODULES),
         argv=context.argv,
         accelerator=accelerator.label,
         checkpoint=dataset.get("checkpoint"),
