@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -35,15 +36,19 @@ def parse_seeds(seeds: str | None, seed: int | None) -> list[int]:
     if seeds is not None and seed is not None:
         raise typer.BadParameter("give either --seeds or --seed, not both")
     if seed is not None:
+        if not 0 <= seed < 10**18:
+            raise typer.BadParameter(f"--seed must lie in [0, 10^18), got {seed}")
         return [seed]
     if seeds is None:
         return [42, 43, 44]
-    try:
-        values = [int(part) for part in seeds.split(",") if part.strip()]
-    except ValueError as exc:
-        raise typer.BadParameter(f"--seeds must be comma-separated integers: {seeds!r}") from exc
-    if not values:
+    parts = [part.strip() for part in seeds.split(",") if part.strip()]
+    if not parts:
         raise typer.BadParameter("--seeds is empty")
+    if not all(re.fullmatch(r"\d{1,18}", part) for part in parts):
+        raise typer.BadParameter(
+            f"--seeds must be comma-separated integers in [0, 10^18): {seeds!r}"
+        )
+    values = [int(part) for part in parts]
     if len(set(values)) != len(values):
         raise typer.BadParameter(f"--seeds repeats a seed: {seeds!r}")
     return values
@@ -56,7 +61,13 @@ def reproduce(
     cpu_threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
     seeds: Annotated[str | None, typer.Option(help="Comma-separated seeds.")] = None,
     seed: Annotated[int | None, typer.Option(help="A single seed.")] = None,
-    budget: Annotated[str, typer.Option(help="smoke or standard.")] = "standard",
+    budget: Annotated[
+        str,
+        typer.Option(
+            help="smoke or standard. Recorded with the run; both L1 diagnostics are small "
+            "enough to run their full protocol under either budget."
+        ),
+    ] = "standard",
     output_dir: Annotated[Path | None, typer.Option(help="Base folder (default: runs).")] = None,
     text: Annotated[
         Path | None, typer.Option(help="Input text for text-based diagnostics (pn-mix).")
@@ -67,25 +78,40 @@ def reproduce(
         raise typer.BadParameter(f"--budget must be one of {', '.join(_BUDGETS)}")
     seed_list = parse_seeds(seeds, seed)
     try:
-        keys = paper_keys() if paper == "all" else [get_paper(paper).key]
+        entries = [get_paper(key) for key in (paper_keys() if paper == "all" else [paper])]
         torch_device = resolve_device(device)
         set_cpu_threads(cpu_threads)
-    except (KeyError, ValueError) as exc:
+        if text is not None and not any(e.uses_text for e in entries):
+            raise ValueError(f"--text does not apply to {paper!r} (it reads no text)")
+        source = load_text(text) if any(e.uses_text for e in entries) else None
+        for entry in entries:
+            if source is not None and len(source.data) < entry.min_text_bytes:
+                raise ValueError(
+                    f"{entry.key} reads the first {entry.min_text_bytes} bytes of its text; "
+                    f"{source.path or source.id} has {len(source.data)}"
+                )
+    except (KeyError, ValueError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/] {exc.args[0] if exc.args else exc}")
         raise typer.Exit(2) from exc
-    argv = ["kvlab", *sys.argv[1:]]
-    for key in keys:
-        entry = get_paper(key)
-        source = load_text(text) if entry.uses_text else None
+    argv = invocation_argv()
+    for entry in entries:
         context = RunContext(
             device=torch_device,
             budget=budget,
-            text=source,
+            text=source if entry.uses_text else None,
             argv=argv,
-            output_dir=default_output_dir(key, output_dir),
+            output_dir=default_output_dir(entry.key, output_dir),
             seeds=seed_list,
         )
         run_paper(entry, context, console)
+
+
+def invocation_argv() -> list[str]:
+    """The command as it was typed: ``kvlab ...`` for the console script,
+    ``python -m kvlab.cli ...`` for the module form."""
+    program = Path(sys.argv[0]).name
+    prefix = ["python", "-m", "kvlab.cli"] if program in ("cli.py", "__main__.py") else [program]
+    return [*prefix, *sys.argv[1:]]
 
 
 @app.command()

@@ -83,7 +83,10 @@ def read_text_file(path: str | Path) -> TextSource:
     if not data:
         raise ValueError(f"text file is empty: {file}")
     return TextSource(
-        data=data, id=f"file:{file.name}", sha256=sha256_bytes(data), source_url=None,
+        data=data,
+        id=f"file:{file.name}",
+        sha256=sha256_bytes(data),
+        source_url=None,
         path=str(file),
     )
 

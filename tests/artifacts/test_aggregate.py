@@ -23,8 +23,9 @@ def _seed(name: str) -> dict:
 def test_reproduces_seed_000_metrics_from_its_per_seed_block() -> None:
     record = _seed("000_8249d5d9ce5c6fb7.txt")
     booleans = {k: v for k, v in record["metrics"].items() if isinstance(v, bool)}
-    per_seed = [{**{k: v for k, v in row.items() if k != "seed"}, **booleans}
-                for row in record["per_seed"]]
+    per_seed = [
+        {**{k: v for k, v in row.items() if k != "seed"}, **booleans} for row in record["per_seed"]
+    ]
     got = aggregate_metrics(per_seed)
     for key, value in record["metrics"].items():
         assert got[key] == value, key

@@ -56,11 +56,18 @@ def _artifact(root: Path, impl: list[str], runner: list[str]) -> dict:
         "source_sha256": {"implementation": impl_h, "runner": run_h},
     }
     return build_metric_artifact(
-        method="m", manifest_ref="r", seeds=[1], per_seed=[{"x": 1.0, "ok": True}],
-        configuration={}, tier="l1_mechanism", claim_policy="p",
+        method="m",
+        manifest_ref="r",
+        seeds=[1],
+        per_seed=[{"x": 1.0, "ok": True}],
+        configuration={},
+        tier="l1_mechanism",
+        claim_policy="p",
         dataset={"id": "d", "revision": "v", "checkpoint": None, "capability_benchmark": False},
-        provenance=provenance, baselines_compared=False,
-        implementation_status="component_only", diagnostic_only=True,
+        provenance=provenance,
+        baselines_compared=False,
+        implementation_status="component_only",
+        diagnostic_only=True,
     )
 
 
@@ -102,3 +109,108 @@ def test_validate_unknown_schema_and_unreadable(tmp_path: Path) -> None:
     broken = tmp_path / "c.json"
     broken.write_text("{")
     assert validate_artifact(broken).problems[0].startswith("cannot read JSON")
+
+
+def test_written_file_has_a_plain_files_mode(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        path = write_json_atomic(tmp_path / "m.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def _valid_pair(tmp_path: Path) -> tuple[dict, Path]:
+    (tmp_path / "f.py").write_text("z\n")
+    return _artifact(tmp_path, ["f.py"], ["f.py"]), tmp_path
+
+
+def _tamper(artifact: dict, edit) -> dict:
+    copy = json.loads(json.dumps(artifact))
+    edit(copy)
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (lambda a: a["metrics"]["x"].update(mean=2.0), "is not the aggregate of per_seed"),
+        (lambda a: a["metrics"]["x"].update(n=99), "is not the aggregate of per_seed"),
+        (lambda a: a["evaluation_protocol"].update(seeds=[7]), "evaluation_protocol.seeds"),
+        (lambda a: a["evaluation_protocol"].update(formal_comparison=True), "fewer than 3"),
+        (lambda a: a["provenance"].update(command="rm -rf /"), "shell form of command_argv"),
+        (lambda a: a["metrics"].update(ok={"mean": 1.0, "std": 0.0, "n": 1}), "no per-seed"),
+    ],
+)
+def test_validate_rejects_inconsistent_artifacts(tmp_path: Path, edit, problem: str) -> None:
+    artifact, root = _valid_pair(tmp_path)
+    bad = _tamper(artifact, edit)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    report = validate_artifact(path, root=root)
+    assert not report.ok
+    assert any(problem in p for p in report.problems), report.problems
+
+
+def test_validate_rejects_reordered_fields_and_empty_or_escaping_sources(tmp_path: Path) -> None:
+    artifact, root = _valid_pair(tmp_path)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(dict(reversed(list(artifact.items())))))
+    assert any("not in order" in p for p in validate_artifact(path, root=root).problems)
+    empty = _tamper(
+        artifact,
+        lambda a: a["provenance"].update(
+            source_sha256={"implementation": {}, "runner": {}},
+            implementation_sha256=manifest_digest({}),
+            runner_sha256=manifest_digest({}),
+        ),
+    )
+    path.write_text(json.dumps(empty))
+    assert any("no source files" in p for p in validate_artifact(path, root=root).problems)
+    outside = {"/etc/hostname": "0" * 64}
+    escaping = _tamper(
+        artifact,
+        lambda a: a["provenance"].update(
+            source_sha256={"implementation": outside, "runner": outside},
+            implementation_sha256=manifest_digest(outside),
+            runner_sha256=manifest_digest(outside),
+        ),
+    )
+    path.write_text(json.dumps(escaping))
+    assert any(
+        "not a relative POSIX path" in p for p in validate_artifact(path, root=root).problems
+    )
+
+
+def _v1(tmp_path: Path) -> tuple[dict, Path]:
+    seeds = Path(__file__).resolve().parents[1] / "fixtures" / "seeds"
+    record = json.loads((seeds / "004_aa707ff1932edf16.txt").read_text())
+    (tmp_path / "f.py").write_text("z\n")
+    record["executed_source_sha256"] = source_hashes(["f.py"], tmp_path)
+    return record, tmp_path
+
+
+def test_v1_record_accepted_then_inconsistencies_rejected(tmp_path: Path) -> None:
+    record, root = _v1(tmp_path)
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(record))
+    assert validate_artifact(path, root=root).ok
+    cases = [
+        (lambda r: r["execution_checks"].update(prefill_only_mask=False), "checks are false"),
+        (lambda r: r.update(accelerator={"vendor": "CPU", "model": "CPU"}), "CPU run"),
+        (lambda r: r.update(validated_at="2026-99-99"), "not a calendar date"),
+        (lambda r: r.update(additional_seeds=[43]), "the record has 2 seeds"),
+        (lambda r: r.update(executed_source_sha256={}), "no source files"),
+    ]
+    for edit, problem in cases:
+        path.write_text(json.dumps(_tamper(record, edit)))
+        problems = validate_artifact(path, root=root).problems
+        assert any(problem in p for p in problems), (problem, problems)
+
+
+def test_boolean_schema_version_is_not_a_version(tmp_path: Path) -> None:
+    record, root = _v1(tmp_path)
+    record["schema_version"] = True
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(record))
+    assert "unknown schema_version" in validate_artifact(path, root=root).problems[0]

@@ -22,9 +22,7 @@ def test_seed_004_is_a_valid_v1_record_and_round_trips_in_order() -> None:
 
 def test_seed_000_fits_v2_once_the_spec_provenance_fields_are_added() -> None:
     record = json.loads((SEEDS / "000_8249d5d9ce5c6fb7.txt").read_text())
-    record["provenance"].update(
-        code_dirty=False, command_argv=["python", "x.py"], source_sha256={}
-    )
+    record["provenance"].update(code_dirty=False, command_argv=["python", "x.py"], source_sha256={})
     dumped = MetricArtifactV2.model_validate(record).model_dump(mode="json")
     assert list(dumped) == list(record)
     assert dumped["metrics"] == record["metrics"]

@@ -42,13 +42,17 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def source_root() -> Path:
-    """The folder that recorded source paths are relative to (see module docstring)."""
-    package_dir = Path(kvlab.__file__).resolve().parent
-    parent = package_dir.parent
+def _checkout_root() -> Path | None:
+    """The repository root when kvlab runs from a source checkout (``<root>/src/kvlab``)."""
+    parent = Path(kvlab.__file__).resolve().parent.parent
     if parent.name == "src" and (parent.parent / "pyproject.toml").is_file():
         return parent.parent
-    return parent
+    return None
+
+
+def source_root() -> Path:
+    """The folder that recorded source paths are relative to (see module docstring)."""
+    return _checkout_root() or Path(kvlab.__file__).resolve().parent.parent
 
 
 def source_hashes(paths: Iterable[str], root: Path | None = None) -> dict[str, str]:
@@ -80,10 +84,14 @@ def manifest_digest(hashes: Mapping[str, str]) -> str:
 def git_state(root: Path | None = None) -> tuple[str | None, bool | None]:
     """``(commit, dirty)`` of the git work tree at ``root``; ``(None, None)`` outside git.
 
-    ``dirty`` is true when ``git status --porcelain`` lists any change (untracked files
-    included).
+    By default ``root`` is kvlab's own checkout; an installed (non-checkout) kvlab reports
+    ``(None, None)`` rather than the commit of whatever repository happens to contain its
+    site-packages. ``dirty`` is true when ``git status --porcelain`` lists any change
+    (untracked files included).
     """
-    base = source_root() if root is None else root
+    base = _checkout_root() if root is None else root
+    if base is None:
+        return None, None
 
     def _git(*args: str) -> str | None:
         try:

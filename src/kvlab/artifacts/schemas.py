@@ -34,7 +34,7 @@ Number = StrictInt | StrictFloat
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Aggregate(_Strict):
@@ -42,7 +42,7 @@ class Aggregate(_Strict):
     one seed) and the number of seeds ``n``."""
 
     mean: Number
-    std: StrictFloat
+    std: StrictFloat = Field(ge=0.0)
     n: StrictInt = Field(ge=1)
 
 

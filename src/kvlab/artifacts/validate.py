@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from kvlab.artifacts.aggregate import aggregate_metrics
 from kvlab.artifacts.io import read_json
-from kvlab.artifacts.provenance import file_sha256, manifest_digest, source_root
+from kvlab.artifacts.provenance import (
+    command_string,
+    file_sha256,
+    manifest_digest,
+    source_root,
+)
 from kvlab.artifacts.schemas import AcceleratorValidationRecordV1, MetricArtifactV2
 
 __all__ = ["ValidationReport", "validate_artifact"]
@@ -29,9 +36,39 @@ class ValidationReport:
         return self.kind is not None and not self.problems
 
 
+PASS_REQUIRES = (
+    "packed_codes_consumed_by_attention",
+    "prefill_only_mask",
+    "three_initializations",
+    "unified_cli_cuda_and_same_seed_agreement",
+)
+"""Execution checks that a v1 record with ``result: "passed"`` must have true (when present)."""
+
+
+def _check_order(data: Any, model: type[BaseModel], where: str, report: ValidationReport) -> None:
+    """Keys in the schema's declared order, recursively for nested models."""
+    if not isinstance(data, dict):
+        return
+    expected = list(model.model_fields)
+    if list(data) != expected:
+        report.problems.append(
+            f"{where or 'top level'}: fields {list(data)} not in order {expected}"
+        )
+    for name, info in model.model_fields.items():
+        sub = info.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel) and name in data:
+            _check_order(data[name], sub, f"{where}.{name}".lstrip("."), report)
+
+
 def _check_files(recorded: dict[str, str], root: Path, report: ValidationReport) -> None:
+    if not recorded:
+        report.problems.append("no source files recorded: nothing ties this artifact to code")
     for rel, expected in recorded.items():
         report.checked_files += 1
+        pure = PurePosixPath(rel)
+        if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
+            report.problems.append(f"{rel}: not a relative POSIX path inside the source tree")
+            continue
         file = root / rel
         if not file.is_file():
             report.problems.append(f"{rel}: missing from the tree at {root}")
@@ -56,6 +93,7 @@ def validate_artifact(path: str | Path, root: Path | None = None) -> ValidationR
         A :class:`ValidationReport`; ``ok`` is true only with no problem at all.
     """
     report = ValidationReport(path=str(path))
+    kinds = {1: "accelerator validation record v1", 2: "metric artifact v2"}
     base = source_root() if root is None else Path(root)
     try:
         data: Any = read_json(path)
@@ -63,6 +101,8 @@ def validate_artifact(path: str | Path, root: Path | None = None) -> ValidationR
         report.problems.append(f"cannot read JSON: {exc}")
         return report
     version = data.get("schema_version") if isinstance(data, dict) else None
+    if isinstance(version, bool):
+        version = None
     try:
         if version == 2:
             artifact = MetricArtifactV2.model_validate(data)
@@ -81,14 +121,73 @@ def validate_artifact(path: str | Path, root: Path | None = None) -> ValidationR
                         f"provenance.{part}_sha256 does not match its recorded file list"
                     )
                 _check_files(files, base, report)
+            _check_order(data, MetricArtifactV2, "", report)
+            _check_v2_consistency(artifact, report)
         elif version == 1:
             record = AcceleratorValidationRecordV1.model_validate(data)
             report.kind = "accelerator validation record v1"
             _check_files(record.executed_source_sha256, base, report)
+            _check_order(data, AcceleratorValidationRecordV1, "", report)
+            _check_v1_consistency(record, report)
         else:
             report.problems.append(f"unknown schema_version {version!r} (expected 1 or 2)")
     except ValidationError as exc:
+        report.kind = None
+        report.problems.insert(0, f"does not fit the {kinds.get(version, '?')} schema")
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
             report.problems.append(f"schema: {loc}: {err['msg']}")
     return report
+
+
+def _check_v2_consistency(artifact: MetricArtifactV2, report: ValidationReport) -> None:
+    """Numbers that must agree with each other inside one metric artifact."""
+    seeds = artifact.seeds
+    if artifact.evaluation_protocol.seeds != seeds:
+        report.problems.append("evaluation_protocol.seeds differs from seeds")
+    if [row.get("seed") for row in artifact.per_seed] != seeds:
+        report.problems.append("per_seed seeds differ from seeds")
+    if artifact.evaluation_protocol.formal_comparison and len(seeds) < 3:
+        report.problems.append("formal_comparison is true with fewer than 3 seeds")
+    prov = artifact.provenance
+    if command_string(prov.command_argv) != prov.command:
+        report.problems.append("provenance.command is not the shell form of command_argv")
+    rows = [{k: v for k, v in row.items() if k != "seed"} for row in artifact.per_seed]
+    numeric = {k for row in rows for k in row}
+    for name, value in artifact.metrics.items():
+        if isinstance(value, bool):
+            if name in numeric:
+                report.problems.append(f"metrics.{name} is boolean but per_seed has numbers")
+            continue
+        if name not in numeric:
+            report.problems.append(f"metrics.{name} has no per-seed values")
+            continue
+        try:
+            expected = aggregate_metrics([{name: row[name]} for row in rows])[name]
+        except (KeyError, ValueError) as exc:
+            report.problems.append(f"per_seed values of {name} cannot be aggregated: {exc}")
+            continue
+        if value.model_dump() != expected:
+            report.problems.append(
+                f"metrics.{name} {value.model_dump()} is not the aggregate of per_seed {expected}"
+            )
+    for name in sorted(numeric - set(artifact.metrics)):
+        report.problems.append(f"per_seed metric {name} is missing from metrics")
+
+
+def _check_v1_consistency(record: AcceleratorValidationRecordV1, report: ValidationReport) -> None:
+    """Facts a validation record must be consistent with."""
+    try:
+        datetime.date.fromisoformat(record.validated_at)
+    except ValueError:
+        report.problems.append(f"validated_at {record.validated_at!r} is not a calendar date")
+    if record.accelerator.vendor.upper() == "CPU":
+        report.problems.append("an accelerator validation record cannot describe a CPU run")
+    runs = 1 + len(record.additional_seeds)
+    for name, value in record.metrics.items():
+        if value.n != runs:
+            report.problems.append(f"metrics.{name}.n = {value.n} but the record has {runs} seeds")
+    if record.result == "passed":
+        failed = [k for k in PASS_REQUIRES if record.execution_checks.get(k) is False]
+        if failed:
+            report.problems.append(f"result is 'passed' but checks are false: {failed}")
