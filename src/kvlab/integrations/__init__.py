@@ -1,0 +1,40 @@
+"""Hugging Face ``transformers`` integration: kvlab caches inside real pretrained models.
+
+* :mod:`~kvlab.integrations.attention` — the ``"kvlab"`` attention implementation registered in
+  ``transformers.AttentionInterface`` (no model code is patched).
+* :mod:`~kvlab.integrations.pnmix_cache` — :class:`PNMixModelCache`, PN-Mix for every layer.
+* :mod:`~kvlab.integrations.relay_cache` — :class:`RelayModelCache`, per-head eviction with
+  RoPE-Relay (or without, as a baseline).
+* :mod:`~kvlab.integrations.scorers` / :mod:`~kvlab.integrations.budgets` — eviction scoring and
+  per-head budget allocation.
+"""
+
+from __future__ import annotations
+
+from kvlab.integrations.attention import (
+    KVLAB_ATTENTION,
+    CacheView,
+    enable_kvlab_attention,
+    kvlab_attention_forward,
+    register_kvlab_attention,
+    use_attention,
+)
+from kvlab.integrations.pnmix_cache import PNMixModelCache, pnmix_config_for_model
+from kvlab.integrations.relay_cache import EvictionConfig, EvictionEvent, RelayModelCache
+from kvlab.integrations.scorers import SCORERS, get_scorer
+
+__all__ = [
+    "KVLAB_ATTENTION",
+    "SCORERS",
+    "CacheView",
+    "EvictionConfig",
+    "EvictionEvent",
+    "PNMixModelCache",
+    "RelayModelCache",
+    "enable_kvlab_attention",
+    "get_scorer",
+    "kvlab_attention_forward",
+    "pnmix_config_for_model",
+    "register_kvlab_attention",
+    "use_attention",
+]
