@@ -16,6 +16,7 @@ from kvlab.device import resolve_device, set_cpu_threads
 from kvlab.diagnostics.paper import RunContext
 from kvlab.diagnostics.registry import get_paper, paper_keys
 from kvlab.diagnostics.runner import default_output_dir, run_paper
+from kvlab.evaluation.command import eval_command
 
 app = typer.Typer(
     add_completion=False,
@@ -146,15 +147,7 @@ def papers() -> None:
         console.print(f"{key:12s} {get_paper(key).title}")
 
 
-def _register_eval() -> None:
-    try:
-        from kvlab.evaluation.command import eval_command
-    except ImportError:  # pragma: no cover - the evaluation package is optional at build time
-        return
-    app.command("eval")(eval_command)
-
-
-_register_eval()
+app.command("eval")(eval_command)
 
 
 def main() -> None:

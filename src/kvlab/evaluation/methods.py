@@ -1,0 +1,263 @@
+"""The KV-cache methods ``kvlab eval`` compares, by name.
+
+Names (``--method``, repeatable):
+
+* ``full`` — ``transformers.DynamicCache``, exact (the reference), SDPA attention.
+* ``pn-mix`` / ``pn-mix-3bit`` / ``pn-mix-4bit`` — :class:`PNMixModelCache` (SPEC §3 defaults:
+  32 sinks, 32 residual, groups of 128, float16 storage; 2, 3 or 4 bits).
+* ``kivi-2bit`` / ``kivi-4bit`` — the same cache with every key channel Cartesian (per-channel
+  min-max over a group of tokens: KIVI keys, Liu et al. 2024, arXiv:2402.02750), per-token
+  values, same sinks and residual.
+* ``int4`` / ``int2`` — per-token min-max keys and values (groups of 128 tokens flushed as they
+  fill, no sinks, no residual window beyond the filling group).
+* ``hf-quanto-2bit`` / ``hf-quanto-4bit`` / ``hf-hqq-2bit`` / ``hf-hqq-4bit`` — ``transformers``'
+  own ``QuantizedCache`` (peer rows; need ``optimum-quanto`` or ``hqq``): per-channel keys
+  (quanto ``axis_key=-1``, hqq ``axis_key=0``), per-token values, groups of 64, residual 128.
+* ``relay@R`` / ``relay:SCORER@R`` — :class:`RelayModelCache`, RoPE-Relay after eviction;
+  ``SCORER`` is ``snapkv`` (default), ``keynorm`` or ``recency``.
+* ``evict-no-relay@R`` / ``evict-no-relay:SCORER@R`` — the same selection, keys left at their
+  original positions.
+* ``streaming-llm@R`` — StreamingLLM (Xiao et al. 2023): 4 sinks + recent window, uniform per
+  head, positions within the cache (i.e. relayed), as in the paper.
+
+``R`` is the evicted fraction, in [0, 1). Protocol ``prefill-score``: the cache keeps
+``(1 - R) * P`` tokens per kv head (layer average) after the prefill of ``P`` tokens.
+Protocol ``stream``: the cache keeps at most ``(1 - R) * cache_slots`` tokens per kv head.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import DynamicCache
+
+from kvlab.integrations.pnmix_cache import PNMixModelCache
+from kvlab.integrations.relay_cache import EvictionConfig, RelayModelCache
+from kvlab.pnmix import PNMixConfig
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "Method",
+    "available_method_names",
+    "hf_quantized_backend_available",
+    "parse_method",
+]
+
+#: Methods run when ``--method`` is not given (prefill-score); HF peer rows are added when
+#: their backend is installed.
+DEFAULT_METHODS = (
+    "full",
+    "pn-mix",
+    "pn-mix-4bit",
+    "kivi-2bit",
+    "int4",
+    "int2",
+    "relay:snapkv@0.5",
+    "evict-no-relay:snapkv@0.5",
+    "relay:keynorm@0.5",
+    "evict-no-relay:keynorm@0.5",
+    "streaming-llm@0.5",
+    "evict-no-relay:recency@0.5",
+)
+
+_PNMIX = {
+    "pn-mix": dict(bits=2, key_coding="mix"),
+    "pn-mix-3bit": dict(bits=3, key_coding="mix"),
+    "pn-mix-4bit": dict(bits=4, key_coding="mix"),
+    "kivi-2bit": dict(bits=2, key_coding="cartesian"),
+    "kivi-4bit": dict(bits=4, key_coding="cartesian"),
+    "int4": dict(bits=4, key_coding="per_token", sink_tokens=0, residual_tokens=0),
+    "int2": dict(bits=2, key_coding="per_token", sink_tokens=0, residual_tokens=0),
+}
+_HF_QUANTIZED = {
+    "hf-quanto-2bit": ("quanto", 2, -1, 0),
+    "hf-quanto-4bit": ("quanto", 4, -1, 0),
+    "hf-hqq-2bit": ("hqq", 2, 0, 1),
+    "hf-hqq-4bit": ("hqq", 4, 0, 1),
+}
+_HF_BACKEND_MODULE = {"quanto": "optimum.quanto", "hqq": "hqq"}
+_EVICTION = re.compile(
+    r"^(?P<kind>relay|evict-no-relay|streaming-llm)(?::(?P<scorer>[a-z]+))?@(?P<ratio>[0-9.]+)$"
+)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A named KV-cache method.
+
+    Attributes:
+        name: the name as given (table row label).
+        family: ``"full"``, ``"quantized"`` (kvlab PN-Mix family), ``"hf-quantized"`` or
+            ``"eviction"``.
+        attention: the attention implementation it runs with (``"sdpa"`` or ``"kvlab"``).
+        description: one line for tables and artifacts.
+        settings: the method's configuration (JSON-ready).
+        make_cache: ``make_cache(model_config)`` returns a fresh ``transformers`` cache.
+    """
+
+    name: str
+    family: str
+    attention: str
+    description: str
+    settings: dict[str, Any]
+    make_cache: Callable[[Any], Any]
+
+
+def hf_quantized_backend_available(backend: str) -> bool:
+    """Whether ``transformers``' ``QuantizedCache`` backend ``"quanto"`` or ``"hqq"`` is
+    installed (checked without importing it)."""
+    module = _HF_BACKEND_MODULE[backend]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def available_method_names() -> list[str]:
+    """Method names (patterns for eviction methods) for help texts."""
+    return [
+        "full",
+        *_PNMIX,
+        *_HF_QUANTIZED,
+        "relay[:snapkv|keynorm|recency]@R",
+        "evict-no-relay[:snapkv|keynorm|recency]@R",
+        "streaming-llm@R",
+    ]
+
+
+def _pnmix_method(name: str) -> Method:
+    kwargs = _PNMIX[name]
+    config = PNMixConfig(**kwargs)
+    settings = {
+        "bits": config.bits,
+        "key_coding": config.key_coding,
+        "sink_tokens": config.sink_tokens,
+        "residual_tokens": config.residual_tokens,
+        "group_tokens": config.group_tokens,
+        "storage_dtype": str(config.storage_dtype).removeprefix("torch."),
+    }
+    return Method(
+        name=name,
+        family="quantized",
+        attention="kvlab",
+        description=f"kvlab PN-Mix cache, {config.bits}-bit, key coding {config.key_coding}",
+        settings=settings,
+        make_cache=lambda model_config: PNMixModelCache(model_config, config),
+    )
+
+
+def _hf_quantized_method(name: str) -> Method:
+    backend, bits, axis_key, axis_value = _HF_QUANTIZED[name]
+    if not hf_quantized_backend_available(backend):
+        package = "optimum-quanto" if backend == "quanto" else "hqq"
+        raise ValueError(
+            f"method {name!r} needs transformers' QuantizedCache backend {backend!r}: "
+            f"pip install --no-deps {package}"
+        )
+    settings = {
+        "backend": backend,
+        "nbits": bits,
+        "axis_key": axis_key,
+        "axis_value": axis_value,
+        "q_group_size": 64,
+        "residual_length": 128,
+    }
+
+    def make(model_config: Any) -> Any:
+        from transformers import QuantizedCache
+
+        return QuantizedCache(config=model_config, **settings)
+
+    return Method(
+        name=name,
+        family="hf-quantized",
+        attention="sdpa",
+        description=f"transformers QuantizedCache ({backend}, {bits}-bit, per-channel keys)",
+        settings=settings,
+        make_cache=make,
+    )
+
+
+def _eviction_method(
+    name: str, kind: str, scorer: str | None, ratio: float, *, protocol: str, cache_slots: int
+) -> Method:
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"method {name!r}: R must lie in [0, 1), got {ratio}")
+    if kind == "streaming-llm":
+        if scorer not in (None, "recency"):
+            raise ValueError(f"method {name!r}: streaming-llm always scores by recency")
+        scorer, relay, allocation = "recency", True, "uniform"
+    else:
+        scorer = scorer or "snapkv"
+        relay, allocation = kind == "relay", None
+    if protocol == "stream":
+        capacity = max(1, round((1.0 - ratio) * cache_slots))
+        config = EvictionConfig(
+            capacity=capacity, scorer=scorer, relay=relay, allocation=allocation
+        )
+    else:
+        config = EvictionConfig(ratio=ratio, scorer=scorer, relay=relay, allocation=allocation)
+    settings = {
+        "evicted_fraction": ratio,
+        "scorer": scorer,
+        "relay": relay,
+        "allocation": allocation or ("uniform" if scorer == "recency" else "adaptive"),
+        "sink_tokens": config.sink_tokens,
+        "window_tokens": config.window_tokens,
+    }
+    if config.capacity is not None:
+        settings["capacity_tokens_per_head"] = config.capacity
+    what = "RoPE-Relay" if relay else "no relay (original positions)"
+    return Method(
+        name=name,
+        family="eviction",
+        attention="kvlab",
+        description=f"evict {ratio:.0%} by {scorer}, {what}",
+        settings=settings,
+        make_cache=lambda model_config: RelayModelCache(model_config, config),
+    )
+
+
+def parse_method(spec: str, *, protocol: str = "prefill-score", cache_slots: int = 2048) -> Method:
+    """The :class:`Method` named ``spec`` (module docstring).
+
+    Args:
+        spec: a method name.
+        protocol: ``"prefill-score"`` or ``"stream"`` (decides how eviction budgets apply).
+        cache_slots: the stream protocol's cache window in tokens per head.
+
+    Raises:
+        ValueError: an unknown name, an R outside [0, 1), a scorer that does not exist, or an
+            HF ``QuantizedCache`` backend that is not installed.
+    """
+    name = spec.strip()
+    if name == "full":
+        return Method(
+            name="full",
+            family="full",
+            attention="sdpa",
+            description="transformers DynamicCache, exact",
+            settings={},
+            make_cache=lambda model_config: DynamicCache(config=model_config),
+        )
+    if name in _PNMIX:
+        return _pnmix_method(name)
+    if name in _HF_QUANTIZED:
+        return _hf_quantized_method(name)
+    match = _EVICTION.match(name)
+    if match:
+        scorer = match.group("scorer")
+        if scorer is not None and scorer not in ("snapkv", "keynorm", "recency"):
+            raise ValueError(f"method {name!r}: unknown scorer {scorer!r}")
+        try:
+            ratio = float(match.group("ratio"))
+        except ValueError as exc:
+            raise ValueError(f"method {name!r}: R is not a number") from exc
+        return _eviction_method(
+            name, match.group("kind"), scorer, ratio, protocol=protocol, cache_slots=cache_slots
+        )
+    raise ValueError(f"unknown method {spec!r}; known: {', '.join(available_method_names())}")

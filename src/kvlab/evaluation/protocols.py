@@ -1,0 +1,224 @@
+"""The two evaluation protocols of ``kvlab eval``.
+
+``prefill-score`` (:func:`score_window`): a fixed window of ``P + S`` tokens. The method's cache
+receives the first ``P`` tokens in one forward (the prefill — where eviction methods evict and
+PN-Mix computes its mix mask), then the next ``S`` tokens are scored **one token at a time**:
+the prefill's last logits predict token ``P``; feeding token ``P + j`` predicts ``P + j + 1``.
+Chunked scoring would let a chunk's tokens attend to each other exactly and flatter quantized
+caches. The full-cache (``DynamicCache``) run of the same window is the reference for the KL.
+
+``stream`` (:func:`stream_tokens`): ``N`` tokens go through the method's cache in chunks of
+``chunk`` tokens (each chunk one forward); the logits of every chunk score the tokens that follow,
+so all ``N - 1`` next-token predictions are scored. Positions are whatever the cache reports
+(``get_seq_length``): the stream length for ``full`` and ``evict-no-relay``, synchronized
+positions inside the cache for RoPE-Relay.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvlab.evaluation.methods import Method
+from kvlab.evaluation.metrics import CacheStorage, cache_storage, kl_divergence, token_nll
+from kvlab.integrations.attention import use_attention
+
+__all__ = ["StreamScore", "WindowScore", "cache_keyword", "score_window", "stream_tokens"]
+
+
+def cache_keyword(model: Any) -> str:
+    """The forward keyword of the cache: ``"cache"`` (transformers >= 5.x renamed it) or
+    ``"past_key_values"``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _accepts(model: Any, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+@dataclass
+class WindowScore:
+    """One method on one prefill-score window.
+
+    Attributes:
+        nll: float64 ``[S]`` NLL (nats) of the ``S`` scored tokens.
+        kl: float64 ``[S]`` KL(full || method) in nats, or ``None`` without a reference.
+        storage_prefill: cache storage right after the prefill (after any eviction).
+        storage_final: cache storage after the last scored token was fed.
+        model_seconds: wall time of the model calls (prefill and ``S - 1`` one-token steps).
+        reference_logprobs: float32 ``[S, V]`` log-softmax, kept only when requested (the full
+            reference run).
+        details: method-specific facts (eviction counts, PN-Mix attention calls, positions).
+    """
+
+    nll: Tensor
+    kl: Tensor | None
+    storage_prefill: CacheStorage
+    storage_final: CacheStorage
+    model_seconds: float
+    reference_logprobs: Tensor | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _details(cache: Any) -> dict[str, Any]:
+    from kvlab.integrations.pnmix_cache import PNMixModelCache
+    from kvlab.integrations.relay_cache import RelayModelCache
+
+    if isinstance(cache, RelayModelCache):
+        events = cache.events()
+        per_head = [e.tokens_after for e in events[: len(cache.layers)]]
+        return {
+            "evictions": len(events),
+            "next_position": cache.next_position,
+            "stream_length": cache.stream_length,
+            "first_eviction_tokens_per_head": per_head,
+        }
+    if isinstance(cache, PNMixModelCache):
+        return {"packed_attention_calls": cache.attention_calls()}
+    return {}
+
+
+@torch.no_grad()
+def score_window(
+    model: Any,
+    tokens: Tensor,
+    method: Method,
+    *,
+    prefill: int,
+    score: int,
+    reference_logprobs: Tensor | None = None,
+    keep_logprobs: bool = False,
+    on_token: Callable[[int], None] | None = None,
+) -> WindowScore:
+    """Prefill ``prefill`` tokens into ``method``'s cache, then score ``score`` tokens one at a
+    time (module docstring).
+
+    Args:
+        model: a ``transformers`` causal LM in eval mode.
+        tokens: int64 ``[prefill + score]`` on the model's device.
+        method: the cache method.
+        reference_logprobs: float ``[score, V]`` full-cache log-softmax for the KL, or None.
+        keep_logprobs: return this run's ``[score, V]`` log-softmax (for the reference run).
+        on_token: progress callback, called with 1 after each scored token.
+
+    Raises:
+        ValueError: ``tokens`` shorter than ``prefill + score``, or ``prefill < 1``/``score < 1``.
+    """
+    if prefill < 1 or score < 1:
+        raise ValueError(f"prefill and score must be >= 1, got {prefill}, {score}")
+    if tokens.numel() < prefill + score:
+        raise ValueError(f"window has {tokens.numel()} tokens, needs {prefill + score}")
+    cache = method.make_cache(model.config)
+    key = cache_keyword(model)
+    extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    targets = tokens[prefill : prefill + score]
+    nll = torch.empty(score, dtype=torch.float64)
+    kl = torch.empty(score, dtype=torch.float64) if reference_logprobs is not None else None
+    kept = [] if keep_logprobs else None
+    seconds = 0.0
+
+    def consume(j: int, logits: Tensor) -> None:
+        nll[j] = token_nll(logits.view(1, -1), targets[j : j + 1])[0]
+        if kl is not None:
+            kl[j] = kl_divergence(reference_logprobs[j : j + 1], logits.view(1, -1))[0]
+        if kept is not None:
+            kept.append(torch.log_softmax(logits.float(), dim=-1).cpu())
+        if on_token is not None:
+            on_token(1)
+
+    with use_attention(model, method.attention):
+        start = time.perf_counter()
+        out = model(tokens[:prefill].view(1, -1), use_cache=True, **{key: cache}, **extra)
+        seconds += time.perf_counter() - start
+        storage_prefill = cache_storage(cache)
+        consume(0, out.logits[0, -1])
+        for j in range(1, score):
+            step = tokens[prefill + j - 1].view(1, 1)
+            start = time.perf_counter()
+            out = model(step, use_cache=True, **{key: cache}, **extra)
+            seconds += time.perf_counter() - start
+            consume(j, out.logits[0, -1])
+    return WindowScore(
+        nll=nll,
+        kl=kl,
+        storage_prefill=storage_prefill,
+        storage_final=cache_storage(cache),
+        model_seconds=seconds,
+        reference_logprobs=torch.stack(kept) if kept is not None else None,
+        details=_details(cache),
+    )
+
+
+@dataclass
+class StreamScore:
+    """One method over one stream.
+
+    Attributes:
+        nll: float64 ``[N - 1]``: NLL of token ``t + 1`` given tokens ``0..t`` (as cached).
+        peak_storage: the largest cache storage seen after any chunk.
+        final_storage: the cache storage at the end.
+        final_position: the position the next token would get (``get_seq_length``).
+        model_seconds: wall time of the model calls.
+        details: method-specific facts.
+    """
+
+    nll: Tensor
+    peak_storage: CacheStorage
+    final_storage: CacheStorage
+    final_position: int
+    model_seconds: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def stream_tokens(
+    model: Any,
+    tokens: Tensor,
+    method: Method,
+    *,
+    chunk: int,
+    on_chunk: Callable[[int], None] | None = None,
+) -> StreamScore:
+    """Stream ``tokens`` (int64 ``[N]``) through ``method``'s cache in chunks of ``chunk``.
+
+    Raises:
+        ValueError: ``chunk < 1`` or fewer than 2 tokens.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    total = tokens.numel()
+    if total < 2:
+        raise ValueError("a stream needs at least 2 tokens")
+    cache = method.make_cache(model.config)
+    key = cache_keyword(model)
+    nll_parts = []
+    seconds = 0.0
+    peak = CacheStorage(0, 0, 0)
+    with use_attention(model, method.attention):
+        for start in range(0, total - 1, chunk):
+            piece = tokens[start : min(start + chunk, total - 1)]
+            begin = time.perf_counter()
+            out = model(piece.view(1, -1), use_cache=True, **{key: cache})
+            seconds += time.perf_counter() - begin
+            targets = tokens[start + 1 : start + 1 + piece.numel()]
+            nll_parts.append(token_nll(out.logits[0], targets))
+            storage = cache_storage(cache)
+            if storage.kv_bytes > peak.kv_bytes:
+                peak = storage
+            if on_chunk is not None:
+                on_chunk(piece.numel())
+    return StreamScore(
+        nll=torch.cat(nll_parts),
+        peak_storage=peak,
+        final_storage=cache_storage(cache),
+        final_position=int(cache.get_seq_length()),
+        model_seconds=seconds,
+        details=_details(cache),
+    )

@@ -1,0 +1,108 @@
+"""Markdown tables of ``kvlab eval`` results (one row per method)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["format_bytes", "markdown_table", "prefill_score_table", "stream_table"]
+
+
+def format_bytes(value: float) -> str:
+    """Bytes in binary units with 3 significant digits (``"1.23 MiB"``)."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    size = float(value)
+    for unit in units:
+        if abs(size) < 1024 or unit == units[-1]:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.3g} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-flavoured markdown table; floats with 4 significant digits, ``None`` as ``–``."""
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|",
+    ]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def prefill_score_table(summaries: Sequence[Mapping[str, Any]]) -> str:
+    """The prefill-score table from per-method pooled summaries (keys as written by
+    :func:`kvlab.evaluation.harness.summarize_prefill_score`)."""
+    headers = [
+        "method",
+        "KV bytes (stored)",
+        "KV bytes (16-bit)",
+        "vs full",
+        "prefill KV (16-bit)",
+        "PPL",
+        "ΔPPL %",
+        "KL mean (nats)",
+        "KL p95 (nats)",
+        "model s",
+        "tok/s",
+    ]
+    rows = [
+        [
+            s["method"],
+            format_bytes(s["kv_bytes"]),
+            format_bytes(s["kv_bytes_16bit"]),
+            f"{s['kv_fraction_of_full']:.3f}",
+            format_bytes(s["prefill_kv_bytes_16bit"]),
+            f"{s['ppl']:.4f}",
+            f"{s['delta_ppl_pct']:+.3f}",
+            f"{s['kl_mean']:.5f}",
+            f"{s['kl_p95']:.5f}",
+            f"{s['model_seconds']:.1f}",
+            f"{s['tokens_per_second']:.1f}",
+        ]
+        for s in summaries
+    ]
+    return markdown_table(headers, rows)
+
+
+def stream_table(summaries: Sequence[Mapping[str, Any]], context: int) -> str:
+    """The stream table from per-method summaries (see
+    :func:`kvlab.evaluation.harness.summarize_stream`); ``context`` is the model's trained
+    context (``max_position_embeddings``)."""
+    headers = [
+        "method",
+        f"PPL (< {context})",
+        f"PPL (≥ {context})",
+        "ratio",
+        "PPL (all)",
+        "final position",
+        "peak KV (16-bit)",
+        "model s",
+        "tok/s",
+    ]
+    rows = [
+        [
+            s["method"],
+            f"{s['ppl_within_context']:.4f}" if s["ppl_within_context"] is not None else None,
+            f"{s['ppl_beyond_context']:.4f}" if s["ppl_beyond_context"] is not None else None,
+            f"{s['beyond_over_within']:.3f}" if s["beyond_over_within"] is not None else None,
+            f"{s['ppl']:.4f}",
+            s["final_position"],
+            format_bytes(s["peak_kv_bytes_16bit"]),
+            f"{s['model_seconds']:.1f}",
+            f"{s['tokens_per_second']:.1f}",
+        ]
+        for s in summaries
+    ]
+    return markdown_table(headers, rows)

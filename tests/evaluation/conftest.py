@@ -1,0 +1,54 @@
+"""A tiny random-initialized Llama with a byte-level tokenizer, saved as a local transformers
+folder (no downloads), and a tiny text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TEXT = (
+    "Who's there? Nay, answer me: stand, and unfold yourself. Long live the king! "
+    "You come most carefully upon your hour. 'Tis now struck twelve; get thee to bed. "
+    "For this relief much thanks: 'tis bitter cold, and I am sick at heart. "
+) * 12
+
+
+def save_tiny_model(folder: Path, *, max_position_embeddings: int = 2048) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=0,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "tiny.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
