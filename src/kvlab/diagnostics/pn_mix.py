@@ -12,9 +12,11 @@ averaged over decode steps and query heads (the quantized distribution comes fro
 cache's dequantized state at that step, which packed attention equals to float32 rounding);
 ``attention_output_mse`` and ``attention_output_cosine`` of the decode-step outputs;
 ``online_vs_final_cache_attention_max_delta`` between decode-step outputs and the final-cache
-call. Two baselines run on the same bytes and model at equal storage: ``kivi_2bit`` (every
-key pair Cartesian per channel, KIVI-style) and ``per_token_2bit`` (keys per token over the
-head's channels); their metrics are reported beside PN-Mix as ``<baseline>.<metric>``.
+call. Two 2-bit baselines run on the same bytes and model: ``kivi_2bit`` (every key pair
+Cartesian per channel, KIVI-style; the same storage less the 4-byte mask) and
+``per_token_2bit`` (keys per token over the head's channels; 2,300 more key bytes for the
+per-token scales); their metrics, bytes included, are reported beside PN-Mix as
+``<baseline>.<metric>``.
 """
 
 from __future__ import annotations
@@ -395,7 +397,8 @@ PAPER = Paper(
     tier="l1_mechanism",
     claim_policy=(
         "random-initialized single-layer byte-level model on a fixed text; cache fidelity and "
-        "attention diagnostics with baselines at equal storage; no model capability evidence"
+        "attention diagnostics with two 2-bit baselines (bytes reported beside); "
+        "no model capability evidence"
     ),
     implementation_status="component_only",
     diagnostic_only=True,
