@@ -16,8 +16,9 @@ TEXT = (
 
 
 def save_tiny_model(folder: Path, *, max_position_embeddings: int = 2048) -> Path:
+    from tiny_models import tiny_llama_config
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: i for i, symbol in enumerate(alphabet)}
@@ -26,16 +27,8 @@ def save_tiny_model(folder: Path, *, max_position_embeddings: int = 2048) -> Pat
     tokenizer.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=0,
+    config = tiny_llama_config(
+        vocab_size=256, max_position_embeddings=max_position_embeddings, pad_token_id=0
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     fast.save_pretrained(folder)

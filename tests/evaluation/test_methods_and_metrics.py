@@ -9,7 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache, LlamaConfig
+from tiny_models import tiny_llama_config
+from transformers import DynamicCache
 
 from kvlab.evaluation.harness import window_starts
 from kvlab.evaluation.methods import hf_quantized_backend_available, parse_method
@@ -24,15 +25,7 @@ from kvlab.evaluation.table import format_bytes, markdown_table
 from kvlab.integrations import PNMixModelCache, RelayModelCache
 from kvlab.models import ModelNotAvailableError, load_model, smollm2_gguf_path
 
-CONFIG = LlamaConfig(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
+CONFIG = tiny_llama_config()
 
 
 def test_method_names_resolve_to_their_caches():

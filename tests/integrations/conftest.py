@@ -4,30 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+from tiny_models import TINY_LLAMA, tiny_llama_config
+from transformers import LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from kvlab.integrations import register_kvlab_attention
 
-VOCAB = 96
+VOCAB = TINY_LLAMA["vocab_size"]
 
 
 def _llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    settings = dict(max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     settings.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    model = LlamaForCausalLM(tiny_llama_config(**settings)).eval()
     model.set_attn_implementation("sdpa")
     return model
 

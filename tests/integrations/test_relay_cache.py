@@ -160,19 +160,11 @@ def test_keep_all_equals_the_full_cache(make_llama, scorer, relay):
     scorer=st.sampled_from(["recency", "keynorm", "snapkv"]),
 )
 def test_bytes_shrink_by_the_evicted_fraction(ratio, prefill, scorer):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import tiny_llama_config
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(15)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        pad_token_id=0,
-    )
+    config = tiny_llama_config(pad_token_id=0)
     model = LlamaForCausalLM(config).eval()
     ids = _ids(2, prefill, seed=23)
     full = DynamicCache(config=config)
