@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,6 +316,11 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> EvalOutcome:
     text = load_text(config.text)
     tokens = _tokenize(loaded.tokenizer, text.data).to(device)
     model = loaded.model
+    for method in methods:
+        if method.prepare is not None:
+            began = time.perf_counter()
+            method.settings.update(method.prepare(model, loaded.tokenizer))
+            console.print(f"{method.name}: prepared in {time.perf_counter() - began:.1f} s")
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     accelerator = accelerator_info(device).label
     out_dir = Path(config.output_dir)

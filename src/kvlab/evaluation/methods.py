@@ -3,11 +3,17 @@
 Names (``--method``, repeatable):
 
 * ``full`` — ``transformers.DynamicCache``, exact (the reference), SDPA attention.
-* ``pn-mix`` / ``pn-mix-3bit`` / ``pn-mix-4bit`` — :class:`PNMixModelCache` (SPEC §3 defaults:
-  32 sinks, 32 residual, groups of 128, float16 storage; 2, 3 or 4 bits).
+* ``pn-mix`` — :class:`PNMixModelCache`, 2-bit, 32 sinks, 32 residual, float16 storage, with
+  one group size per layer chosen by
+  :func:`~kvlab.integrations.pnmix_calibration.calibrate_group_tokens` on the package's own
+  text (not the evaluation text) under the scalar-byte budget of uniform groups of 32 tokens.
+  ``pn-mix-uniform``: the same with every layer at 32 tokens.
+* ``pn-mix-3bit`` / ``pn-mix-4bit`` — SPEC §3 defaults (groups of 128) at 3 or 4 bits.
 * ``kivi-2bit`` / ``kivi-4bit`` — the same cache with every key channel Cartesian (per-channel
   min-max over a group of tokens: KIVI keys, Liu et al. 2024, arXiv:2402.02750), per-token
-  values, same sinks and residual.
+  values, same sinks and residual; ``kivi-2bit`` uses KIVI's groups of 32 tokens in every
+  layer, ``kivi-2bit-calibrated`` the allocation procedure of ``pn-mix`` (ablation: the
+  allocation without Phase–Norm).
 * ``int4`` / ``int2`` — per-token min-max keys and values (groups of 128 tokens flushed as they
   fill, no sinks, no residual window beyond the filling group).
 * ``hf-quanto-2bit`` / ``hf-quanto-4bit`` / ``hf-hqq-2bit`` / ``hf-hqq-4bit`` — ``transformers``'
@@ -36,6 +42,7 @@ from typing import Any
 from transformers import DynamicCache
 
 from kvlab.integrations.pnmix_cache import PNMixModelCache
+from kvlab.integrations.pnmix_calibration import GroupAllocation, calibrate_group_tokens
 from kvlab.integrations.relay_cache import EvictionConfig, RelayModelCache
 from kvlab.pnmix import PNMixConfig
 
@@ -64,11 +71,13 @@ DEFAULT_METHODS = (
     "evict-no-relay:recency@0.5",
 )
 
-_PNMIX = {
-    "pn-mix": dict(bits=2, key_coding="mix"),
+_PNMIX: dict[str, dict[str, Any]] = {
+    "pn-mix": dict(bits=2, key_coding="mix", group_tokens=32, calibrated=True),
+    "pn-mix-uniform": dict(bits=2, key_coding="mix", group_tokens=32),
     "pn-mix-3bit": dict(bits=3, key_coding="mix"),
     "pn-mix-4bit": dict(bits=4, key_coding="mix"),
-    "kivi-2bit": dict(bits=2, key_coding="cartesian"),
+    "kivi-2bit": dict(bits=2, key_coding="cartesian", group_tokens=32),
+    "kivi-2bit-calibrated": dict(bits=2, key_coding="cartesian", group_tokens=32, calibrated=True),
     "kivi-4bit": dict(bits=4, key_coding="cartesian"),
     "int4": dict(bits=4, key_coding="per_token", sink_tokens=0, residual_tokens=0),
     "int2": dict(bits=2, key_coding="per_token", sink_tokens=0, residual_tokens=0),
@@ -97,6 +106,8 @@ class Method:
         description: one line for tables and artifacts.
         settings: the method's configuration (JSON-ready).
         make_cache: ``make_cache(model_config)`` returns a fresh ``transformers`` cache.
+        prepare: ``prepare(model, tokenizer)``, when set, must run once before
+            ``make_cache`` (a calibration); it returns settings to add to ``settings``.
     """
 
     name: str
@@ -105,6 +116,7 @@ class Method:
     description: str
     settings: dict[str, Any]
     make_cache: Callable[[Any], Any]
+    prepare: Callable[[Any, Any], dict[str, Any]] | None = None
 
 
 def hf_quantized_backend_available(backend: str) -> bool:
@@ -130,23 +142,53 @@ def available_method_names() -> list[str]:
 
 
 def _pnmix_method(name: str) -> Method:
-    kwargs = _PNMIX[name]
+    kwargs = dict(_PNMIX[name])
+    calibrated = bool(kwargs.pop("calibrated", False))
     config = PNMixConfig(**kwargs)
-    settings = {
+    settings: dict[str, Any] = {
         "bits": config.bits,
         "key_coding": config.key_coding,
         "sink_tokens": config.sink_tokens,
         "residual_tokens": config.residual_tokens,
-        "group_tokens": config.group_tokens,
+        "group_tokens": "per layer (calibrated)" if calibrated else config.group_tokens,
         "storage_dtype": str(config.storage_dtype).removeprefix("torch."),
     }
+    description = f"kvlab PN-Mix cache, {config.bits}-bit, key coding {config.key_coding}"
+    if not calibrated:
+        return Method(
+            name=name,
+            family="quantized",
+            attention="kvlab",
+            description=description,
+            settings=settings,
+            make_cache=lambda model_config: PNMixModelCache(model_config, config),
+        )
+    allocation: list[GroupAllocation] = []
+
+    def prepare(model: Any, tokenizer: Any) -> dict[str, Any]:
+        if not allocation:
+            allocation.append(
+                calibrate_group_tokens(
+                    model, tokenizer, config, budget_group_tokens=config.group_tokens
+                )
+            )
+        return allocation[0].settings()
+
+    def make(model_config: Any) -> Any:
+        if not allocation:
+            raise RuntimeError(f"method {name!r} must be prepared (calibrated) before use")
+        groups = allocation[0].layer_group_tokens
+        return PNMixModelCache(model_config, config, layer_group_tokens=groups)
+
     return Method(
         name=name,
         family="quantized",
         attention="kvlab",
-        description=f"kvlab PN-Mix cache, {config.bits}-bit, key coding {config.key_coding}",
+        description=f"{description}, per-layer groups calibrated within the bytes of "
+        f"groups of {config.group_tokens}",
         settings=settings,
-        make_cache=lambda model_config: PNMixModelCache(model_config, config),
+        make_cache=make,
+        prepare=prepare,
     )
 
 

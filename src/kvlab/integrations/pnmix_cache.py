@@ -16,11 +16,16 @@ Beam search: ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_inter
 row-select every buffer (exact tensors, packed codes, scales, packed mix mask) with
 :meth:`PNMixCache.select_batch`; nothing is re-quantized, so a reorder is bit-exact.
 ``crop`` (assisted decoding) is not supported: codes already written are never rewritten.
+
+Per-layer group sizes: ``layer_group_tokens`` gives each decoder layer its own
+``group_tokens`` (everything else as ``config``), e.g. an allocation from
+:func:`kvlab.integrations.pnmix_calibration.calibrate_group_tokens`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -185,10 +190,13 @@ class PNMixModelCache(Cache):
         match_rotary: see ``config``.
         exact_prefill: the first forward (the prefill) attends to its own keys and values
             exactly; every later forward reads the packed storage (see :class:`PNMixView`).
+        layer_group_tokens: one ``group_tokens`` per decoder layer (tokens); ``None`` = every
+            layer uses ``config.group_tokens``.
 
     Raises:
         ValueError: a model with non-full-attention layers (sliding window, linear attention),
-            or a RoPE that :class:`kvlab.rope.RotaryConfig` does not support.
+            a RoPE that :class:`kvlab.rope.RotaryConfig` does not support, or
+            ``layer_group_tokens`` of the wrong length or with a value PNMixConfig rejects.
     """
 
     def __init__(
@@ -198,6 +206,7 @@ class PNMixModelCache(Cache):
         *,
         match_rotary: bool = True,
         exact_prefill: bool = True,
+        layer_group_tokens: Sequence[int] | None = None,
     ) -> None:
         text_config = model_config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None)
@@ -210,8 +219,20 @@ class PNMixModelCache(Cache):
         if match_rotary:
             config = pnmix_config_for_model(text_config, config)
         self.pnmix_config = config
+        n_layers = text_config.num_hidden_layers
+        groups = [config.group_tokens] * n_layers
+        if layer_group_tokens is not None:
+            groups = list(layer_group_tokens)
+            if len(groups) != n_layers:
+                raise ValueError(
+                    f"layer_group_tokens has {len(groups)} entries; the model has {n_layers} layers"
+                )
+        self.layer_group_tokens = tuple(groups)
         super().__init__(
-            layers=[PNMixLayer(config, exact_prefill) for _ in range(text_config.num_hidden_layers)]
+            layers=[
+                PNMixLayer(dataclasses.replace(config, group_tokens=g), exact_prefill)
+                for g in groups
+            ]
         )
 
     def nbytes(self) -> int:

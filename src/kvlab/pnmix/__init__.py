@@ -8,11 +8,13 @@ once at prefill by a saliency test; values are quantized per token. Attention
 
 Modules: :mod:`~kvlab.pnmix.packing` (bitstream packing), :mod:`~kvlab.pnmix.quantizers`
 (min-max and Phase–Norm coding), :mod:`~kvlab.pnmix.cache` (the one-layer cache),
-:mod:`~kvlab.pnmix.attention` (packed attention).
+:mod:`~kvlab.pnmix.attention` (packed attention), :mod:`~kvlab.pnmix.allocation` (per-layer
+group sizes under a byte budget).
 """
 
 from __future__ import annotations
 
+from kvlab.pnmix.allocation import allocate_group_tokens
 from kvlab.pnmix.attention import pnmix_attention
 from kvlab.pnmix.cache import KeyCoding, PackedGroup, PNMixCache, PNMixConfig
 from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
@@ -22,6 +24,7 @@ __all__ = [
     "PNMixCache",
     "PNMixConfig",
     "PackedGroup",
+    "allocate_group_tokens",
     "pack_codes",
     "packed_length",
     "pnmix_attention",

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab.pnmix.cache import PackedGroup, PNMixCache
+from kvlab.pnmix.packing import unpack_codes
 from kvlab.pnmix.quantizers import phase_levels
 
 __all__ = ["pnmix_attention"]
@@ -41,6 +42,14 @@ __all__ = ["pnmix_attention"]
 
 def _stack(groups: list[PackedGroup], name: str) -> Tensor:
     return torch.stack([getattr(g, name).float() for g in groups], dim=2)
+
+
+def _block_codes(groups: list[PackedGroup], name: str, width: int) -> Tensor:
+    """Codes of ``n`` same-size groups, unpacked in one call: uint8 ``[B, H_kv, n, T, width]``."""
+    g0 = groups[0]
+    packed = torch.stack([getattr(g, name) for g in groups], dim=2)  # [B,H,n,bytes]
+    codes = unpack_codes(packed, g0.bits, g0.num_tokens * width)
+    return codes.reshape(*codes.shape[:-1], g0.num_tokens, width)
 
 
 def _block_logits(
@@ -54,7 +63,7 @@ def _block_logits(
     the keys of ``n`` consecutive groups, from their codes. ``pn_pairs``: bool ``[B, H_kv, P]``
     Phase–Norm pairs (channel-wise codings), ``any_phase_norm``: whether any is set."""
     cfg = cache.config
-    codes = torch.stack([g.key_code_matrix() for g in groups], dim=2).float()  # [B,H,n,T,D]
+    codes = _block_codes(groups, "key_codes", groups[0].head_dim).float()  # [B,H,n,T,D]
     scale = _stack(groups, "key_scale")
     zero = _stack(groups, "key_zero")
     b, h, n, t, _ = codes.shape
@@ -96,7 +105,7 @@ def _block_logits(
 def _block_output(p: Tensor, groups: list[PackedGroup]) -> Tensor:
     """``Σ_t p_t v_hat_t`` ``[B, H_kv, M, Dv]`` for probabilities ``p [B, H_kv, M, n * T]``
     over ``n`` groups, from the value codes."""
-    codes = torch.stack([g.value_code_matrix() for g in groups], dim=2).float()  # [B,H,n,T,Dv]
+    codes = _block_codes(groups, "value_codes", groups[0].value_head_dim).float()  # [B,H,n,T,Dv]
     scale = _stack(groups, "value_scale")  # [B,H,n,T]
     zero = _stack(groups, "value_zero")
     b, h, n, t, _ = codes.shape
@@ -112,7 +121,7 @@ def pnmix_attention(
     *,
     scale: float | None = None,
     causal: bool = True,
-    block_groups: int = 8,
+    block_groups: int | None = None,
 ) -> Tensor:
     """Softmax attention of ``query`` over a PN-Mix cache, consuming its packed codes.
 
@@ -125,7 +134,8 @@ def pnmix_attention(
         scale: softmax scale of the logits (default ``1 / sqrt(D)``).
         causal: query ``j`` sees cache positions ``<= seq_length - Q + j`` (bottom-right
             aligned); ``False`` = every query sees the whole cache.
-        block_groups: quantized groups unpacked at a time (bounds temporary memory).
+        block_groups: quantized groups unpacked at a time (bounds temporary memory);
+            default: as many as make 1,024 tokens (at least one).
 
     Returns:
         ``[B, H_q, Q, Dv]`` in ``query``'s dtype and device, computed in float32. Agrees with
@@ -140,6 +150,8 @@ def pnmix_attention(
         raise ValueError(f"cache must be a PNMixCache, got {type(cache).__name__}")
     if not isinstance(query, Tensor) or not query.is_floating_point() or query.dim() != 4:
         raise ValueError("query must be a 4-D floating tensor [B, H_q, Q, D]")
+    if block_groups is None:
+        block_groups = max(1, 1024 // cache.config.group_tokens)
     if isinstance(block_groups, bool) or not isinstance(block_groups, int) or block_groups < 1:
         raise ValueError(f"block_groups must be an int >= 1, got {block_groups!r}")
     b, hq, nq, d = query.shape

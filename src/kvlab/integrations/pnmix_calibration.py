@@ -1,0 +1,219 @@
+"""Per-layer sensitivity of a model to PN-Mix keys, measured once on a calibration text.
+
+A 2-bit KV cache hurts some layers far more than others (on SmolLM2-135M three of 30 layers
+carry most of the error; ``docs/results.md``). :func:`layer_group_sensitivity` measures, for
+every decoder layer ``l`` and every candidate group size ``g``, the mean
+``KL(full ‖ quantized)`` of the next-token distributions of ``score`` calibration tokens when
+**only** layer ``l`` holds its ``prefill`` context as PN-Mix codes with group size ``g`` (all
+other layers exact). :func:`kvlab.pnmix.allocate_group_tokens` then picks one group size per
+layer under a scalar-byte budget. Offline per-layer calibration of KV precision is common
+practice (e.g. KVTuner, Li et al. 2025); kvlab's calibration text defaults to the package's
+own public-domain text, so it never overlaps an evaluation text unless the user makes it.
+
+Cost: one exact prefill forward, then ``1 + L * len(candidates)`` forwards of ``score``
+tokens (the scored chunk attends to the packed prefix through the ``"kvlab"`` attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvlab.data import TextSource, default_text
+from kvlab.integrations.attention import use_attention
+from kvlab.integrations.pnmix_cache import PNMixLayer, pnmix_config_for_model
+from kvlab.pnmix.allocation import DEFAULT_GROUP_CANDIDATES, allocate_group_tokens
+from kvlab.pnmix.cache import PNMixConfig
+
+__all__ = [
+    "CALIBRATION_START",
+    "GroupAllocation",
+    "calibrate_group_tokens",
+    "layer_group_sensitivity",
+]
+
+
+def _prefix_cache(
+    prefix: list[tuple[Tensor, Tensor]], quantized: int | None, config: PNMixConfig | None
+) -> Cache:
+    layers: list[Any] = []
+    for i, (k, v) in enumerate(prefix):
+        if i == quantized:
+            assert config is not None
+            layer: Any = PNMixLayer(config, exact_prefill=False)
+        else:
+            layer = DynamicLayer()
+        layer.update(k, v)
+        layers.append(layer)
+    return Cache(layers=layers)
+
+
+@torch.no_grad()
+def layer_group_sensitivity(
+    model: Any,
+    input_ids: Tensor,
+    config: PNMixConfig,
+    *,
+    prefill: int,
+    candidates: Sequence[int] = DEFAULT_GROUP_CANDIDATES,
+) -> list[dict[int, float]]:
+    """Per layer and candidate group size, the KL one PN-Mix layer alone causes.
+
+    Args:
+        model: a ``transformers`` causal LM with full-attention RoPE decoder layers.
+        input_ids: ``[1, prefill + score]`` calibration token ids (int64), ``score >= 1``.
+        config: the PN-Mix configuration; only ``group_tokens`` is varied (rotary fields are
+            set from the model).
+        prefill: tokens of context held in the cache (tokens); the remaining ``score`` tokens
+            are scored in one forward against that context.
+        candidates: group sizes (tokens) to measure.
+
+    Returns:
+        ``[{group_tokens: mean KL in nats}, ...]``, one dict per decoder layer, KL(full ‖
+        quantized) of the next-token distributions averaged over the ``score`` tokens.
+
+    Raises:
+        ValueError: ``input_ids`` not ``[1, N]`` with ``0 < prefill < N``.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
+    n = input_ids.shape[1]
+    if isinstance(prefill, bool) or not isinstance(prefill, int) or not 0 < prefill < n:
+        raise ValueError(f"prefill must be an int in 1..{n - 1}, got {prefill!r}")
+    text_config = model.config.get_text_config(decoder=True)
+    config = pnmix_config_for_model(text_config, config)
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    head, tail = ids[:, :prefill], ids[:, prefill:]
+    positions = torch.arange(prefill, n, device=device)[None]
+    with use_attention(model, "kvlab"):
+        reference = Cache(layers=[DynamicLayer() for _ in range(text_config.num_hidden_layers)])
+        model(head, past_key_values=reference, use_cache=True)
+        prefix = [(layer.keys, layer.values) for layer in reference.layers]
+
+        def logprobs(cache: Cache) -> Tensor:
+            out = model(tail, past_key_values=cache, position_ids=positions, use_cache=True)
+            return torch.log_softmax(out.logits[0].double(), dim=-1)
+
+        exact = logprobs(_prefix_cache(prefix, None, None))
+        p = exact.exp()
+        result: list[dict[int, float]] = []
+        for layer in range(len(prefix)):
+            row: dict[int, float] = {}
+            for g in sorted(set(candidates)):
+                cfg = dataclasses.replace(config, group_tokens=g)
+                approx = logprobs(_prefix_cache(prefix, layer, cfg))
+                row[g] = float((p * (exact - approx)).sum(-1).mean())
+            result.append(row)
+    return result
+
+
+#: Where the calibration window starts in the calibration text (tokens).
+CALIBRATION_START = 10_000
+
+
+@dataclass(frozen=True)
+class GroupAllocation:
+    """Per-layer group sizes chosen by :func:`calibrate_group_tokens`, and how.
+
+    Attributes:
+        layer_group_tokens: one group size (tokens) per decoder layer.
+        budget_group_tokens: the uniform group size whose scalar bytes bound the allocation.
+        sensitivities: per layer, ``{group_tokens: mean KL in nats}`` as measured.
+        text_id, text_sha256: the calibration text.
+        start, prefill, score: the calibration window (tokens).
+        seconds: wall time of the calibration (s).
+    """
+
+    layer_group_tokens: tuple[int, ...]
+    budget_group_tokens: int
+    sensitivities: tuple[dict[int, float], ...]
+    text_id: str
+    text_sha256: str
+    start: int
+    prefill: int
+    score: int
+    seconds: float
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-ready record for artifacts."""
+        return {
+            "layer_group_tokens": list(self.layer_group_tokens),
+            "group_allocation": {
+                "budget_group_tokens": self.budget_group_tokens,
+                "calibration_text": {"id": self.text_id, "sha256": self.text_sha256},
+                "calibration_window": {
+                    "start": self.start,
+                    "prefill": self.prefill,
+                    "score": self.score,
+                },
+                "calibration_seconds": round(self.seconds, 1),
+                "sensitivity_kl_nats": [
+                    {str(g): round(v, 6) for g, v in s.items()} for s in self.sensitivities
+                ],
+            },
+        }
+
+
+def calibrate_group_tokens(
+    model: Any,
+    tokenizer: Any,
+    config: PNMixConfig,
+    *,
+    budget_group_tokens: int,
+    text: TextSource | None = None,
+    start: int = CALIBRATION_START,
+    prefill: int = 512,
+    score: int = 128,
+    candidates: Sequence[int] = DEFAULT_GROUP_CANDIDATES,
+) -> GroupAllocation:
+    """Measure :func:`layer_group_sensitivity` on a calibration text and allocate group sizes
+    with :func:`kvlab.pnmix.allocate_group_tokens` under ``budget_group_tokens``.
+
+    Args:
+        model, tokenizer: a ``transformers`` causal LM and its tokenizer.
+        config: the PN-Mix configuration (its ``group_tokens`` is ignored).
+        budget_group_tokens: the uniform group size whose scalar bytes bound the allocation
+            (must be among ``candidates``).
+        text: the calibration text (default: the package's public-domain text,
+            :func:`kvlab.data.default_text`).
+        start: first token of the calibration window (moved back if the text is short).
+        prefill, score: calibration window split (tokens).
+        candidates: group sizes (tokens) to choose from.
+
+    Raises:
+        ValueError: a text shorter than ``prefill + score`` tokens, or bad arguments (see the
+            functions used).
+    """
+    began = time.perf_counter()
+    source = text if text is not None else default_text()
+    need = start + prefill + score
+    # tokenize a prefix long enough for the window (about 4 bytes per token; doubled margin)
+    head = source.data[: max(8 * need, 4096)].decode("utf-8", errors="replace")
+    ids = tokenizer(head, return_tensors="pt").input_ids
+    if ids.shape[1] < prefill + score:
+        raise ValueError(
+            f"calibration text has {ids.shape[1]} tokens; {prefill + score} are needed"
+        )
+    first = max(0, min(start, ids.shape[1] - prefill - score))
+    window = ids[:, first : first + prefill + score]
+    sens = layer_group_sensitivity(model, window, config, prefill=prefill, candidates=candidates)
+    groups = allocate_group_tokens(sens, budget_group_tokens)
+    return GroupAllocation(
+        layer_group_tokens=tuple(groups),
+        budget_group_tokens=budget_group_tokens,
+        sensitivities=tuple(sens),
+        text_id=source.id,
+        text_sha256=source.sha256,
+        start=first,
+        prefill=prefill,
+        score=score,
+        seconds=time.perf_counter() - began,
+    )
