@@ -170,7 +170,7 @@ def calibrate_group_tokens(
     budget_group_tokens: int,
     text: TextSource | None = None,
     start: int = CALIBRATION_START,
-    prefill: int = 512,
+    prefill: int | None = None,
     score: int = 128,
     candidates: Sequence[int] = DEFAULT_GROUP_CANDIDATES,
 ) -> GroupAllocation:
@@ -185,7 +185,10 @@ def calibrate_group_tokens(
         text: the calibration text (default: the package's public-domain text,
             :func:`kvlab.data.default_text`).
         start: first token of the calibration window (moved back if the text is short).
-        prefill, score: calibration window split (tokens).
+        prefill: context tokens (default ``sink_tokens + residual_tokens + 3 * max(candidates)``:
+            every candidate group size then quantizes the same tokens and leaves the same exact
+            residual, so the measured KL differences come from the group size alone).
+        score: tokens scored against that context.
         candidates: group sizes (tokens) to choose from.
 
     Raises:
@@ -193,6 +196,8 @@ def calibrate_group_tokens(
             functions used).
     """
     began = time.perf_counter()
+    if prefill is None:
+        prefill = config.sink_tokens + config.residual_tokens + 3 * max(candidates)
     source = text if text is not None else default_text()
     need = start + prefill + score
     # tokenize a prefix long enough for the window (about 4 bytes per token; doubled margin)
