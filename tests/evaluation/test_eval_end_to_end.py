@@ -16,6 +16,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 METHODS = [
     "full",
     "pn-mix",
+    "pn-mix-uniform",
     "kivi-2bit",
     "int4",
     "relay:snapkv@0.5",
@@ -83,8 +84,14 @@ def test_cli_eval_writes_table_artifact_and_plot(tiny_model_dir, tiny_text, tmp_
     for name in METHODS[1:]:
         assert summaries[name]["kl_mean"] > 0.0
         assert summaries[name]["kv_bytes_16bit"] < full["kv_bytes_16bit"]
-    # PN-Mix and KIVI store the same bytes, up to PN-Mix's packed mix mask (1 bit per pair)
-    extra = summaries["pn-mix"]["kv_bytes"] - summaries["kivi-2bit"]["kv_bytes"]
+    # per-layer groups were calibrated before the windows and recorded with the method
+    pnmix = artifact["configuration"]["methods"]["pn-mix"]
+    assert len(pnmix["layer_group_tokens"]) == 2
+    assert sum(1 / g for g in pnmix["layer_group_tokens"]) <= 2 / 32
+    assert pnmix["group_allocation"]["calibration_text"]["id"] != artifact["dataset"]["id"]
+    # PN-Mix and KIVI at the same groups store the same bytes, up to PN-Mix's packed mix mask
+    # (1 bit per pair)
+    extra = summaries["pn-mix-uniform"]["kv_bytes"] - summaries["kivi-2bit"]["kv_bytes"]
     assert 0 < extra <= 2 * 2 * 4  # 2 layers x 2 kv heads x 4 pairs, bits rounded up to bytes
 
 

@@ -32,8 +32,15 @@ def test_method_names_resolve_to_their_caches():
     assert isinstance(parse_method("full").make_cache(CONFIG), DynamicCache)
     pnmix = parse_method("pn-mix")
     assert pnmix.settings["bits"] == 2 and pnmix.settings["key_coding"] == "mix"
-    assert isinstance(pnmix.make_cache(CONFIG), PNMixModelCache)
-    assert parse_method("kivi-2bit").settings["key_coding"] == "cartesian"
+    assert pnmix.prepare is not None  # per-layer groups: calibrated before the first cache
+    with pytest.raises(RuntimeError, match="must be prepared"):
+        pnmix.make_cache(CONFIG)
+    uniform = parse_method("pn-mix-uniform")
+    assert uniform.prepare is None and uniform.settings["group_tokens"] == 32
+    assert isinstance(uniform.make_cache(CONFIG), PNMixModelCache)
+    kivi = parse_method("kivi-2bit").settings
+    assert kivi["key_coding"] == "cartesian" and kivi["group_tokens"] == 32
+    assert parse_method("pn-mix-4bit").settings["group_tokens"] == 128  # SPEC §3 layout
     int4 = parse_method("int4").settings
     assert (int4["bits"], int4["key_coding"], int4["sink_tokens"]) == (4, "per_token", 0)
     relay = parse_method("relay@0.5")

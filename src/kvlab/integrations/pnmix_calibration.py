@@ -95,11 +95,11 @@ def layer_group_sensitivity(
     positions = torch.arange(prefill, n, device=device)[None]
     with use_attention(model, "kvlab"):
         reference = Cache(layers=[DynamicLayer() for _ in range(text_config.num_hidden_layers)])
-        model(head, past_key_values=reference, use_cache=True)
+        model(head, cache=reference, use_cache=True)
         prefix = [(layer.keys, layer.values) for layer in reference.layers]
 
         def logprobs(cache: Cache) -> Tensor:
-            out = model(tail, past_key_values=cache, position_ids=positions, use_cache=True)
+            out = model(tail, cache=cache, position_ids=positions, use_cache=True)
             return torch.log_softmax(out.logits[0].double(), dim=-1)
 
         exact = logprobs(_prefix_cache(prefix, None, None))
