@@ -41,7 +41,9 @@ def _median_seconds(fn, min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
-def run(contexts: list[int], device: torch.device, min_run_time: float) -> list[dict]:
+def run(
+    contexts: list[int], device: torch.device, min_run_time: float, group_tokens: int = 128
+) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
     rotary = RotaryConfig(head_dim=HEAD_DIM, base=100000.0)
@@ -55,7 +57,7 @@ def run(contexts: list[int], device: torch.device, min_run_time: float) -> list[
             torch.randn(1, HEADS_Q, 1, HEAD_DIM, generator=gen), torch.tensor([length - 1]), rotary
         ).to(device)
         cache = PNMixCache(
-            PNMixConfig(),
+            PNMixConfig(group_tokens=group_tokens),
             batch_size=1,
             num_key_value_heads=HEADS_KV,
             head_dim=HEAD_DIM,
@@ -129,12 +131,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per row")
+    parser.add_argument("--group-tokens", type=int, default=128, help="PN-Mix key group (tokens)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/pnmix_attention.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    rows = run([int(c) for c in args.contexts.split(",")], device, args.min_run_time)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows = run(contexts, device, args.min_run_time, args.group_tokens)
     machine = {
         "accelerator": accelerator_info(device).label,
         "processor": platform.machine(),
@@ -147,6 +151,7 @@ def main() -> None:
             "batch": 1,
             "query_tokens": 1,
         },
+        "group_tokens": args.group_tokens,
     }
     table = render(rows)
     print(json.dumps(machine))
