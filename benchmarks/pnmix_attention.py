@@ -99,6 +99,7 @@ def run(
                 "seconds": times,
                 "ratio_vs_sdpa_fp32": {name: t / base for name, t in times.items()},
                 "pnmix_persistent_bytes": cache.persistent_bytes,
+                "phase_norm_pairs": int(cache.phase_norm_pairs.sum()),
                 "fp16_cache_bytes": 2 * keys.numel() * 2,
                 "fp32_cache_bytes": 2 * keys.numel() * 4,
                 "quantize_pack_tokens_per_second": length / quantize_seconds,
@@ -110,9 +111,9 @@ def run(
 def render(rows: list[dict]) -> str:
     head = (
         "| context | PN-Mix packed | dequant+SDPA | SDPA fp16 | SDPA fp32 | packed / dequant "
-        "| PN-Mix bytes | fp16 bytes | quantize+pack tok/s |"
+        "| PN-Mix bytes | fp16 bytes | quantize+pack tok/s | Phase–Norm pairs |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         s = r["seconds"]
         lines.append(
@@ -120,7 +121,7 @@ def render(rows: list[dict]) -> str:
             f"| {s['dequant_sdpa'] * 1e3:.3f} ms | {s['sdpa_fp16'] * 1e3:.3f} ms "
             f"| {s['sdpa_fp32'] * 1e3:.3f} ms | {s['pnmix_packed'] / s['dequant_sdpa']:.2f}× "
             f"| {r['pnmix_persistent_bytes']:,} | {r['fp16_cache_bytes']:,} "
-            f"| {r['quantize_pack_tokens_per_second']:,.0f} |"
+            f"| {r['quantize_pack_tokens_per_second']:,.0f} | {r['phase_norm_pairs']} / 96 |"
         )
     return "\n".join(lines)
 

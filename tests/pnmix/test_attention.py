@@ -92,6 +92,10 @@ def test_mix_mask_with_both_codings_is_exercised() -> None:
     cache.append(k, v)
     mask = cache.mix_mask
     assert mask is not None and bool(mask.any()) and not bool(mask.all())
+    # some pair is Phase–Norm in one (sequence, head) and Cartesian in another: the packed
+    # path evaluates the union of Phase–Norm pairs and must mask the rest
+    rows = mask.flatten(0, 1).bool()
+    assert bool((rows.any(0) & ~rows.all(0)).any())
     q = torch.randn(2, 4, 5, 8, generator=torch.Generator().manual_seed(1))
     assert_matches(pnmix_attention(q, cache), reference(q, cache))
 

@@ -21,7 +21,8 @@ sequence order, masked, and soft-maxed together (a global softmax), then each pa
 are weighted by its slice of the probabilities. The cache is never dequantized as a whole:
 the largest code-derived temporary is one block's unpacked codes
 (``B * H_kv * block_groups * group_tokens * D`` floats) and, for Phase–Norm, its one-hot
-weights (``... * P * 2**bits``). The logits ``[B, H_kv, M, seq_length]`` are materialized,
+weights (``... * U * 2**bits``, ``U`` the pairs that any sequence or head codes in Phase–Norm;
+the others skip this path). The logits ``[B, H_kv, M, seq_length]`` are materialized,
 as in unfused attention.
 """
 
@@ -86,18 +87,21 @@ def _block_logits(
         const = (q_cart * zero.unsqueeze(-2)).sum(-1, keepdim=True)  # [B,H,n,M,1]
         logits = folded @ codes.transpose(-1, -2) + const  # [B,H,n,M,T]
         if any_phase_norm:
+            # only the pairs some (sequence, head) codes in Phase–Norm: usually a few of P
+            used = pn.flatten(0, 1).any(0).nonzero().squeeze(1)  # [U]
+            fu, su, pn_u = first[used], second[used], pn[..., used].float()  # pn_u [B,H,U]
             bits = cfg.bits
             n_levels = 1 << bits
-            lv = phase_levels(zero[..., second], scale[..., second], bits)  # [B,H,n,P,Lv]
-            q_a = q[..., first][:, :, None, :, :, None]  # [B,H,1,M,P,1]
-            q_b = q[..., second][:, :, None, :, :, None]
+            lv = phase_levels(zero[..., su], scale[..., su], bits)  # [B,H,n,U,Lv]
+            q_a = q[..., fu][:, :, None, :, :, None]  # [B,H,1,M,U,1]
+            q_b = q[..., su][:, :, None, :, :, None]
             table = q_a * torch.cos(lv).unsqueeze(3) + q_b * torch.sin(lv).unsqueeze(3)
             # norm level of each (token, pair): z + code * s, zero where the pair is Cartesian
-            norm_zero = zero[..., first].unsqueeze(-2)  # [B,H,n,1,P]
-            norm_scale = scale[..., first].unsqueeze(-2)
-            norm = (norm_zero + codes[..., first] * norm_scale) * pn[:, :, None, None, :]
-            onehot = F.one_hot(codes[..., second].long(), n_levels).float()  # [B,H,n,T,P,Lv]
-            weights = (onehot * norm.unsqueeze(-1)).flatten(-2)  # [B,H,n,T,P*Lv]
+            norm_zero = zero[..., fu].unsqueeze(-2)  # [B,H,n,1,U]
+            norm_scale = scale[..., fu].unsqueeze(-2)
+            norm = (norm_zero + codes[..., fu] * norm_scale) * pn_u[:, :, None, None, :]
+            onehot = F.one_hot(codes[..., su].long(), n_levels).float()  # [B,H,n,T,U,Lv]
+            weights = (onehot * norm.unsqueeze(-1)).flatten(-2)  # [B,H,n,T,U*Lv]
             logits = logits + table.flatten(-2) @ weights.transpose(-1, -2)
     return logits.permute(0, 1, 3, 2, 4).reshape(b, h, q.shape[2], n * t)
 
