@@ -183,3 +183,16 @@ def test_text_shorter_than_a_window_is_rejected(tiny_model_dir, tmp_path):
     )
     with pytest.raises(ValueError, match="fewer than one window"):
         run_eval(config)
+
+
+def test_a_missing_text_fails_before_any_model_loads(tmp_path):
+    config = EvalConfig(
+        model=str(tmp_path / "no-such-model"),  # would fail too, but only after the text check
+        text=tmp_path / "no-such-text.txt",
+        methods=["full"],
+        output_dir=tmp_path,
+        progress=False,
+        device="cpu",
+    )
+    with pytest.raises(FileNotFoundError, match="text file not found"):
+        run_eval(config)

@@ -311,15 +311,16 @@ def run_eval(config: EvalConfig, console: Console | None = None) -> EvalOutcome:
     config.validate()
     methods = _methods(config)
     device = resolve_device(config.device)
+    text = load_text(config.text)  # a bad text fails before the model loads
     loaded = load_model(config.model, device=device, dtype=_DTYPES[config.dtype])
     console.print(
         f"model {config.model}: {loaded.checkpoint} loaded in {loaded.load_seconds:.1f} s"
     )
-    text = load_text(config.text)
     tokens = _tokenize(loaded.tokenizer, text.data).to(device)
     model = loaded.model
     for method in methods:
         if method.prepare is not None:
+            console.print(f"{method.name}: preparing ({method.prepare_note or 'calibration'}) ...")
             began = time.perf_counter()
             method.settings.update(method.prepare(model, loaded.tokenizer))
             console.print(f"{method.name}: prepared in {time.perf_counter() - began:.1f} s")

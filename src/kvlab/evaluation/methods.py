@@ -108,6 +108,7 @@ class Method:
         make_cache: ``make_cache(model_config)`` returns a fresh ``transformers`` cache.
         prepare: ``prepare(model, tokenizer)``, when set, must run once before
             ``make_cache`` (a calibration); it returns settings to add to ``settings``.
+        prepare_note: what ``prepare`` does, in a few words (printed while it runs).
     """
 
     name: str
@@ -117,6 +118,7 @@ class Method:
     settings: dict[str, Any]
     make_cache: Callable[[Any], Any]
     prepare: Callable[[Any, Any], dict[str, Any]] | None = None
+    prepare_note: str | None = None
 
 
 def hf_quantized_backend_available(backend: str) -> bool:
@@ -189,6 +191,8 @@ def _pnmix_method(name: str) -> Method:
         settings=settings,
         make_cache=make,
         prepare=prepare,
+        prepare_note="calibrating per-layer key groups on the package text: one forward per "
+        "layer and group size",
     )
 
 
