@@ -147,6 +147,17 @@ def _tokenize(tokenizer: Any, text: bytes) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def _method_fields(method: Method, nll: torch.Tensor) -> dict[str, Any]:
+    """The entries every protocol's summary starts with."""
+    return {
+        "method": method.name,
+        "family": method.family,
+        "description": method.description,
+        "settings": method.settings,
+        "scored_tokens": int(nll.numel()),
+    }
+
+
 def summarize_prefill_score(
     method: Method, scores: Sequence[WindowScore], reference: Sequence[WindowScore]
 ) -> dict[str, Any]:
@@ -160,11 +171,7 @@ def summarize_prefill_score(
     ppl = perplexity(nll)
     kv16 = statistics.mean(s.storage_final.kv_bytes_16bit for s in scores)
     return {
-        "method": method.name,
-        "family": method.family,
-        "description": method.description,
-        "settings": method.settings,
-        "scored_tokens": int(nll.numel()),
+        **_method_fields(method, nll),
         "ppl": ppl,
         "delta_ppl_pct": 100.0 * (ppl / ref_ppl - 1.0),
         "kl_mean": float(kl.mean()),
@@ -221,11 +228,7 @@ def summarize_stream(
         if part.numel():
             segments.append((int(min(start + segment, nll.numel() + 1)), perplexity(part)))
     return {
-        "method": method.name,
-        "family": method.family,
-        "description": method.description,
-        "settings": method.settings,
-        "scored_tokens": int(nll.numel()),
+        **_method_fields(method, nll),
         "ppl": perplexity(nll),
         "ppl_within_context": ppl_within,
         "ppl_beyond_context": ppl_beyond,
