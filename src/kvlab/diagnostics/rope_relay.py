@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvlab.diagnostics.paper import Paper, RunContext, SeedResult
-from kvlab.relay import relay, relay_attention
+from kvlab.relay.core import relay, relay_attention
 from kvlab.rope import RotaryConfig, apply_rotary
 
 __all__ = ["CONFIGURATION", "PAPER", "run_seed"]
@@ -175,7 +175,7 @@ PAPER = Paper(
     ),
     implementation_status="component_only",
     diagnostic_only=True,
-    implementation_modules=("kvlab.rope", "kvlab.relay"),
+    implementation_modules=("kvlab.rope", "kvlab.relay.core"),
     runner_modules=("kvlab.diagnostics.rope_relay",),
     configuration=CONFIGURATION,
     run_seed=run_seed,

@@ -53,7 +53,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 _IMPLEMENTATION_MODULES = (
     "kvlab.rope",
-    "kvlab.relay",
+    "kvlab.relay.core",
     "kvlab.pnmix.cache",
     "kvlab.pnmix.attention",
     "kvlab.pnmix.packing",
@@ -63,8 +63,8 @@ _IMPLEMENTATION_MODULES = (
     "kvlab.integrations.pnmix_cache",
     "kvlab.integrations.pnmix_calibration",
     "kvlab.integrations.relay_cache",
-    "kvlab.integrations.scorers",
-    "kvlab.integrations.budgets",
+    "kvlab.relay.scorers",
+    "kvlab.relay.budgets",
     "kvlab.models.loading",
 )
 _RUNNER_MODULES = (

@@ -5,8 +5,8 @@
 * :mod:`~kvlab.integrations.pnmix_cache` — :class:`PNMixModelCache`, PN-Mix for every layer.
 * :mod:`~kvlab.integrations.relay_cache` — :class:`RelayModelCache`, per-head eviction with
   RoPE-Relay (or without, as a baseline).
-* :mod:`~kvlab.integrations.scorers` / :mod:`~kvlab.integrations.budgets` — eviction scoring and
-  per-head budget allocation.
+
+The eviction policy these caches run (scorers, per-head budgets) lives in :mod:`kvlab.relay`.
 """
 
 from __future__ import annotations
@@ -21,18 +21,15 @@ from kvlab.integrations.attention import (
 )
 from kvlab.integrations.pnmix_cache import PNMixModelCache, pnmix_config_for_model
 from kvlab.integrations.relay_cache import EvictionConfig, EvictionEvent, RelayModelCache
-from kvlab.integrations.scorers import SCORERS, get_scorer
 
 __all__ = [
     "KVLAB_ATTENTION",
-    "SCORERS",
     "CacheView",
     "EvictionConfig",
     "EvictionEvent",
     "PNMixModelCache",
     "RelayModelCache",
     "enable_kvlab_attention",
-    "get_scorer",
     "kvlab_attention_forward",
     "pnmix_config_for_model",
     "register_kvlab_attention",

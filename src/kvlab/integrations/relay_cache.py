@@ -10,12 +10,12 @@ layer's attention over the current tokens (the prefill, or a streaming chunk), w
 due: once after the prefill (``EvictionConfig.ratio``) or whenever it holds more than
 ``capacity`` tokens per head on average (``EvictionConfig.capacity``). Then:
 
-1. a scorer (:mod:`kvlab.integrations.scorers`: recency, key norm, SnapKV) scores every token
+1. a scorer (:mod:`kvlab.relay.scorers`: recency, key norm, SnapKV) scores every token
    of every head — SnapKV from the attention of the current forward's last ``window_tokens``
    queries, which the attention function has at hand;
 2. the layer budget (``capacity`` or ``(1 - ratio) * tokens`` per head, times the kv heads; the
    global budget is the sum over layers) is split into heterogeneous per-head counts
-   (:mod:`kvlab.integrations.budgets`), sinks and the recent window always kept;
+   (:mod:`kvlab.relay.budgets`), sinks and the recent window always kept;
 3. with ``relay=True`` (RoPE-Relay, SPEC §2) the kept keys are relayed with
    :func:`kvlab.relay.relay` — every head's kept tokens right-aligned at positions
    ``E - k_h + 1 .. E``, keys rotated by the position delta (pure rotation, rotary channels
@@ -44,9 +44,9 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView
-from kvlab.integrations.budgets import allocate_counts, protected_mask, select_keep
-from kvlab.integrations.scorers import ScoreInputs, Scorer, get_scorer
-from kvlab.relay import relay
+from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
+from kvlab.relay.core import relay
+from kvlab.relay.scorers import ScoreInputs, Scorer, get_scorer
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
 __all__ = ["EvictionConfig", "EvictionEvent", "RelayLayer", "RelayModelCache", "RelayView"]

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.integrations.budgets import allocate_counts, protected_mask, select_keep
-from kvlab.integrations.scorers import (
+from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
+from kvlab.relay.scorers import (
     KeyNormScorer,
     RecencyScorer,
     ScoreInputs,

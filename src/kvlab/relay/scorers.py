@@ -2,7 +2,7 @@
 
 A scorer maps the padded per-head view of one layer's cache to a score per slot; higher means
 "keep". Protection of attention sinks and of the recent window, budget allocation across heads
-and the selection itself live in :mod:`kvlab.integrations.budgets`.
+and the selection itself live in :mod:`kvlab.relay.budgets`.
 
 Scorers (``SCORERS``):
 
