@@ -1,4 +1,7 @@
-"""The two evaluation protocols of ``kvlab eval``.
+"""The ``prefill-score`` and ``stream`` protocols of ``kvlab eval`` (``needle``:
+:mod:`kvlab.evaluation.needle`). Each function runs one method on one token sequence; planning,
+executing many of them and reporting live in :mod:`~kvlab.evaluation.plan`,
+:mod:`~kvlab.evaluation.execute` and :mod:`~kvlab.evaluation.report`.
 
 ``prefill-score`` (:func:`score_window`): a fixed window of ``P + S`` tokens. The method's cache
 receives the first ``P`` tokens in one forward (the prefill — where eviction methods evict and
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +32,15 @@ from kvlab.evaluation.methods import Method
 from kvlab.evaluation.metrics import CacheStorage, cache_storage, kl_divergence, token_nll
 from kvlab.integrations.attention import use_attention
 
-__all__ = ["StreamScore", "WindowScore", "cache_keyword", "score_window", "stream_tokens"]
+__all__ = [
+    "StreamScore",
+    "WindowScore",
+    "accepts_keyword",
+    "cache_details",
+    "cache_keyword",
+    "score_window",
+    "stream_tokens",
+]
 
 
 def cache_keyword(model: Any) -> str:
@@ -39,7 +50,8 @@ def cache_keyword(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _accepts(model: Any, name: str) -> bool:
+def accepts_keyword(model: Any, name: str) -> bool:
+    """Whether ``model.forward`` takes keyword ``name``."""
     return name in inspect.signature(model.forward).parameters
 
 
@@ -67,7 +79,8 @@ class WindowScore:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def _details(cache: Any) -> dict[str, Any]:
+def cache_details(cache: Any) -> dict[str, Any]:
+    """Method-specific facts of a cache after a run (JSON-ready)."""
     from kvlab.integrations.pnmix_cache import PNMixModelCache
     from kvlab.integrations.relay_cache import RelayModelCache
 
@@ -96,6 +109,7 @@ def score_window(
     reference_logprobs: Tensor | None = None,
     keep_logprobs: bool = False,
     on_token: Callable[[int], None] | None = None,
+    prepared: Mapping[str, Any] | None = None,
 ) -> WindowScore:
     """Prefill ``prefill`` tokens into ``method``'s cache, then score ``score`` tokens one at a
     time (module docstring).
@@ -107,6 +121,7 @@ def score_window(
         reference_logprobs: float ``[score, V]`` full-cache log-softmax for the KL, or None.
         keep_logprobs: return this run's ``[score, V]`` log-softmax (for the reference run).
         on_token: progress callback, called with 1 after each scored token.
+        prepared: the method's prepared state (:meth:`Method.make_cache`), if it has one.
 
     Raises:
         ValueError: ``tokens`` shorter than ``prefill + score``, or ``prefill < 1``/``score < 1``.
@@ -115,9 +130,9 @@ def score_window(
         raise ValueError(f"prefill and score must be >= 1, got {prefill}, {score}")
     if tokens.numel() < prefill + score:
         raise ValueError(f"window has {tokens.numel()} tokens, needs {prefill + score}")
-    cache = method.make_cache(model.config)
+    cache = method.make_cache(model.config, prepared)
     key = cache_keyword(model)
-    extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    extra = {"logits_to_keep": 1} if accepts_keyword(model, "logits_to_keep") else {}
     targets = tokens[prefill : prefill + score]
     nll = torch.empty(score, dtype=torch.float64)
     kl = torch.empty(score, dtype=torch.float64) if reference_logprobs is not None else None
@@ -152,7 +167,7 @@ def score_window(
         storage_final=cache_storage(cache),
         model_seconds=seconds,
         reference_logprobs=torch.stack(kept) if kept is not None else None,
-        details=_details(cache),
+        details=cache_details(cache),
     )
 
 
@@ -185,8 +200,10 @@ def stream_tokens(
     *,
     chunk: int,
     on_chunk: Callable[[int], None] | None = None,
+    prepared: Mapping[str, Any] | None = None,
 ) -> StreamScore:
-    """Stream ``tokens`` (int64 ``[N]``) through ``method``'s cache in chunks of ``chunk``.
+    """Stream ``tokens`` (int64 ``[N]``) through ``method``'s cache in chunks of ``chunk``
+    (``prepared``: the method's prepared state, if it has one).
 
     Raises:
         ValueError: ``chunk < 1`` or fewer than 2 tokens.
@@ -196,7 +213,7 @@ def stream_tokens(
     total = tokens.numel()
     if total < 2:
         raise ValueError("a stream needs at least 2 tokens")
-    cache = method.make_cache(model.config)
+    cache = method.make_cache(model.config, prepared)
     key = cache_keyword(model)
     nll_parts = []
     seconds = 0.0
@@ -220,5 +237,5 @@ def stream_tokens(
         final_storage=cache_storage(cache),
         final_position=int(cache.get_seq_length()),
         model_seconds=seconds,
-        details=_details(cache),
+        details=cache_details(cache),
     )
