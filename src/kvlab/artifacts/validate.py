@@ -142,6 +142,7 @@ def validate_artifact(path: str | Path, root: Path | None = None) -> ValidationR
                     "cannot be recomputed"
                 )
             else:
+                recorded: dict[str, str] = {}
                 for part, digest in (
                     ("implementation", artifact.provenance.implementation_sha256),
                     ("runner", artifact.provenance.runner_sha256),
@@ -154,7 +155,13 @@ def validate_artifact(path: str | Path, root: Path | None = None) -> ValidationR
                         report.problems.append(
                             f"provenance.{part}_sha256 does not match its recorded file list"
                         )
-                    _check_files(files, base, report)
+                    if not files:
+                        report.problems.append(
+                            f"no source files recorded in {part}: nothing ties it to code"
+                        )
+                    recorded.update(files)
+                if recorded:
+                    _check_files(recorded, base, report)
             _check_order(data, MetricArtifactV2, "", report)
             _check_v2_consistency(artifact, report)
         elif version == 1:

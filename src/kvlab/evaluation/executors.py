@@ -151,16 +151,20 @@ def _ray_prepare(prep: PrepTask, context: ExecutionContext) -> dict[str, Any]:
         from ray.experimental.tqdm_ray import tqdm as ray_tqdm
     except ImportError:  # pragma: no cover - older Ray
         return runtime.prepare(prep)
-    bar = ray_tqdm(desc=f"{prep.method.name}: calibrating", total=1, unit="layer")
+    bars: list[Any] = []
 
     def layers(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
+        if not bars:  # only when it computes (a cached calibration shows nothing)
+            bars.append(
+                ray_tqdm(desc=f"{prep.method.name}: calibrating", total=total, unit="layer")
+            )
+        bars[0].update(done - bars[0].n)
 
     try:
         return runtime.prepare(prep, layers)
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()
 
 
 def _ray_task(

@@ -175,6 +175,21 @@ def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalCo
     for protocol in protocols:
         if protocol not in PROTOCOLS:
             raise ValueError(f"sweep file {file}: unknown protocol {protocol!r}")
+    for protocol in PROTOCOLS:
+        section = data.get(protocol, {})
+        if not isinstance(section, dict):
+            raise ValueError(f"sweep file {file}: [{protocol}] must be a table")
+        for key, value in section.items():
+            name = key.replace("-", "_")
+            if name not in _PROTOCOL_OPTIONS[protocol]:
+                raise ValueError(
+                    f"sweep file {file}: [{protocol}] has unknown option {key!r}; "
+                    f"known: {sorted(_PROTOCOL_OPTIONS[protocol])}"
+                )
+            if name in ("lengths", "depths"):
+                _list(section, key, (int, float) if name == "depths" else int, "numbers")
+            elif isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"sweep file {file}: [{protocol}] {key} must be an integer")
     groups = []
     for model in models:
         for text in texts:
@@ -183,13 +198,7 @@ def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalCo
                 section = data.get(protocol, {})
                 extra = {}
                 for key, value in section.items():
-                    name = _PROTOCOL_OPTIONS[protocol].get(key.replace("-", "_"))
-                    if name is None:
-                        raise ValueError(
-                            f"sweep file {file}: [{protocol}] has unknown option {key!r}; "
-                            f"known: {sorted(_PROTOCOL_OPTIONS[protocol])}"
-                        )
-                    extra[name] = value
+                    extra[_PROTOCOL_OPTIONS[protocol][key.replace("-", "_")]] = value
                 model_slug = _slug(Path(model).name)
                 text_slug = "default" if path is None else _slug(path.stem)
                 config = EvalConfig(
