@@ -111,7 +111,7 @@ def test_ray_and_local_executors_give_identical_results(tiny_model_dir, tiny_tex
     local, ray = results["local"], results["ray"]
     assert ray[0] == local[0]  # summary.md, character for character
     assert strip_timing(ray[1]) == strip_timing(local[1])  # every per-token figure, bit for bit
-    assert len(ray[2]) == 2 and len(local[2]) == 1  # two Ray workers shared the tasks
+    assert len(ray[2]) >= 2 and os.getpid() not in ray[2]  # Ray workers shared the tasks
     assert local[2] == {os.getpid()}
 
 
@@ -135,7 +135,13 @@ def test_ctrl_c_then_rerun_finishes_only_the_missing_tasks(tiny_model_dir, tiny_
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a shell may have started us with SIGINT ignored (background jobs): give it back
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     tasks = out / "tasks"
     deadline = time.monotonic() + 240

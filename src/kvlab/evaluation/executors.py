@@ -23,6 +23,7 @@ is already in the task store, so rerunning the same command resumes.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -105,14 +106,23 @@ def run_local(
         for index, job in enumerate(schedule.jobs):
             display.show([job.label])
             if isinstance(job.item, PrepTask):
-                with display.sub_bar(f"{job.item.method.name}: calibrating", 0, "layer") as bar:
+                name = job.item.method.name
+                with display.sub_bar(f"{name}: calibrating", 0, "layer") as bar:
 
                     def layers(done: int, total: int, bar: Any = bar) -> None:
                         bar.total = total
                         bar.n = done
                         bar.refresh()
 
-                    schedule.finish(index, runtime.prepare(job.item, layers))
+                    began = time.perf_counter()
+                    prepared = runtime.prepare(job.item, layers)
+                schedule.finish(index, prepared)
+                if announce is not None:
+                    status = prepared.get("calibration_cache", {}).get("status", "done")
+                    announce(
+                        f"{name}: calibration {status} in {time.perf_counter() - began:.1f} s "
+                        f"(cache key {job.key[:12]})"
+                    )
             else:
                 task = job.item
                 prepared, reference = schedule.inputs(job)

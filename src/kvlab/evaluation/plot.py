@@ -128,7 +128,7 @@ def plot_needle_heatmap(
         1, n, figsize=(3.2 * n + 1.2, 0.55 * len(lengths) + 2.2), dpi=120, squeeze=False
     )
     image = None
-    for ax, s in zip(axes[0], summaries, strict=True):
+    for k, (ax, s) in enumerate(zip(axes[0], summaries, strict=True)):
         cells = {(c["length"], c["depth"]): c for c in s["cells"]}
         grid = [[cells[(length, d)]["accuracy"] for d in depths] for length in lengths]
         image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="lower")
@@ -138,6 +138,7 @@ def plot_needle_heatmap(
                 ax.text(j, i, f"{c['correct']}/{c['trials']}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_yticks(range(len(lengths)), [str(length) for length in lengths])
+        ax.tick_params(labelleft=k == 0)
         ax.set_xlabel("needle depth (% of filler)")
         ax.set_title(f"{s['method']} ({s['accuracy']:.0%})", fontsize=9)
     axes[0][0].set_ylabel("prompt length (tokens)")

@@ -72,6 +72,9 @@ RUNNER_MODULES = (
     "kvlab.evaluation.table",
     "kvlab.evaluation.plot",
     "kvlab.evaluation.command",
+    "kvlab.evaluation.outputs",
+    "kvlab.evaluation.fingerprint",
+    "kvlab.evaluation.sweep",
     "kvlab.data",
 )
 
