@@ -114,6 +114,7 @@ def run_local(
                         bar.n = done
                         bar.refresh()
 
+                    runtime.loaded(job.item.model)  # the model load is not the calibration's
                     began = time.perf_counter()
                     prepared = runtime.prepare(job.item, layers)
                 schedule.finish(index, prepared)
