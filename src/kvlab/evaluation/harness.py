@@ -40,8 +40,11 @@ __all__ = [
     "EvalConfig",
     "EvalInputs",
     "EvalOutcome",
+    "execution_context",
+    "plan_line",
     "prepare_inputs",
     "run_eval",
+    "stored_schedule",
     "summarize_prefill_score",
     "summarize_stream",
     "tokenize",
@@ -136,8 +139,8 @@ def run_eval(config: EvalConfig, console: Any = None) -> EvalOutcome:
         config.argv = ["kvlab", *sys.argv[1:]]
     inputs = prepare_inputs(config, Path(config.output_dir))
     store = TaskStore(inputs.paths.tasks)
-    schedule = _schedule(inputs.plan, store, config.resume)
-    console.print(_plan_line(schedule, inputs.paths.tasks), highlight=False, soft_wrap=True)
+    schedule = stored_schedule(inputs.plan, store, config.resume)
+    console.print(plan_line(schedule, inputs.paths.tasks), highlight=False, soft_wrap=True)
     run_schedule(
         config.executor,
         schedule,
@@ -172,7 +175,9 @@ def execution_context(config: EvalConfig) -> Any:
     return ExecutionContext(cpu_threads=config.cpu_threads, calibration_cache=cache)
 
 
-def _schedule(plan: Any, store: Any, resume: bool) -> Any:
+def stored_schedule(plan: Any, store: Any, resume: bool) -> Any:
+    """The :class:`~kvlab.evaluation.execute.Schedule` of ``plan`` given the results the task
+    store holds (none when ``resume`` is false)."""
     from kvlab.evaluation.execute import Schedule
 
     stored = {}
@@ -185,7 +190,8 @@ def _schedule(plan: Any, store: Any, resume: bool) -> Any:
     return Schedule(plan, stored)
 
 
-def _plan_line(schedule: Any, folder: Path) -> str:
+def plan_line(schedule: Any, folder: Path) -> str:
+    """``"N tasks: M to run, K already done in FOLDER ..."``."""
     todo = schedule.total_tasks - schedule.skipped
     line = f"{schedule.total_tasks} tasks: {todo} to run"
     if schedule.skipped:

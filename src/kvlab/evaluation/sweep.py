@@ -291,7 +291,12 @@ def run_sweep(file: Path, options: SweepOptions, console: Any = None) -> SweepOu
 
     from kvlab.evaluation.execute import TaskStore
     from kvlab.evaluation.executors import run_schedule
-    from kvlab.evaluation.harness import _plan_line, _schedule, execution_context, prepare_inputs
+    from kvlab.evaluation.harness import (
+        execution_context,
+        plan_line,
+        prepare_inputs,
+        stored_schedule,
+    )
     from kvlab.evaluation.outputs import check_output_paths
     from kvlab.evaluation.plot import plot_pareto
     from kvlab.evaluation.report import write_eval_report
@@ -305,8 +310,8 @@ def run_sweep(file: Path, options: SweepOptions, console: Any = None) -> SweepOu
     for item in inputs[1:]:
         plan = plan + item.plan
     store = TaskStore(out / "tasks")
-    schedule = _schedule(plan, store, options.resume)
-    console.print(_plan_line(schedule, store.folder), highlight=False, soft_wrap=True)
+    schedule = stored_schedule(plan, store, options.resume)
+    console.print(plan_line(schedule, store.folder), highlight=False, soft_wrap=True)
     run_schedule(
         options.executor,
         schedule,
