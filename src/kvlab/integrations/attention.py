@@ -45,7 +45,12 @@ class CacheView:
     Subclasses implement :meth:`attend`. Any attempt to use a view as a tensor (for example when
     the model runs with ``attn_implementation="sdpa"``) raises a ``TypeError`` that says how to
     switch to the ``"kvlab"`` attention implementation.
+
+    ``supports_padding``: whether :meth:`attend` handles a 2-D attention mask with padding
+    (left-padded batches); when False, :func:`kvlab_attention_forward` refuses such masks.
     """
+
+    supports_padding: bool = False
 
     def attend(
         self,
@@ -205,12 +210,14 @@ def kvlab_attention_forward(
         Attention weights are never returned.
 
     Raises:
-        ValueError: a padded batch or a 4-D mask with a kvlab cache view.
+        ValueError: a padded batch or a 4-D mask with a kvlab cache view whose
+            ``supports_padding`` is False.
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if isinstance(key, CacheView):
-        _check_padding(attention_mask)
+        if not key.supports_padding:
+            _check_padding(attention_mask)
         out = key.attend(
             module, query, scaling=float(scaling), attention_mask=attention_mask, kwargs=kwargs
         )
