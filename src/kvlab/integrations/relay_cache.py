@@ -396,9 +396,9 @@ class RelayLayer(CacheLayerMixin):
     def _plan(
         self, pending: _Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
     ) -> _ForwardPlan:
-        """Check this forward's inputs against the layer's state and derive the plan; reads the
-        device at most once (the mask's new columns and the position ids, one transfer), and
-        not at all for a one-token step without a padding mask.
+        """Check this forward's inputs against the layer's state and derive the plan. Reads the
+        device at most once per forward (one transfer: the mask check and new columns, the
+        position ids), and not at all when neither is given.
 
         Raises:
             ValueError: a mask that is not 2-D ``[B, seen + T]``, not left padding, or
@@ -427,7 +427,6 @@ class RelayLayer(CacheLayerMixin):
             column = torch.arange(seen, device=device)
             expected = column.view(1, -1) >= torch.tensor(padding, device=device).view(-1, 1)
             parts += [(mask[:, :seen] == expected).all(-1, keepdim=True), mask[:, seen:]]
-        read_positions = position_ids is not None and (attention_mask is not None or t > 1)
         if position_ids is not None:
             if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch):
                 raise ValueError(
@@ -436,8 +435,7 @@ class RelayLayer(CacheLayerMixin):
                 )
             if position_ids.shape[-1] != t:
                 raise ValueError(f"position_ids length {position_ids.shape[-1]} != {t} new tokens")
-            if read_positions:
-                parts.append(position_ids.to(device).expand(batch, t))
+            parts.append(position_ids.to(device).expand(batch, t))
         host = torch.cat([p.to(torch.int64) for p in parts], 1).tolist() if parts else None
 
         real = [t] * batch
@@ -463,12 +461,10 @@ class RelayLayer(CacheLayerMixin):
                     )
                 real[b] = t - zeros
 
-        shift: Tensor | None
         if position_ids is None:
             # transformers' default: positions seen + 0 .. T - 1
             deltas = [nexts[b] - (seen + t - real[b]) for b in range(batch)]
-            shift = self._shift_tensor(deltas, device)
-        elif read_positions:
+        else:
             assert host is not None
             offset = 1 + t if attention_mask is not None else 0
             deltas = []
@@ -480,11 +476,9 @@ class RelayLayer(CacheLayerMixin):
                         f"tokens; row {b} has {ids[:8]}{'...' if len(ids) > 8 else ''}"
                     )
                 deltas.append(nexts[b] - ids[0] if ids else 0)
-            shift = self._shift_tensor(deltas, device)
-        else:
-            # one-token step without padding: the delta stays on the device (no read-back)
-            ours = torch.tensor(nexts, dtype=torch.int64, device=device)
-            shift = (ours - position_ids[:, -1].to(device)).view(-1, 1, 1)
+        shift = None
+        if any(deltas):
+            shift = torch.tensor(deltas, dtype=torch.int64, device=device).view(-1, 1, 1)
 
         first = []
         if self.eviction.ratio is not None:
@@ -499,12 +493,6 @@ class RelayLayer(CacheLayerMixin):
             shift=shift,
             first_eviction=first,
         )
-
-    @staticmethod
-    def _shift_tensor(deltas: list[int], device: torch.device) -> Tensor | None:
-        if not any(deltas):
-            return None
-        return torch.tensor(deltas, dtype=torch.int64, device=device).view(-1, 1, 1)
 
     def _layer_budget(self, before: list[int]) -> tuple[int, int]:
         """``(tokens each kv head keeps on average, per-head cap)`` for an eviction of heads

@@ -79,10 +79,13 @@ class PaddedSegments:
 
 def _arange_segments(starts: Sequence[int], counts: Sequence[int]) -> Tensor:
     """int64 CPU ``[sum(counts)]``: ``starts[i] + 0 .. starts[i] + counts[i] - 1`` concatenated."""
-    counts_t = torch.tensor(list(counts), dtype=torch.int64)
     total = int(sum(counts))
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64)
+    if total <= 4096:  # decode steps: one small host tensor
+        return torch.tensor(
+            [s + j for s, c in zip(starts, counts, strict=True) for j in range(c)],
+            dtype=torch.int64,
+        )
+    counts_t = torch.tensor(list(counts), dtype=torch.int64)
     starts_t = torch.tensor(list(starts), dtype=torch.int64)
     first = torch.cumsum(counts_t, 0) - counts_t  # where each run begins in the output
     within = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(first, counts_t)
