@@ -5,9 +5,10 @@ The store's segments are gathered into a padded ``[B * H_kv, G, S, D]`` view (th
 stride-0 broadcast, no copy) and attended with ONE PyTorch SDPA call whose batch axis is the
 segments: each segment's ``G = H_q / H_kv`` query heads read its keys (GQA: query head ``i`` reads
 kv head ``i // G``), a key-padding mask hides slots past a segment's length, and multi-token
-forwards are causal with bottom-right alignment per segment (docs/design.md, "RoPE-Relay",
-attention). On CPU this measured faster than a segment softmax over the flat buffer with index
-ops (docs/design.md) and gives the same bits as one SDPA call per head.
+forwards are causal with bottom-right alignment per segment (docs/design.md, RoPE-Relay:
+Attention). On CPU this measured faster than a segment softmax over the flat buffer with index
+ops (``benchmarks/relay_attention_layouts.py``); it gives the bits of one SDPA call per head
+when the segments have equal lengths, and agrees to float32 rounding otherwise.
 """
 
 from __future__ import annotations
@@ -58,17 +59,21 @@ def ragged_attention(
     group = q_heads // heads
     index, lengths, longest = store.gather_index()
     flat = index.reshape(-1)
-    keys = store.keys.index_select(0, flat).view(batch * heads, 1, longest, dim)
-    values = store.values.index_select(0, flat).view(batch * heads, 1, longest, store.value_dim)
-    keys = keys.expand(-1, group, -1, -1).to(query.dtype)
-    values = values.expand(-1, group, -1, -1).to(query.dtype)
+    # [B*H, 1, S, D] gathered once, broadcast over the group (stride 0, no copy)
+    keys = store.keys.index_select(0, flat).to(query.dtype)
+    values = store.values.index_select(0, flat).to(query.dtype)
+    keys = keys.view(batch * heads, 1, longest, dim).expand(-1, group, -1, -1)
+    values = values.view(batch * heads, 1, longest, store.value_dim).expand(-1, group, -1, -1)
     q = query.reshape(batch * heads, group, q_len, dim)
 
-    real = [q_len] * batch if query_lengths is None else list(query_lengths)
-    padded_queries = any(r != q_len for r in real)
-    real_t = torch.tensor(real, dtype=torch.int64, device=query.device)
+    pad_queries = None  # bool [B, Q]: the first Q - query_lengths[b] queries of row b
+    if query_lengths is not None and any(r != q_len for r in query_lengths):
+        real = torch.tensor(list(query_lengths), dtype=torch.int64, device=query.device)
+        pad_queries = torch.arange(q_len, device=query.device).view(1, -1) < (q_len - real).view(
+            -1, 1
+        )
     mask = None
-    if q_len > 1 or padded_queries or min(store.lengths) != longest:
+    if q_len > 1 or pad_queries is not None or min(store.lengths) != longest:
         slot = torch.arange(longest, device=query.device)
         if q_len > 1:
             # query j of segment s sees slots i <= length_s - Q + j
@@ -77,16 +82,12 @@ def ragged_attention(
             mask = slot.view(1, 1, -1) <= limit.unsqueeze(-1)  # [B*H, Q, S]
         else:
             mask = (slot.view(1, -1) < lengths.view(-1, 1)).unsqueeze(1)  # [B*H, 1, S]
-        if padded_queries:
-            # padding queries attend everything (finite keys) and are zeroed below
-            pad_q = torch.arange(q_len, device=query.device).view(1, -1) < (
-                q_len - real_t.repeat_interleave(heads).view(-1, 1)
-            )  # [B*H, Q]
-            mask = mask | pad_q.unsqueeze(-1)
+        if pad_queries is not None:
+            # padding queries attend every slot (finite keys), then are zeroed below
+            mask = mask | pad_queries.repeat_interleave(heads, 0).unsqueeze(-1)
         mask = mask.unsqueeze(1)  # [B*H, 1, Q, S]: broadcast over the group
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     out = out.reshape(batch, q_heads, q_len, store.value_dim)
-    if padded_queries:
-        pad_q = torch.arange(q_len, device=query.device).view(1, -1) < (q_len - real_t.view(-1, 1))
-        out = out.masked_fill(pad_q.view(batch, 1, q_len, 1), 0)
+    if pad_queries is not None:
+        out = out.masked_fill(pad_queries.view(batch, 1, q_len, 1), 0)
     return out

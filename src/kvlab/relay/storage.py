@@ -1,6 +1,6 @@
 """Ragged KV storage of one attention layer: one flat buffer, one segment per (sequence, kv head).
 
-Layout (docs/design.md, "RoPE-Relay", storage format): a layer holds ``B`` sequences of
+Layout (docs/design.md, RoPE-Relay: Storage format): a layer holds ``B`` sequences of
 ``H`` kv heads, i.e. ``B * H`` *segments*; segment ``s = b * H + h`` owns the rows
 ``offsets[s] .. offsets[s] + capacities[s] - 1`` of four flat buffers:
 
@@ -14,15 +14,17 @@ for future tokens. ``offsets``, ``lengths`` and ``capacities`` are host-side Pyt
 read back from the device), like ``cu_seqlens`` of varlen attention kernels. Segments are
 contiguous and in order (``offsets[s + 1] == offsets[s] + capacities[s]``).
 
-Growth: when a segment runs out of headroom the whole buffer is re-laid out with every segment
-given ``headroom = max(min_headroom, ceil(growth * mean length))`` free rows, so a re-layout
-(one copy of the used rows) happens at most once per ``headroom`` appended tokens per segment:
-amortized O(1) per token. Eviction compacts a segment in place (kept tokens moved to its front);
-:meth:`RelayStore.shrink` gives back memory when the buffer is mostly headroom.
+Growth (docs/design.md, RoPE-Relay: Segment layout and growth): when a segment runs out of
+headroom the whole buffer is re-laid out with every segment given
+``headroom = max(min_headroom, ceil(growth * mean length))`` free rows, so a re-layout (one copy
+of the used rows) happens at most once per ``headroom`` appended tokens per segment: amortized
+O(1) per token. Eviction compacts a segment in place (kept tokens moved to its front;
+docs/design.md, RoPE-Relay: Compaction); :meth:`RelayStore.shrink` gives back memory when the
+buffer is mostly headroom.
 
-Bytes: :meth:`RelayStore.nbytes` counts the used key/value elements exactly,
-:meth:`RelayStore.reserved_bytes` the allocation, :meth:`RelayStore.index_bytes` the used
-position bookkeeping (two int64 per stored token).
+Bytes (docs/design.md, RoPE-Relay: Byte accounting): :meth:`RelayStore.nbytes` counts the used
+key/value elements exactly, :meth:`RelayStore.reserved_bytes` the allocation,
+:meth:`RelayStore.index_bytes` the used position bookkeeping (two int64 per stored token).
 
 No ``transformers`` import here: the model glue is :mod:`kvlab.integrations.relay_cache`.
 """
@@ -363,14 +365,16 @@ class RelayStore:
         offsets = [self.offsets[s] for s in segs]
         lengths = [self.lengths[s] for s in segs]
         longest = max(max(lengths, default=0), 1)
-        last = self.rows_allocated - 1
-        offsets_t = torch.tensor(offsets, dtype=torch.int64, device=self.device)
-        lengths_t = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-        slot = torch.arange(longest, dtype=torch.int64, device=self.device)
-        index = offsets_t.unsqueeze(-1) + torch.minimum(
-            slot.unsqueeze(0), (lengths_t - 1).clamp_min(0).unsqueeze(-1)
+        # one host tensor for both: [offsets; last slot of each segment (0 when empty)]
+        table = torch.tensor(
+            [offsets, [max(n - 1, 0) for n in lengths], lengths],
+            dtype=torch.int64,
+            device=self.device,
         )
-        return index.clamp_max(last), lengths_t, longest
+        slot = torch.arange(longest, dtype=torch.int64, device=self.device)
+        # capacities >= 1 after any append, and a fresh store's one row is row 0: always valid
+        index = table[0].unsqueeze(-1) + torch.minimum(slot.unsqueeze(0), table[1].unsqueeze(-1))
+        return index, table[2], longest
 
     def padded(self, rows: Sequence[int] | None = None) -> PaddedSegments:
         """Left-aligned padded copies of sequences ``rows`` (default all): see
