@@ -11,6 +11,9 @@ hits them alike; prints the median step time per method and its ratio to ``full`
 * ``relay:...+positions``  — the relay cache fed its own RoPE positions
   (``cache.position_ids(1)``), so no re-rotation happens.
 
+Also printed: the aten ops one decode step dispatches (counted with a ``TorchDispatchMode``;
+deterministic, unlike the times).
+
 Model: SmolLM2-135M (``--model smollm2-135m``, offline) or a random-initialized model with its
 shapes (``--model random``: 30 layers, 9 query / 3 kv heads, head_dim 64). Timings on a shared
 machine are noisy: compare ratios from one run.
@@ -26,9 +29,20 @@ import time
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvlab.integrations import KVLAB_ATTENTION, EvictionConfig, RelayModelCache, use_attention
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _model(spec: str) -> Any:
@@ -88,6 +102,7 @@ def main() -> None:
             ),
         }
         times: dict[str, list[float]] = {name: [] for name in methods}
+        ops: dict[str, int] = {}
         with torch.no_grad():
             for _ in range(args.rounds):
                 for name, (attention, make, own_positions) in methods.items():
@@ -101,11 +116,20 @@ def main() -> None:
                             start = time.perf_counter()
                             model(ids[:, t : t + 1], cache=cache, logits_to_keep=1, **extra)
                             times[name].append(time.perf_counter() - start)
+                        if name not in ops:
+                            if own_positions and hasattr(cache, "position_ids"):
+                                extra = {"position_ids": cache.position_ids(1)}
+                            with _OpCounter() as counter:
+                                model(ids[:, -1:], cache=cache, logits_to_keep=1, **extra)
+                            ops[name] = counter.ops
         full = statistics.median(times["full"])
         print(f"P = {prefill}: median decode step over {len(times['full'])} steps")
         for name, values in times.items():
             step = statistics.median(values)
-            print(f"  {name:34s} {step * 1e3:8.2f} ms   x{full / step:5.2f} of full's speed")
+            print(
+                f"  {name:34s} {step * 1e3:8.2f} ms   x{full / step:5.2f} of full's speed   "
+                f"{ops[name]:6d} aten ops per step"
+            )
 
 
 if __name__ == "__main__":

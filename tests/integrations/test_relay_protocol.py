@@ -146,3 +146,23 @@ def test_position_ids_are_the_rope_positions(model):
         a = model(step, cache=cache, position_ids=cache.position_ids(1)).logits
         b = model(step, cache=twin).logits
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_beam_search_reorders_rows_like_dynamic_cache(model):
+    prompt = _ids(24, 12)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        expected = model.generate(
+            prompt,
+            max_new_tokens=6,
+            num_beams=3,
+            do_sample=False,
+            cache=DynamicCache(config=model.config),
+        )
+        with use_attention(model, KVLAB_ATTENTION):
+            cache = RelayModelCache(model.config, KEEP_ALL)
+            out = model.generate(
+                prompt, max_new_tokens=6, num_beams=3, do_sample=False, cache=cache
+            )
+    assert torch.equal(out, expected)
+    assert cache.layers[0].store.batch == 3  # one sequence per beam

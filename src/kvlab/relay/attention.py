@@ -74,7 +74,7 @@ def ragged_attention(
         )
     mask = None
     if q_len > 1 or pad_queries is not None or min(store.lengths) != longest:
-        slot = torch.arange(longest, device=query.device)
+        slot = store.slots(longest)
         if q_len > 1:
             # query j of segment s sees slots i <= length_s - Q + j
             row = torch.arange(q_len, device=query.device) - q_len

@@ -79,19 +79,25 @@ class PaddedSegments:
     rotary_positions: Tensor
 
 
-def _arange_segments(starts: Sequence[int], counts: Sequence[int]) -> Tensor:
-    """int64 CPU ``[sum(counts)]``: ``starts[i] + 0 .. starts[i] + counts[i] - 1`` concatenated."""
+def _ramps(starts: Sequence[Sequence[int]], counts: Sequence[int]) -> Tensor:
+    """int64 CPU ``[len(starts), sum(counts)]``: row ``i`` is ``starts[i][k] + 0 ..
+    starts[i][k] + counts[k] - 1`` concatenated over ``k`` (one host tensor for small sizes)."""
     total = int(sum(counts))
     if total <= 4096:  # decode steps: one small host tensor
         return torch.tensor(
-            [s + j for s, c in zip(starts, counts, strict=True) for j in range(c)],
+            [[a + j for a, c in zip(row, counts, strict=True) for j in range(c)] for row in starts],
             dtype=torch.int64,
-        )
+        ).view(len(starts), total)
     counts_t = torch.tensor(list(counts), dtype=torch.int64)
-    starts_t = torch.tensor(list(starts), dtype=torch.int64)
     first = torch.cumsum(counts_t, 0) - counts_t  # where each run begins in the output
     within = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(first, counts_t)
-    return torch.repeat_interleave(starts_t, counts_t) + within
+    starts_t = torch.tensor([list(row) for row in starts], dtype=torch.int64)
+    return torch.repeat_interleave(starts_t, counts_t, dim=1) + within
+
+
+def _arange_segments(starts: Sequence[int], counts: Sequence[int]) -> Tensor:
+    """int64 CPU ``[sum(counts)]``: ``starts[i] + 0 .. starts[i] + counts[i] - 1`` concatenated."""
+    return _ramps([starts], counts)[0]
 
 
 class RelayStore:
@@ -142,6 +148,7 @@ class RelayStore:
         self.lengths: list[int] = [0] * segments
         self.capacities: list[int] = [0] * segments
         self.relayouts = 0
+        self._ramp = torch.arange(64, dtype=torch.int64, device=self.device)
         self._allocate(1)
 
     # ------------------------------------------------------------------ layout
@@ -175,6 +182,14 @@ class RelayStore:
             self.original_positions[lo:hi],
             self.rotary_positions[lo:hi],
         )
+
+    def slots(self, count: int) -> Tensor:
+        """int64 ``[count]`` ``0 .. count - 1`` on the store's device (a view of a cached
+        ramp, grown by doubling; do not write to it)."""
+        if count > self._ramp.numel():
+            size = max(count, 2 * self._ramp.numel())
+            self._ramp = torch.arange(size, dtype=torch.int64, device=self.device)
+        return self._ramp[:count]
 
     def _allocate(self, rows: int) -> None:
         rows = max(1, rows)
@@ -259,9 +274,6 @@ class RelayStore:
             self.relayout(per_segment)
         if sum(per_segment) == 0:
             return
-        dst = _arange_segments(
-            [o + n for o, n in zip(self.offsets, self.lengths, strict=True)], per_segment
-        )
         flat_k = keys.reshape(batch * heads * t, self.head_dim)
         flat_v = values.reshape(batch * heads * t, self.value_dim)
         if all(r == t for r in real):
@@ -271,17 +283,20 @@ class RelayStore:
                 [s * t + t - r for s, r in enumerate(per_segment)], per_segment
             ).to(self.device)
             new_k, new_v = flat_k.index_select(0, src), flat_v.index_select(0, src)
-        seg_orig = [original_start[s // heads] for s in range(self.num_segments)]
-        seg_rot = [rotary_start[s // heads] for s in range(self.num_segments)]
-        dst = dst.to(self.device)
+        # destination rows, stream indices and rotary positions: one host tensor
+        table = _ramps(
+            [
+                [o + n for o, n in zip(self.offsets, self.lengths, strict=True)],
+                [original_start[s // heads] for s in range(self.num_segments)],
+                [rotary_start[s // heads] for s in range(self.num_segments)],
+            ],
+            per_segment,
+        ).to(self.device)
+        dst = table[0]
         self.keys.index_copy_(0, dst, new_k.to(self.dtype))
         self.values.index_copy_(0, dst, new_v.to(self.dtype))
-        self.original_positions.index_copy_(
-            0, dst, _arange_segments(seg_orig, per_segment).to(self.device)
-        )
-        self.rotary_positions.index_copy_(
-            0, dst, _arange_segments(seg_rot, per_segment).to(self.device)
-        )
+        self.original_positions.index_copy_(0, dst, table[1])
+        self.rotary_positions.index_copy_(0, dst, table[2])
         self.lengths = [n + r for n, r in zip(self.lengths, per_segment, strict=True)]
 
     def write_front(
@@ -371,7 +386,7 @@ class RelayStore:
             dtype=torch.int64,
             device=self.device,
         )
-        slot = torch.arange(longest, dtype=torch.int64, device=self.device)
+        slot = self.slots(longest)
         # capacities >= 1 after any append, and a fresh store's one row is row 0: always valid
         index = table[0].unsqueeze(-1) + torch.minimum(slot.unsqueeze(0), table[1].unsqueeze(-1))
         return index, table[2], longest
