@@ -137,9 +137,13 @@ FAMILIES: dict[str, Family] = {
         feature_off=dict(sliding_window=512),
     ),
     # partial rotary (rotate_half on the first rotary_dim channels)
-    "phi": Family("PhiForCausalLM", "PhiConfig", dict(num_hidden_layers=2, partial_rotary_factor=0.5)),
+    "phi": Family(
+        "PhiForCausalLM", "PhiConfig", dict(num_hidden_layers=2, partial_rotary_factor=0.5)
+    ),
     "stablelm": Family(
-        "StableLmForCausalLM", "StableLmConfig", dict(num_hidden_layers=2, partial_rotary_factor=0.25)
+        "StableLmForCausalLM",
+        "StableLmConfig",
+        dict(num_hidden_layers=2, partial_rotary_factor=0.25),
     ),
     "gpt_neox": Family(
         "GPTNeoXForCausalLM",
@@ -168,6 +172,21 @@ FAMILIES: dict[str, Family] = {
         "SmolLM3ForCausalLM",
         "SmolLM3Config",
         dict(num_hidden_layers=2, no_rope_layers=[1, 0]),
+        refused={"relay": "apply no RoPE"},
+    ),
+    # chunked attention layers (a window of attention_chunk_size), a NoPE full-attention layer
+    # with attention temperature tuning, MoE
+    "llama4": Family(
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size_mlp=128,
+            attention_chunk_size=WINDOW,
+            num_local_experts=2,
+        ),
+        feature_off=dict(attention_chunk_size=512),
         refused={"relay": "apply no RoPE"},
     ),
     # learned attention sinks (s_aux), alternating sliding layers, yarn RoPE, MoE; eager only
@@ -275,6 +294,18 @@ def cases(kinds=("pnmix", "relay"), *, skip_refused: bool) -> list[Any]:
                 continue
             out.append(pytest.param(name, kind, id=f"{name}-{kind}"))
     return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_kvlab_attention_with_dynamic_cache_equals_own_attention(name):
+    """Plain tensors (transformers' own DynamicCache, window layers included)."""
+    model = FAMILIES[name].build(seed=9)
+    ids = prompt(2, PROMPT, seed=10)
+    with torch.no_grad():
+        reference = two_forwards(model, ids, DynamicCache(config=model.config))
+        with use_attention(model, KVLAB_ATTENTION):
+            out = two_forwards(model, ids, DynamicCache(config=model.config))
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(("name", "cache_kind"), cases(skip_refused=False))
