@@ -417,3 +417,24 @@ def test_unsupported_families_are_refused_at_construction(name, cache_kind):
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith(("PNMixModelCache", "RelayModelCache"))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "mistral"])
+def test_training_gradients_equal_own_attention(name):
+    """Plain tensors in training mode (no cache): soft-capping, sinks and windows keep their
+    gradients — the learned sinks included."""
+    family = FAMILIES[name]
+    ids = prompt(2, PROMPT, seed=11)
+    grads = []
+    for implementation in (None, KVLAB_ATTENTION):
+        model = family.build(seed=12).train()
+        if implementation is not None:
+            model.set_attn_implementation(implementation)  # registered by conftest
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    if family.sinks:
+        assert any("sinks" in n for n in grads[1])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)

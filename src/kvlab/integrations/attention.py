@@ -205,7 +205,7 @@ def softmax_attention(
             logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
         else:
             logits = logits + mask.to(logits.dtype)
-    sinks = None if s_aux is None else s_aux.detach().float().view(1, hq, 1, 1)
+    sinks = None if s_aux is None else s_aux.float().view(1, hq, 1, 1)  # keeps its gradient
     probs = softmax_with_sinks(logits, sinks)
     if dropout > 0.0:
         probs = F.dropout(probs, p=dropout)
