@@ -7,7 +7,8 @@ do not hand full key/value tensors back from ``Cache.update``: they return a lig
 registered attention function, so no model code is patched: the function registered here under
 :data:`KVLAB_ATTENTION` through ``transformers.AttentionInterface.register`` asks the view to
 attend (reading packed codes, or ragged per-head storage), and falls back to exact softmax
-attention (PyTorch SDPA) when it receives plain tensors (e.g. a ``DynamicCache``).
+attention (PyTorch SDPA; float32 logits when soft-capping or sinks apply) when it receives plain
+tensors (e.g. a ``DynamicCache``, or a kvlab cache's sliding-window layers).
 
 Masks: ``"kvlab"`` registers :func:`kvlab_mask` in ``transformers``' mask interface. For the
 plain causal mask it hands the attention function the caller's 2-D ``attention_mask``
