@@ -306,3 +306,54 @@ def test_one_attention_call_per_layer(make_llama, monkeypatch):
         assert len(calls) == 3
     # heads hold different counts (adaptive) and rows different lengths: still one call
     assert len({n for layer in cache.layers for n in layer.store.lengths}) > 1
+
+
+def test_padded_batch_with_window_layers_and_softcap_equals_rows_alone():
+    """Gemma 2 shape: sliding-window layers (transformers' own, exact) between relay layers,
+    attention-logit soft-capping in both; generate on a left-padded batch."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        head_dim=16,
+        sliding_window=16,
+        attn_logit_softcapping=0.05,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=512,
+        pad_token_id=0,
+    )
+    torch.manual_seed(47)
+    model = Gemma2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    rows = _rows(seed=35)
+    ids, mask = _left_pad(rows)
+    eviction = CONFIGS["ratio-snapkv-relay"]
+    settings = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        cache = RelayModelCache(model.config, eviction)
+        out = model.generate(ids, attention_mask=mask, cache=cache, output_logits=True, **settings)
+        assert [type(layer).__name__ for layer in cache.layers] == [
+            "WindowLayer",
+            "RelayLayer",
+            "WindowLayer",
+        ]
+        for b, row in enumerate(rows):
+            alone_cache = RelayModelCache(model.config, eviction)
+            alone = model.generate(
+                row.view(1, -1), cache=alone_cache, output_logits=True, **settings
+            )
+            assert torch.equal(out.sequences[b, ids.shape[1] :], alone.sequences[0, len(row) :])
+            for got, want in zip(out.logits, alone.logits, strict=True):
+                torch.testing.assert_close(got[b : b + 1], want, atol=2e-5, rtol=0)
+            relay_b, relay_a = cache.layers[1], alone_cache.layers[1]
+            for h in range(2):
+                assert torch.equal(
+                    relay_b.segment(b, h).original_positions,
+                    relay_a.segment(0, h).original_positions,
+                )

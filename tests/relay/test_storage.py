@@ -149,8 +149,9 @@ def test_select_rows_and_padded_view():
         store.select_rows([3])
 
 
-def _reference_attention(query, store, scale, real):
-    """float64, segment by segment (the definition): bottom-right causal, GQA, pads -> 0."""
+def _reference_attention(query, store, scale, real, softcap=None, sinks=None):
+    """float64, segment by segment (the definition): bottom-right causal, GQA, pads -> 0;
+    optional Gemma 2 soft-capping and GPT-OSS sink logits (one per query head)."""
     batch, hq, q_len, _ = query.shape
     group = hq // store.heads
     out = torch.zeros(batch, hq, q_len, store.value_dim, dtype=torch.float64)
@@ -161,7 +162,12 @@ def _reference_attention(query, store, scale, real):
             for j in range(q_len - real[b], q_len):
                 visible = n - q_len + j + 1
                 logits = seg.keys[:visible].double() @ query[b, i, j].double() * scale
-                out[b, i, j] = torch.softmax(logits, 0) @ seg.values[:visible].double()
+                if softcap is not None:
+                    logits = softcap * torch.tanh(logits / softcap)
+                if sinks is not None:
+                    logits = torch.cat([logits, sinks[i : i + 1].double()])
+                probs = torch.softmax(logits, 0)[:visible]
+                out[b, i, j] = probs @ seg.values[:visible].double()
     return out
 
 
@@ -193,6 +199,40 @@ def test_ragged_attention_matches_the_float64_definition(batch, heads, group, q_
     out = ragged_attention(query, store, scale=0.3, query_lengths=real)
     expected = _reference_attention(query, store, 0.3, real)
     assert out.shape == (batch, heads * group, q_len, 5) and out.dtype == torch.float32
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    q_len=st.integers(1, 4),
+    softcap=st.sampled_from([None, 0.5, 3.0]),
+    with_sinks=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_ragged_attention_softcap_and_sinks_match_the_float64_definition(
+    batch, q_len, softcap, with_sinks, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    heads, group = 2, 2
+    store = RelayStore(batch, heads, 8, 4, dtype=torch.float32, device="cpu")
+    keys = torch.randn(batch, heads, 9, 8, generator=gen)
+    store.append(keys, keys[..., :4], real=[9] * batch, original_start=[0] * batch,
+                 rotary_start=[0] * batch)  # fmt: skip
+    for b in range(batch):
+        counts = torch.randint(1, 10, (heads,), generator=gen).tolist()
+        store.write_front(b, counts, [0] * heads, *_front(store.padded([b])))
+    real = torch.randint(0, q_len + 1, (batch,), generator=gen).tolist()
+    new = torch.randn(batch, heads, q_len, 8, generator=gen)
+    store.append(new, new[..., :4], real=real, original_start=[0] * batch,
+                 rotary_start=[0] * batch)  # fmt: skip
+    query = torch.randn(batch, heads * group, q_len, 8, generator=gen) * 3
+    sinks = torch.randn(heads * group, generator=gen) if with_sinks else None
+    out = ragged_attention(
+        query, store, scale=0.4, query_lengths=real, softcap=softcap, s_aux=sinks
+    )
+    expected = _reference_attention(query, store, 0.4, real, softcap=softcap, sinks=sinks)
     assert bool(torch.isfinite(out).all())
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
 

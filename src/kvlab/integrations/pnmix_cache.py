@@ -33,22 +33,23 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView, dense_causal_attention
+from kvlab.integrations.model_support import layer_rotary, plan_model
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
-from kvlab.rope import RotaryConfig
 
 __all__ = ["PNMixLayer", "PNMixModelCache", "PNMixView", "pnmix_config_for_model"]
 
 
 def pnmix_config_for_model(model_config: Any, base: PNMixConfig | None = None) -> PNMixConfig:
     """``base`` (default ``PNMixConfig()``) with ``rotary_dim`` and ``rotary_layout`` taken from
-    the model's RoPE (:meth:`kvlab.rope.RotaryConfig.from_hf_config`), so that Phase–Norm pairs
-    are the model's true rotary pairs (partial rotary and interleaved layouts included).
+    the RoPE of the model's full-attention layers
+    (:func:`kvlab.integrations.model_support.layer_rotary`), so that Phase–Norm pairs are the
+    model's true rotary pairs (partial rotary and interleaved layouts included).
 
     Raises:
         ValueError: the config has no supported RoPE (see ``RotaryConfig.from_hf_config``).
     """
     base = base or PNMixConfig()
-    rotary = RotaryConfig.from_hf_config(model_config.get_text_config(decoder=True))
+    rotary = layer_rotary(model_config)  # model-matrix: per-layer-type RoPE (Gemma 3)
     return dataclasses.replace(base, rotary_dim=rotary.rotary_dim, rotary_layout=rotary.layout)
 
 
@@ -59,6 +60,9 @@ class PNMixView(CacheView):
     and the layer's ``exact_prefill`` is on: the prefill then attends to them exactly (they are
     stored packed for every later token), as ``transformers``' ``QuantizedCache`` and KIVI do.
     """
+
+    # model-matrix: Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
+    supported_features = frozenset({"softcap", "s_aux"})
 
     def __init__(self, layer: PNMixLayer, exact: tuple[Tensor, Tensor] | None = None) -> None:
         self.layer = layer
@@ -76,13 +80,18 @@ class PNMixView(CacheView):
         """:func:`kvlab.pnmix.pnmix_attention` (causal, bottom-right aligned) of ``query``
         ``[B, H_q, Q, D]`` — or exact attention over the prefill's own keys (see the class
         docstring); returns ``[B, H_q, Q, Dv]`` in the query dtype."""
+        softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")  # model-matrix
         if self.exact is not None:
             keys, values = self.exact
-            return dense_causal_attention(query, keys, values, scaling=scaling)
+            return dense_causal_attention(
+                query, keys, values, scaling=scaling, softcap=softcap, s_aux=s_aux
+            )
         store = self.layer.store
         if store is None:
             raise RuntimeError("PNMixView used before its layer received any token")
-        return pnmix_attention(query, store, scale=scaling, causal=True).to(query.dtype)
+        return pnmix_attention(
+            query, store, scale=scaling, causal=True, logit_softcap=softcap, sink_logits=s_aux
+        ).to(query.dtype)
 
 
 class PNMixLayer(CacheLayerMixin):
@@ -193,10 +202,16 @@ class PNMixModelCache(Cache):
         layer_group_tokens: one ``group_tokens`` per decoder layer (tokens); ``None`` = every
             layer uses ``config.group_tokens``.
 
+    Sliding-window and chunked layers (Mistral, Gemma 2/3, GPT-OSS, ...) are not compressed:
+    each keeps exactly its last ``window - 1`` tokens
+    (:class:`kvlab.integrations.model_support.WindowLayer`); the full-attention layers hold
+    PN-Mix. ``plan`` is the :class:`~kvlab.integrations.model_support.ModelPlan` used.
+
     Raises:
-        ValueError: a model with non-full-attention layers (sliding window, linear attention),
-            a RoPE that :class:`kvlab.rope.RotaryConfig` does not support, or
-            ``layer_group_tokens`` of the wrong length or with a value PNMixConfig rejects.
+        ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
+            unsupported (linear-attention or KV-sharing layers, latent attention), a RoPE that
+            :class:`kvlab.rope.RotaryConfig` does not support, or ``layer_group_tokens`` of the
+            wrong length or with a value PNMixConfig rejects.
     """
 
     def __init__(
@@ -209,12 +224,10 @@ class PNMixModelCache(Cache):
         layer_group_tokens: Sequence[int] | None = None,
     ) -> None:
         text_config = model_config.get_text_config(decoder=True)
-        layer_types = getattr(text_config, "layer_types", None)
-        if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                "PNMixModelCache supports full-attention decoders only; layer types "
-                f"{sorted(set(layer_types))} found"
-            )
+        # model-matrix: refuse unsupported models before any layer exists (one line, every
+        # reason); full-attention layers hold PN-Mix, sliding/chunked layers only their window.
+        plan = plan_model(text_config)
+        plan.check(type(self).__name__)
         config = config or PNMixConfig()
         if match_rotary:
             config = pnmix_config_for_model(text_config, config)
@@ -228,28 +241,32 @@ class PNMixModelCache(Cache):
                     f"layer_group_tokens has {len(groups)} entries; the model has {n_layers} layers"
                 )
         self.layer_group_tokens = tuple(groups)
+        # model-matrix: window layers (WindowLayer) keep their window exactly, as transformers
+        # does; their layer_group_tokens entries are unused.
+        self.plan = plan
         super().__init__(
-            layers=[
-                PNMixLayer(dataclasses.replace(config, group_tokens=g), exact_prefill)
-                for g in groups
-            ]
+            layers=plan.build_layers(
+                lambda i: PNMixLayer(
+                    dataclasses.replace(config, group_tokens=groups[i]), exact_prefill
+                )
+            )
         )
 
     def nbytes(self) -> int:
-        """Persistent bytes of every layer (sinks, residual, codes, scales, masks)."""
+        """Persistent bytes of every layer (sinks, residual, codes, scales, masks; window
+        layers: their exact keys and values)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def storage_report(self) -> dict[str, int]:
         """Bytes by component, summed over layers (see :meth:`PNMixCache.nbytes`)."""
         total: dict[str, int] = {}
         for layer in self.layers:
-            if layer.store is not None:
+            if getattr(layer, "store", None) is not None:  # model-matrix: skip window layers
                 for name, value in layer.store.nbytes().items():
                     total[name] = total.get(name, 0) + value
         return total
 
     def attention_calls(self) -> int:
         """Packed-attention calls over all layers (each reads codes, never a dequantized copy)."""
-        return sum(
-            0 if layer.store is None else layer.store.attention_calls for layer in self.layers
-        )
+        stores = [getattr(layer, "store", None) for layer in self.layers]  # model-matrix
+        return sum(0 if store is None else store.attention_calls for store in stores)

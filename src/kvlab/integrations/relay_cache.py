@@ -50,6 +50,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView
+from kvlab.integrations.model_support import layer_rotary, plan_model
 from kvlab.relay.attention import ragged_attention
 from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 from kvlab.relay.core import relay
@@ -185,6 +186,8 @@ class RelayView(CacheView):
     Handles left-padded batches (``supports_padding``)."""
 
     supports_padding = True
+    # model-matrix: Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
+    supported_features = frozenset({"softcap", "s_aux"})
 
     def __init__(self, layer: RelayLayer) -> None:
         self.layer = layer
@@ -214,7 +217,11 @@ def _leading_zeros(values: list[int]) -> int:
 
 
 class RelayLayer(CacheLayerMixin):
-    """One decoder layer of a :class:`RelayModelCache`.
+    """One full-attention decoder layer of a :class:`RelayModelCache`.
+
+    ``forward_state`` is shared by the layers of one cache (the first layer of a forward checks
+    its inputs for all); ``uses_rope=False`` (a NoPE layer, only with ``relay=False``) never
+    re-rotates keys or queries.
 
     Attributes:
         store: the :class:`~kvlab.relay.storage.RelayStore` (``None`` before the first token).
@@ -236,10 +243,13 @@ class RelayLayer(CacheLayerMixin):
         rotary: RotaryConfig,
         layer_idx: int,
         forward_state: _ForwardState | None = None,
+        *,
+        uses_rope: bool = True,
     ) -> None:
         super().__init__()
         self.eviction = config
         self.rotary = rotary
+        self.uses_rope = uses_rope
         self.layer_idx = layer_idx
         self.scorer: Scorer = get_scorer(config.scorer)
         self.allocation = config.allocation or self.scorer.default_allocation
@@ -550,7 +560,8 @@ class RelayLayer(CacheLayerMixin):
             query: ``[B, H_q, T, D]`` rotated by the model at its ``position_ids``.
             scaling: the model's softmax scale.
             attention_mask: ``None`` or the 2-D keep mask ``[B, seen + T]`` (left padding).
-            kwargs: the attention kwargs (``position_ids``).
+            kwargs: the attention kwargs (``position_ids``; ``softcap`` and ``s_aux``, see
+                :func:`kvlab.relay.attention.ragged_attention`).
 
         Returns:
             ``[B, H_q, T, Dv]`` in the query dtype; padding queries give zeros.
@@ -572,13 +583,18 @@ class RelayLayer(CacheLayerMixin):
             plan = self._plan(pending, attention_mask, kwargs)
             self.forward_state.plan = plan
         keys = pending.keys
-        if plan.shift is not None:
+        if plan.shift is not None and self.uses_rope:
             keys = rotate_by_delta(keys, plan.shift, self.rotary)
             query = rotate_by_delta(query, plan.shift, self.rotary)
         self._commit(keys, pending.values, plan)
         assert self.store is not None
         out = ragged_attention(
-            query, self.store, scale=scaling, query_lengths=plan.real if plan.padded else None
+            query,
+            self.store,
+            scale=scaling,
+            query_lengths=plan.real if plan.padded else None,
+            softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
+            s_aux=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
         )
         due = self._rows_due(plan)
         for b in due:
@@ -732,8 +748,17 @@ class RelayModelCache(Cache):
         config: the :class:`EvictionConfig`.
         rotary: the model's RoPE; default :meth:`RotaryConfig.from_hf_config` of the config.
 
+    Sliding-window and chunked layers (Mistral, Gemma 2/3, GPT-OSS, ...) are not evicted from:
+    each keeps exactly its last ``window - 1`` tokens
+    (:class:`kvlab.integrations.model_support.WindowLayer`, which follows the relay's position
+    moves by rotation); the full-attention layers evict and relay. ``plan`` is the
+    :class:`~kvlab.integrations.model_support.ModelPlan` used.
+
     Raises:
-        ValueError: non-full-attention layers, or an unsupported RoPE (dynamic, longrope, ...).
+        ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
+            unsupported (linear-attention or KV-sharing layers, latent attention), full-attention
+            layers without RoPE when ``config.relay``, or an unsupported RoPE (dynamic,
+            longrope, ...).
     """
 
     def __init__(
@@ -744,21 +769,26 @@ class RelayModelCache(Cache):
         rotary: RotaryConfig | None = None,
     ) -> None:
         text_config = model_config.get_text_config(decoder=True)
-        layer_types = getattr(text_config, "layer_types", None)
-        if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                "RelayModelCache supports full-attention decoders only; layer types "
-                f"{sorted(set(layer_types))} found"
-            )
+        # model-matrix: refuse unsupported models before any layer exists (one line, every
+        # reason); full-attention layers evict, sliding/chunked layers keep only their window.
+        plan = plan_model(text_config)
+        plan.check(type(self).__name__, rotates_keys=config.relay)
+        self.plan = plan
         self.eviction = config
-        self.rotary = rotary or RotaryConfig.from_hf_config(text_config)
-        state = _ForwardState()
+        self.rotary = rotary or layer_rotary(text_config)
+        state = _ForwardState()  # shared by the relay layers: one input check per forward
         super().__init__(
-            layers=[
-                RelayLayer(config, self.rotary, i, state)
-                for i in range(text_config.num_hidden_layers)
-            ]
+            layers=plan.build_layers(
+                lambda i: RelayLayer(
+                    config, self.rotary, i, state, uses_rope=plan.layers[i].uses_rope
+                ),
+                rotary=lambda layer_type: layer_rotary(text_config, layer_type),
+            )
         )
+
+    def _relay_layers(self) -> list[RelayLayer]:
+        """The full-attention layers (model-matrix: window layers are WindowLayer)."""
+        return [layer for layer in self.layers if isinstance(layer, RelayLayer)]
 
     def nbytes(self) -> int:
         """Bytes of every layer's stored (used) keys and values; see :meth:`reserved_bytes`."""
@@ -769,22 +799,29 @@ class RelayModelCache(Cache):
         return sum(layer.numel() for layer in self.layers)
 
     def reserved_bytes(self) -> int:
-        """Bytes allocated for keys and values over all layers (used + headroom)."""
-        return sum(layer.reserved_bytes() for layer in self.layers)
+        """Bytes allocated for keys and values over all layers (used + headroom; a window
+        layer's tensors as held)."""
+        return sum(
+            layer.reserved_bytes() if isinstance(layer, RelayLayer) else layer.nbytes()
+            for layer in self.layers
+        )
 
     def index_bytes(self) -> int:
         """Bytes of the per-token position bookkeeping over all layers."""
-        return sum(layer.index_bytes() for layer in self.layers)
+        return sum(layer.index_bytes() for layer in self._relay_layers())
 
     @property
     def stream_lengths(self) -> list[int]:
         """Per sequence, real tokens received (left padding excluded)."""
-        return list(self.layers[0].stream_lengths) if self.layers else []
+        relay_layers = self._relay_layers()
+        return list(relay_layers[0].stream_lengths) if relay_layers else []
 
     @property
     def next_positions(self) -> list[int]:
-        """Per sequence, the RoPE position of its next token (the same in every layer)."""
-        return list(self.layers[0].next_positions) if self.layers else []
+        """Per sequence, the RoPE position of its next token (the same in every
+        full-attention layer)."""
+        relay_layers = self._relay_layers()
+        return list(relay_layers[0].next_positions) if relay_layers else []
 
     @staticmethod
     def _single(values: list[int], name: str) -> int:
@@ -813,4 +850,4 @@ class RelayModelCache(Cache):
 
     def events(self) -> list[EvictionEvent]:
         """Every eviction of every layer, in layer order."""
-        return [event for layer in self.layers for event in layer.events]
+        return [event for layer in self._relay_layers() for event in layer.events]

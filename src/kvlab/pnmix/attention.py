@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab.attention_logits import softcap_logits, softmax_with_sinks
 from kvlab.pnmix.cache import PackedGroup, PNMixCache
 from kvlab.pnmix.packing import unpack_codes
 from kvlab.pnmix.quantizers import phase_levels
@@ -126,6 +127,8 @@ def pnmix_attention(
     scale: float | None = None,
     causal: bool = True,
     block_groups: int | None = None,
+    logit_softcap: float | None = None,
+    sink_logits: Tensor | None = None,
 ) -> Tensor:
     """Softmax attention of ``query`` over a PN-Mix cache, consuming its packed codes.
 
@@ -140,6 +143,11 @@ def pnmix_attention(
             aligned); ``False`` = every query sees the whole cache.
         block_groups: quantized groups unpacked at a time (bounds temporary memory);
             default: as many as make 1,024 tokens (at least one).
+        logit_softcap: Gemma 2 attention-logit soft-cap applied to the scaled logits before
+            the causal mask (:func:`kvlab.attention_logits.softcap_logits`), or ``None``.
+        sink_logits: ``[H_q]`` learned sink logits (GPT-OSS ``s_aux``): one extra logit per
+            query head in the softmax, with no value
+            (:func:`kvlab.attention_logits.softmax_with_sinks`), or ``None``.
 
     Returns:
         ``[B, H_q, Q, Dv]`` in ``query``'s dtype and device, computed in float32. Agrees with
@@ -148,7 +156,8 @@ def pnmix_attention(
 
     Raises:
         ValueError: wrong rank, dtype or shape; ``H_q`` not a multiple of ``H_kv``; ``Q``
-            larger than the cache; an empty cache; ``block_groups < 1``.
+            larger than the cache; an empty cache; ``block_groups < 1``; ``sink_logits`` not
+            ``[H_q]``; ``logit_softcap`` not a positive number.
     """
     if not isinstance(cache, PNMixCache):
         raise ValueError(f"cache must be a PNMixCache, got {type(cache).__name__}")
@@ -168,6 +177,8 @@ def pnmix_attention(
         raise ValueError(f"query heads {hq} must be a multiple of num_key_value_heads {hkv}")
     if seq == 0:
         raise ValueError("cache is empty: append keys and values before attending")
+    if sink_logits is not None and tuple(sink_logits.shape) != (hq,):
+        raise ValueError(f"sink_logits must be [H_q] = [{hq}], got {tuple(sink_logits.shape)}")
     if not 1 <= nq <= seq:
         raise ValueError(f"query count {nq} must lie in 1..seq_length={seq}")
     if scale is None:
@@ -183,13 +194,17 @@ def pnmix_attention(
     parts = [q @ sink_k.float().transpose(-1, -2)]
     parts += [_block_logits(q, blk, cache, pn_pairs, any_pn) for blk in blocks]
     parts.append(q @ res_k.float().transpose(-1, -2))
-    logits = torch.cat(parts, dim=-1)  # [B, H_kv, M, seq]
+    logits = softcap_logits(torch.cat(parts, dim=-1), logit_softcap)  # [B, H_kv, M, seq]
     if causal and nq > 1:
         rows = torch.arange(rep * nq, device=q.device) % nq
         visible_to = seq - nq + rows  # last visible key position per row
         hidden = torch.arange(seq, device=q.device)[None, :] > visible_to[:, None]
         logits = logits.masked_fill(hidden, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    sinks = None
+    if sink_logits is not None:  # row r*nq + j of kv head h is query head h*rep + r
+        sinks = sink_logits.detach().to(device=q.device, dtype=torch.float32).view(hkv, rep, 1)
+        sinks = sinks.expand(hkv, rep, nq).reshape(1, hkv, rep * nq, 1)
+    probs = softmax_with_sinks(logits, sinks)
 
     n_sink = sink_k.shape[2]
     out = probs[..., :n_sink] @ cache.sink_values.float()

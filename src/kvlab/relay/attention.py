@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab.attention_logits import softcap_logits, softmax_with_sinks
 from kvlab.relay.storage import RelayStore
 
 __all__ = ["ragged_attention"]
@@ -30,6 +31,8 @@ def ragged_attention(
     *,
     scale: float,
     query_lengths: Sequence[int] | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
 ) -> Tensor:
     """Exact softmax attention of ``query`` over every segment of ``store``.
 
@@ -40,6 +43,10 @@ def ragged_attention(
         store: the layer's storage.
         scale: softmax scale of the logits.
         query_lengths: real queries per row (host ints); default all ``Q``.
+        softcap: Gemma 2 attention-logit soft-cap, or ``None``; s_aux: ``[H_q]`` GPT-OSS
+            learned sink logits, or ``None``. With either, logits and softmax are computed in
+            float32 with :mod:`kvlab.attention_logits` (the formulas of ``transformers``' eager
+            attentions) instead of SDPA.
 
     Returns:
         ``[B, H_q, Q, Dv]`` in the query dtype. Query ``j`` of a real row sees slots
@@ -47,7 +54,8 @@ def ragged_attention(
         convention of ``transformers``' causal mask). Padding queries return zeros (finite).
 
     Raises:
-        ValueError: batch or head counts that do not match the store, or ``head_dim``.
+        ValueError: batch or head counts that do not match the store, ``head_dim``, or an
+            ``s_aux`` that is not ``[H_q]``.
     """
     batch, q_heads, q_len, dim = query.shape
     heads = store.heads
@@ -86,7 +94,18 @@ def ragged_attention(
             # padding queries attend every slot (finite keys), then are zeroed below
             mask = mask | pad_queries.repeat_interleave(heads, 0).unsqueeze(-1)
         mask = mask.unsqueeze(1)  # [B*H, 1, Q, S]: broadcast over the group
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if softcap is None and s_aux is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    else:
+        if s_aux is not None and tuple(s_aux.shape) != (q_heads,):
+            raise ValueError(f"s_aux must be [H_q] = [{q_heads}], got {tuple(s_aux.shape)}")
+        logits = softcap_logits((q.float() @ keys.float().transpose(-1, -2)) * scale, softcap)
+        if mask is not None:
+            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+        sinks = None if s_aux is None else s_aux.float().view(1, heads, group)
+        if sinks is not None:
+            sinks = sinks.expand(batch, heads, group).reshape(batch * heads, group, 1, 1)
+        out = (softmax_with_sinks(logits, sinks) @ values.float()).to(query.dtype)
     out = out.reshape(batch, q_heads, q_len, store.value_dim)
     if pad_queries is not None:
         out = out.masked_fill(pad_queries.view(batch, 1, q_len, 1), 0)
