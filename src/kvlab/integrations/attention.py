@@ -10,10 +10,11 @@ attend (reading packed codes, or ragged per-head storage), and falls back to exa
 attention (PyTorch SDPA) when it receives plain tensors (e.g. a ``DynamicCache``).
 
 Masks: ``"kvlab"`` registers :func:`kvlab_mask` in ``transformers``' mask interface, which hands
-the attention function the caller's 2-D ``attention_mask`` (``[B, past + Q]``, True = keep) when
-it has padding, else ``None``; queries are the last ``Q`` tokens of the cache and attend causally
-(bottom-right aligned), as ``transformers``' own causal mask would make them. Extra mask
-functions (packed sequences, bidirectional blocks) are not supported.
+the attention function the caller's 2-D ``attention_mask`` (``[B, past + Q]``, True = keep) as
+given, or ``None`` (it never reads the mask's values: no host sync); queries are the last ``Q``
+tokens of the cache and attend causally (bottom-right aligned), as ``transformers``' own causal
+mask would make them. A view whose ``supports_padding`` is False refuses a mask with zeros.
+Extra mask functions (packed sequences, bidirectional blocks) are not supported.
 """
 
 from __future__ import annotations
@@ -45,7 +46,13 @@ class CacheView:
     Subclasses implement :meth:`attend`. Any attempt to use a view as a tensor (for example when
     the model runs with ``attn_implementation="sdpa"``) raises a ``TypeError`` that says how to
     switch to the ``"kvlab"`` attention implementation.
+
+    Attributes:
+        supports_padding: whether :meth:`attend` handles a 2-D padding mask itself; if False,
+            the attention function refuses masks with zeros (and 4-D masks) before calling it.
     """
+
+    supports_padding: bool = False
 
     def attend(
         self,
@@ -172,10 +179,11 @@ def kvlab_mask(
 ) -> Tensor | None:
     """Mask builder registered as ``"kvlab"`` in ``transformers.AttentionMaskInterface``.
 
-    Returns the 2-D boolean keep mask ``[B, past + Q]`` as given when it masks anything
-    (padding), else ``None`` (plain causal attention, applied by the attention itself).
+    Returns the 2-D boolean keep mask ``[B, past + Q]`` as given (the attention decides what
+    to do with it, without this function reading its values), or ``None`` when there is none
+    (plain causal attention, applied by the attention itself).
     """
-    if attention_mask is None or bool(attention_mask.bool().all()):
+    if attention_mask is None:
         return None
     return attention_mask.bool()
 
@@ -205,12 +213,14 @@ def kvlab_attention_forward(
         Attention weights are never returned.
 
     Raises:
-        ValueError: a padded batch or a 4-D mask with a kvlab cache view.
+        ValueError: a padded batch or a 4-D mask with a kvlab cache view that does not support
+            padding (``supports_padding`` False).
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if isinstance(key, CacheView):
-        _check_padding(attention_mask)
+        if not key.supports_padding:
+            _check_padding(attention_mask)
         out = key.attend(
             module, query, scaling=float(scaling), attention_mask=attention_mask, kwargs=kwargs
         )

@@ -755,15 +755,21 @@ class PNMixCache:
             torch.cat([vq.scale, vq.zero], dim=-1),
         ), ok
 
-    def check_values(self) -> None:
+    def check_values(self, *, assume_valid: bool = False) -> None:
         """Raise if a ``checks="deferred"`` append stored non-finite or out-of-range values
         (one device read, only when such appends happened since the last check); also brings
         masks computed by deferred appends to the host.
+
+        Args:
+            assume_valid: the caller has read :meth:`pending_check` as True (e.g. batched with
+                other layers' flags): clear it without reading it again.
 
         Raises:
             ValueError: the offending values are stored (the cache should be reset).
         """
         pending, self._pending_ok = self._pending_ok, None
+        if assume_valid:
+            pending = None
         if not self._mask_host_known.all():
             rows = np.argwhere(~self._mask_host_known)
             idx = [torch.from_numpy(rows[:, i]).to(self.device) for i in range(2)]
