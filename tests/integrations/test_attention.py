@@ -100,7 +100,9 @@ def test_padded_batch_is_rejected_for_views_without_padding_support():
         kvlab_attention_forward(module, query, view, view, padded, scaling=1.0)
     with pytest.raises(ValueError, match="4-D"):
         kvlab_attention_forward(module, query, view, view, padded[:, None, None], scaling=1.0)
-    out, _ = kvlab_attention_forward(module, query, view, view, torch.ones(2, 3).bool(), scaling=1.0)
+    out, _ = kvlab_attention_forward(
+        module, query, view, view, torch.ones(2, 3).bool(), scaling=1.0
+    )
     assert out.shape == (2, 3, 4, 8)
 
 

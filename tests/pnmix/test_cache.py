@@ -234,8 +234,13 @@ def test_flushed_codes_are_never_rewritten() -> None:
     # groups are views of the store's contiguous buffers (no per-group copies)
     store = cache.store
     for g in cache.groups:
-        assert g.key_codes.untyped_storage().data_ptr() == store.key_codes.untyped_storage().data_ptr()
-        assert g.key_scale.untyped_storage().data_ptr() == store.key_scalars.untyped_storage().data_ptr()
+        assert (
+            g.key_codes.untyped_storage().data_ptr() == store.key_codes.untyped_storage().data_ptr()
+        )
+        assert (
+            g.key_scale.untyped_storage().data_ptr()
+            == store.key_scalars.untyped_storage().data_ptr()
+        )
     assert [g.start for g in cache.groups] == [2 + 4 * i for i in range(cache.num_groups)]
 
 

@@ -318,9 +318,7 @@ class PNMixLayer(CacheLayerMixin):
         view = PNMixView(self)
         return view, view
 
-    def commit(
-        self, attention_mask: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    def commit(self, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """Store the stashed tokens, dropping padding per ``attention_mask``.
 
         Returns:
@@ -349,9 +347,10 @@ class PNMixLayer(CacheLayerMixin):
             return None
         real = None
         if lengths is not None:
-            real = torch.arange(q, device=keys.device) >= torch.from_numpy(q - lengths).to(
-                keys.device
-            )[:, None]
+            real = (
+                torch.arange(q, device=keys.device)
+                >= torch.from_numpy(q - lengths).to(keys.device)[:, None]
+            )
         return keys, values, real
 
     def get_seq_length(self) -> int:

@@ -144,7 +144,9 @@ def _limits(kv: PackedKV, nq: int, rep: int, causal: bool, device: torch.device)
     ns, ng, nr = kv.sink_lengths, kv.group_counts * kv.group_tokens, kv.residual_lengths
     n = ns + ng + nr
     j = np.tile(np.arange(nq), rep)  # query row m = r * Q + j
-    visible = n[..., None] - nq + j + 1 if causal else np.broadcast_to(n[..., None], (*n.shape, j.size))
+    visible = (
+        n[..., None] - nq + j + 1 if causal else np.broadcast_to(n[..., None], (*n.shape, j.size))
+    )
     sinks = np.clip(np.minimum(visible, ns[..., None]), 0, None)
     groups = np.clip(np.minimum(visible - ns[..., None], ng[..., None]), 0, None)
     res = np.clip(np.minimum(visible - (ns + ng)[..., None], nr[..., None]), 0, None)

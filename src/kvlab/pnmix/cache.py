@@ -50,7 +50,12 @@ from kvlab.pnmix.codecs import (
     key_codec_from_name,
 )
 from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
-from kvlab.pnmix.quantizers import STORAGE_DTYPES, minmax_dequantize, minmax_quantize, storage_range_message
+from kvlab.pnmix.quantizers import (
+    STORAGE_DTYPES,
+    minmax_dequantize,
+    minmax_quantize,
+    storage_range_message,
+)
 from kvlab.pnmix.store import AppendPlan, EncodedGroups, PackedStore, StoreGeometry
 
 __all__ = ["KeyCoding", "PNMixCache", "PNMixConfig", "PackedGroup"]
@@ -452,9 +457,7 @@ class PNMixCache:
     @property
     def residual_values(self) -> Tensor:
         """Exact residual values, storage dtype ``[B, H_kv, max residual length, Dv]``."""
-        return self._store.residual_values[
-            :, :, : int(self._store.residual_lengths.max(initial=0))
-        ]
+        return self._store.residual_values[:, :, : int(self._store.residual_lengths.max(initial=0))]
 
     # ------------------------------------------------------------------ mask
     @property
@@ -673,7 +676,10 @@ class PNMixCache:
 
         def encode(plan: AppendPlan, gk: Tensor, gv: Tensor) -> EncodedGroups:
             enc, ok = self._encode(plan, gk, gv, state)
-            ok_kv = torch.isfinite(self._real(k, plan)).all() & torch.isfinite(self._real(v, plan)).all()
+            ok_kv = (
+                torch.isfinite(self._real(k, plan)).all()
+                & torch.isfinite(self._real(v, plan)).all()
+            )
             ok = ok_kv if ok is None else ok & ok_kv
             if checks == "eager":
                 if not bool(ok):
@@ -691,7 +697,9 @@ class PNMixCache:
         if "mask_rows" in state:
             rows, bits = state["mask_rows"], state["mask_bits"]
             self._store.write_mask(rows, bits)
-            self._mask_bool[torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)] = bits
+            self._mask_bool[
+                torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)
+            ] = bits
             self._saliency_computations += 1
             self._active_pairs_valid = False
             if checks == "eager":
@@ -828,7 +836,9 @@ class PNMixCache:
         gk, gv = self.decode_groups(0, n_groups)
         n_sink = int(s.sink_lengths.max(initial=0))
         n_res = int(s.residual_lengths.max(initial=0))
-        keys = torch.cat([s.sink_keys[:, :, :n_sink].float(), gk, s.residual_keys[:, :, :n_res].float()], 2)
+        keys = torch.cat(
+            [s.sink_keys[:, :, :n_sink].float(), gk, s.residual_keys[:, :, :n_res].float()], 2
+        )
         values = torch.cat(
             [s.sink_values[:, :, :n_sink].float(), gv, s.residual_values[:, :, :n_res].float()], 2
         )
@@ -843,7 +853,9 @@ class PNMixCache:
         idx = np.where(
             pos < sl,
             pos,
-            np.where(pos < sl + gc * t, n_sink + pos - sl, n_sink + n_groups * t + pos - sl - gc * t),
+            np.where(
+                pos < sl + gc * t, n_sink + pos - sl, n_sink + n_groups * t + pos - sl - gc * t
+            ),
         )
         valid = torch.from_numpy(pos < lengths[..., None]).to(self.device)
         idx_t = torch.from_numpy(np.where(pos < lengths[..., None], idx, 0)).to(self.device)

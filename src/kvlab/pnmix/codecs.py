@@ -1,4 +1,4 @@
-"""Key codecs of the PN-Mix cache: one class per key coding, one seam (docs/design.md, "Key codecs").
+"""Key codecs of the PN-Mix cache: one class per key coding (docs/design.md, "Key codecs").
 
 A key codec turns the storage-rounded keys of quantized groups into small unsigned codes plus
 per-group scalars and back. The cache, the byte accounting and packed attention only call the
@@ -250,7 +250,12 @@ class PairCodec(KeyCodec):
         if layout.num_pairs:
             f, s = layout.first, layout.second
             a_hat, b_hat = self.decode_pairs(
-                codes[..., f], codes[..., s], scale[..., f], zero[..., f], scale[..., s], zero[..., s]
+                codes[..., f],
+                codes[..., s],
+                scale[..., f],
+                zero[..., f],
+                scale[..., s],
+                zero[..., s],
             )
             out[..., f], out[..., s] = a_hat, b_hat
         return out
@@ -313,7 +318,12 @@ class PhaseNormCodec(PairCodec):
     def encode_pairs(self, a: Tensor, b: Tensor, storage_dtype: torch.dtype) -> PairCodes:
         pn = phase_norm_quantize(a, b, self.bits, -2, storage_dtype)
         return PairCodes(
-            pn.norm_codes, pn.phase_codes, pn.norm_scale, pn.norm_zero, pn.phase_span, pn.phase_offset
+            pn.norm_codes,
+            pn.phase_codes,
+            pn.norm_scale,
+            pn.norm_zero,
+            pn.phase_span,
+            pn.phase_offset,
         )
 
     def decode_pairs(
@@ -325,7 +335,9 @@ class PhaseNormCodec(PairCodec):
         scale_b: Tensor,
         zero_b: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        return phase_norm_dequantize(code_a, code_b, scale_a, zero_a, scale_b, zero_b, self.bits, -2)
+        return phase_norm_dequantize(
+            code_a, code_b, scale_a, zero_a, scale_b, zero_b, self.bits, -2
+        )
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Little-endian bitstream packing of small unsigned integer codes.
 
-Layout (docs/design.md, "Storage format"): the codes along the last dimension form one little-endian bitstream per
-row. Code ``i`` occupies stream bits ``[i * bits, (i + 1) * bits)`` and stream bit ``k``
-is bit ``k % 8`` (least significant first) of byte ``k // 8``. For ``bits = 2`` this is
-"four codes per byte, code i of a byte in bits 2i..2i+1"; for ``bits = 3`` a code may
-straddle two bytes. A row of ``n`` codes takes exactly ``ceil(n * bits / 8)`` bytes; the
-unused high bits of the last byte are zero. Rows are packed independently, so selecting
-or reordering leading indices (e.g. sequences of a batch) of a packed tensor equals packing
-the selected codes.
+Layout (docs/design.md, "Storage format"): the codes along the last dimension form one
+little-endian bitstream per row. Code ``i`` occupies stream bits ``[i * bits, (i + 1) * bits)``
+and stream bit ``k`` is bit ``k % 8`` (least significant first) of byte ``k // 8``. For ``bits
+= 2`` this is "four codes per byte, code i of a byte in bits 2i..2i+1"; for ``bits = 3`` a code
+may straddle two bytes. A row of ``n`` codes takes exactly ``ceil(n * bits / 8)`` bytes; the
+unused high bits of the last byte are zero. Rows are packed independently, so selecting or
+reordering leading indices (e.g. sequences of a batch) of a packed tensor equals packing the
+selected codes.
 """
 
 from __future__ import annotations

@@ -18,13 +18,13 @@ for KV Cache"): ``zero = min``, ``scale = (max - min) / L``,
 of zero stores ``scale = 0`` and codes 0, so a constant reconstructs exactly (its zero point is
 the storage-rounded value itself).
 
-Phase–Norm coding of a rotary pair ``(a, b)`` (docs/design.md, "Key codecs"): the norm ``r = sqrt(a² + b²)``
-is min-max coded as above; the phase ``phi = atan2(b, a)`` is coded uniformly over the
-*shortest arc* that covers the group's phases (so phases on both sides of ±π do not inflate
-it), stored as ``offset`` (the arc's start, radians in (-π, π]) and ``span`` (its length,
-radians in [0, 2π)). Level ``c`` is ``offset + c * (span / L)``: both arc endpoints are
-levels, like the min-max scheme. The pair reconstructs as ``r_hat * (cos phi_hat,
-sin phi_hat)``.
+Phase–Norm coding of a rotary pair ``(a, b)`` (docs/design.md, "Key codecs"): the norm ``r =
+sqrt(a² + b²)`` is min-max coded as above; the phase ``phi = atan2(b, a)`` is coded uniformly
+over the *shortest arc* that covers the group's phases (so phases on both sides of ±π do not
+inflate it), stored as ``offset`` (the arc's start, radians in (-π, π]) and ``span`` (its
+length, radians in [0, 2π)). Level ``c`` is ``offset + c * (span / L)``: both arc endpoints are
+levels, like the min-max scheme. The pair reconstructs as ``r_hat * (cos phi_hat, sin
+phi_hat)``.
 
 Key layout in channel space ("pair-slot convention"): a key group is ``codes [..., T, D]``
 plus ``scale [..., D]`` and ``zero [..., D]``. For a Cartesian channel these are that

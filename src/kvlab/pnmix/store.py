@@ -155,9 +155,13 @@ def _host_lengths(lengths: Any, batch: int, heads: int, tokens: int) -> np.ndarr
     if arr.shape == (batch,):
         arr = np.repeat(arr[:, None], heads, axis=1)
     if arr.shape != (batch, heads):
-        raise ValueError(f"lengths must have shape [B] or [B, H] = [{batch}, {heads}], got {arr.shape}")
+        raise ValueError(
+            f"lengths must have shape [B] or [B, H] = [{batch}, {heads}], got {arr.shape}"
+        )
     if arr.size and (arr.min() < 0 or arr.max() > tokens):
-        raise ValueError(f"lengths must lie in 0..{tokens} (the input's tokens), got {arr.min()}..{arr.max()}")
+        raise ValueError(
+            f"lengths must lie in 0..{tokens} (the input's tokens), got {arr.min()}..{arr.max()}"
+        )
     return arr.astype(np.int64)
 
 
@@ -177,12 +181,14 @@ class PackedStore:
         dev = torch.device(device)
         b, h, dt = g.batch_size, g.num_key_value_heads, g.storage_dtype
         self.sink_keys = torch.zeros((b, h, g.sink_tokens, g.head_dim), dtype=dt, device=dev)
-        self.sink_values = torch.zeros((b, h, g.sink_tokens, g.value_head_dim), dtype=dt, device=dev)
+        self.sink_values = torch.zeros(
+            (b, h, g.sink_tokens, g.value_head_dim), dtype=dt, device=dev
+        )
         r = g.residual_capacity
         self.residual_keys = torch.zeros((b, h, r, g.head_dim), dtype=dt, device=dev)
         self.residual_values = torch.zeros((b, h, r, g.value_head_dim), dtype=dt, device=dev)
-        self.key_codes, self.key_scalars, self.value_codes, self.value_scalars = self._group_buffers(
-            b, 0, dev
+        self.key_codes, self.key_scalars, self.value_codes, self.value_scalars = (
+            self._group_buffers(b, 0, dev)
         )
         self.mask: Tensor | None = (
             torch.zeros((b, g.mask_bytes), dtype=torch.uint8, device=dev) if g.mask_bytes else None
@@ -210,7 +216,9 @@ class PackedStore:
     def seq_lengths(self) -> np.ndarray:
         """int64 ``[B, H]``: tokens stored per row (sinks + groups + residual)."""
         return (
-            self.sink_lengths + self.group_counts * self.geometry.group_tokens + self.residual_lengths
+            self.sink_lengths
+            + self.group_counts * self.geometry.group_tokens
+            + self.residual_lengths
         )
 
     def is_uniform(self) -> bool:
@@ -319,7 +327,14 @@ class PackedStore:
         new_start = r_max + (plan.tokens - plan.lengths) + plan.sink_take
         return src, new_start
 
-    def _virtual_index(self, plan: AppendPlan, new_start: np.ndarray, rows_b: np.ndarray, rows_h: np.ndarray, v: np.ndarray) -> np.ndarray:
+    def _virtual_index(
+        self,
+        plan: AppendPlan,
+        new_start: np.ndarray,
+        rows_b: np.ndarray,
+        rows_h: np.ndarray,
+        v: np.ndarray,
+    ) -> np.ndarray:
         """Source index of virtual positions ``v`` ``[n, k]`` of rows ``(rows_b, rows_h)``: the
         row's residual first, then its new tokens."""
         n_res = self.residual_lengths[rows_b, rows_h][:, None]
@@ -340,7 +355,11 @@ class PackedStore:
             start = plan.tokens - int(plan.lengths[0, 0]) + int(plan.sink_take[0, 0])
             out = []
             for x, res in ((keys, self.residual_keys), (values, self.residual_values)):
-                stream = torch.cat([res[:, :, :n_res], x[:, :, start:]], dim=2) if n_res else x[:, :, start:]
+                stream = (
+                    torch.cat([res[:, :, :n_res], x[:, :, start:]], dim=2)
+                    if n_res
+                    else x[:, :, start:]
+                )
                 grouped = stream[:, :, : f * t]
                 out.append(grouped.reshape(-1, t, x.shape[-1]))
             return out[0], out[1]
@@ -372,7 +391,9 @@ class PackedStore:
         self.residual_lengths = plan.residual_after.copy()
         assert int(self.sink_lengths.max(initial=0)) <= g.sink_tokens
 
-    def _write_uniform(self, plan: AppendPlan, keys: Tensor, values: Tensor, enc: EncodedGroups) -> None:
+    def _write_uniform(
+        self, plan: AppendPlan, keys: Tensor, values: Tensor, enc: EncodedGroups
+    ) -> None:
         g = self.geometry
         t = g.group_tokens
         n_sink = int(self.sink_lengths[0, 0])
@@ -387,7 +408,9 @@ class PackedStore:
             self.sink_values[:, :, n_sink : n_sink + take] = values[:, :, start : start + take]
         if f:
             for buf, data in zip(
-                (self.key_codes, self.key_scalars, self.value_codes, self.value_scalars), enc, strict=True
+                (self.key_codes, self.key_scalars, self.value_codes, self.value_scalars),
+                enc,
+                strict=True,
             ):
                 buf[:, :, n_g : n_g + f] = data.reshape(b, h, f, -1)
         new = start + take
@@ -397,15 +420,19 @@ class PackedStore:
                 if rest:
                     res[:, :, n_res : n_res + rest] = x[:, :, new:]
             else:
-                stream = torch.cat([res[:, :, :n_res], x[:, :, new:]], dim=2) if n_res else x[:, :, new:]
+                stream = (
+                    torch.cat([res[:, :, :n_res], x[:, :, new:]], dim=2) if n_res else x[:, :, new:]
+                )
                 kept = stream[:, :, f * t :]
                 res[:, :, : kept.shape[2]] = kept
 
-    def _write_rows(self, plan: AppendPlan, keys: Tensor, values: Tensor, enc: EncodedGroups) -> None:
+    def _write_rows(
+        self, plan: AppendPlan, keys: Tensor, values: Tensor, enc: EncodedGroups
+    ) -> None:
         g = self.geometry
         t = g.group_tokens
         dev = keys.device
-        b, h = g.batch_size, g.num_key_value_heads
+        h = g.num_key_value_heads
 
         def dev_index(a: np.ndarray) -> Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
@@ -423,7 +450,9 @@ class PackedStore:
         if plan.num_groups:
             rb, rh, slot = (dev_index(a) for a in plan.group_rows.T)
             for buf, data in zip(
-                (self.key_codes, self.key_scalars, self.value_codes, self.value_scalars), enc, strict=True
+                (self.key_codes, self.key_scalars, self.value_codes, self.value_scalars),
+                enc,
+                strict=True,
             ):
                 buf[rb, rh, slot] = data
         # residual: every row's new residual = virtual positions [flush * T, flush * T + after)
@@ -439,7 +468,9 @@ class PackedStore:
             kept = src[ib, ih, idx]  # a copy: src may alias the residual buffer
             res[ib, ih, ioff] = kept
 
-    def append(self, keys: Tensor, values: Tensor, lengths: Any = None, *, encode: GroupEncoder) -> AppendPlan:
+    def append(
+        self, keys: Tensor, values: Tensor, lengths: Any = None, *, encode: GroupEncoder
+    ) -> AppendPlan:
         """Append right-aligned tokens: plan, gather the flushed groups, ``encode`` them (ONE
         call for all groups), then write. Atomic: if :meth:`plan` or ``encode`` raises,
         nothing changes.
@@ -475,7 +506,9 @@ class PackedStore:
         dev = self.mask.device
         seq_idx = torch.from_numpy(seqs).to(dev)
         current = unpack_codes(self.mask[seq_idx], 1, h * p).reshape(len(seqs), h, p)
-        current[torch.from_numpy(pos).to(dev), torch.from_numpy(rows[:, 1]).to(dev)] = bits.to(torch.uint8)
+        current[torch.from_numpy(pos).to(dev), torch.from_numpy(rows[:, 1]).to(dev)] = bits.to(
+            torch.uint8
+        )
         self.mask[seq_idx] = pack_codes(current.reshape(len(seqs), h * p), 1, check=False)
         self.mask_rows[rows[:, 0], rows[:, 1]] = True
 
