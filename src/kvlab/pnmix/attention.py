@@ -8,14 +8,17 @@ public entry point and dispatches to a backend (``"torch"`` today).
 
 Algorithm (split-K softmax, as FlashDecoding): the stream of every row — exact sinks, quantized
 groups, exact residual — is cut into segments: the sinks, blocks of ``block_groups`` group
-slots, the residual. Per segment: logits ``q · k`` in float32 (for a block, its keys are first
-decoded to float32 by the key codec's ``decode``, element for element what
-:meth:`~kvlab.pnmix.cache.PNMixCache.dequantize` computes), masked where a slot lies beyond
-the row's count or, causally, beyond what a query may see; the segment's maximum ``m``, its
-``l = Σ exp(logit - m)`` and its ``Σ exp(logit - m) v``. Values of a block are read from their
-codes in the per-token affine form ``Σ_t p_t z_t + Σ_t (p_t s_t) c_t`` (values are coded per
-token, so this sums exactly the terms of ``Σ_t p_t (z_t + s_t c_t)``). Segments are then merged
-with weights ``exp(m - max m)``. A query row that sees nothing (a padding query) returns zeros.
+slots, the residual. Per segment: logits ``q · (k - mu)`` in float32, where a block's keys are
+first decoded to float32 by the key codec's ``decode`` (element for element what
+:meth:`~kvlab.pnmix.cache.PNMixCache.dequantize` computes) and ``mu`` is one stored key of the
+row: the softmax is unchanged, while float32 rounding becomes relative to the spread of the
+row's keys rather than their magnitude (large zero points do not cancel); logits are masked
+where a slot lies beyond the row's count or, causally, beyond what a query may see; then the
+segment's maximum ``m``, ``l = Σ exp(logit - m)`` and ``Σ exp(logit - m) v``. Values of a block
+are read from their codes in the per-token affine form ``Σ_t p_t z_t + Σ_t (p_t s_t) c_t``
+(the terms of ``Σ_t p_t (z_t + s_t c_t)`` regrouped; float32 rounding relative to the values'
+scale). Segments are merged with weights ``exp(m - max m)``. A query row that sees nothing (a
+padding query) returns zeros.
 
 Memory: the largest temporaries are one block's decoded keys and unpacked value codes
 (``B * H_kv * block_groups * group_tokens * (D + Dv)`` floats) and its logits; nothing grows
@@ -153,6 +156,27 @@ def _limits(kv: PackedKV, nq: int, rep: int, causal: bool, device: torch.device)
     return torch.from_numpy(np.stack([sinks, groups, res])[..., None]).to(device)
 
 
+def _reference_keys(kv: PackedKV) -> Tensor:
+    """A stored key of every row, float32 ``[B, H, 1, D]``: the first sink slot, else the first
+    residual slot, else the decoded first token of group slot 0. Logits are computed against
+    keys minus this reference: softmax is invariant to the row's constant ``q · mu``, and the
+    subtraction (exact when a key lies within a factor of 2 of ``mu``, Sterbenz) makes the
+    float32 rounding of a logit relative to the spread of the row's keys, not their magnitude
+    (large zero points: docs/design.md, "Attention")."""
+    if kv.sink_keys.shape[2]:
+        return kv.sink_keys[:, :, :1].float()
+    if kv.residual_keys.shape[2]:
+        return kv.residual_keys[:, :, :1].float()
+    b, h = kv.sink_keys.shape[:2]
+    d, t = kv.sink_keys.shape[-1], kv.group_tokens
+    if kv.key_codes.shape[2] == 0:
+        return kv.sink_keys.new_zeros((b, h, 1, d), dtype=torch.float32)
+    codes = _unpack_float(kv.key_codes[:, :, 0], kv.bits, t * d).reshape(b * h, t, d)
+    mask = None if kv.mask is None else kv.mask.reshape(b * h, -1)
+    first = kv.codec.decode(codes, kv.key_scalars[:, :, 0].reshape(b * h, -1), kv.layout, mask)
+    return first[:, :1].reshape(b, h, 1, d)
+
+
 class _Partials:
     """Per-segment softmax partials ``(m, l, acc)``, merged at the end."""
 
@@ -213,12 +237,12 @@ def packed_attention_reference(
     dev = kv.sink_keys.device
     q = query.to(device=dev, dtype=torch.float32).reshape(b, hkv, rep * nq, d) * scale
     limits = _limits(kv, nq, rep, causal, dev)
+    mu = _reference_keys(kv)
     parts = _Partials()
     n_sink = int(kv.sink_lengths.max(initial=0))
     if n_sink:
-        p = parts.logits(
-            q @ kv.sink_keys[:, :, :n_sink].float().mT, None if limits is None else limits[0], 0
-        )
+        sk = kv.sink_keys[:, :, :n_sink].float() - mu
+        p = parts.logits(q @ sk.mT, None if limits is None else limits[0], 0)
         parts.acc.append(p @ kv.sink_values[:, :, :n_sink].float())
     n_groups = int(kv.group_counts.max(initial=0))
     for g0 in range(0, n_groups, block_groups):
@@ -232,9 +256,8 @@ def packed_attention_reference(
         keys = kv.codec.decode(
             codes, kv.key_scalars[:, :, g0:g1].reshape(rows, -1), kv.layout, mask, kv.active_pairs
         )
-        p = parts.logits(
-            q @ keys.reshape(b, hkv, n * t, d).mT, None if limits is None else limits[1], g0 * t
-        )
+        keys = keys.reshape(b, hkv, n * t, d).sub_(mu)
+        p = parts.logits(q @ keys.mT, None if limits is None else limits[1], g0 * t)
         vcodes = _unpack_float(kv.value_codes[:, :, g0:g1], kv.bits, t * kv.sink_values.shape[-1])
         dv = kv.sink_values.shape[-1]
         vs = kv.value_scalars[:, :, g0:g1].float()
@@ -244,8 +267,9 @@ def packed_attention_reference(
         parts.acc.append(acc + (p * v_zero).sum(dim=-1, keepdim=True))
     n_res = int(kv.residual_lengths.max(initial=0))
     if n_res:
+        rk = kv.residual_keys[:, :, :n_res].float() - mu
         p = parts.logits(
-            q @ kv.residual_keys[:, :, :n_res].float().mT,
+            q @ rk.mT,
             None if limits is None else limits[2],
             0,
         )
