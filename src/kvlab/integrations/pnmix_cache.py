@@ -81,12 +81,13 @@ class _ForwardState:
         self.pending_mask_ok: Tensor | None = None
 
     def lengths(
-        self, mask: Tensor | None, queries: int, columns: int, stored: np.ndarray | None
+        self, mask: Tensor | None, batch: int, queries: int, columns: int, stored: np.ndarray | None
     ) -> np.ndarray | None:
         """Real tokens per row among the forward's ``queries`` new ones.
 
         Args:
             mask: the 2-D keep mask ``[B, columns + queries]`` or ``None``.
+            batch: the forward's batch size ``B``.
             queries: the forward's new tokens ``Q``.
             columns: token columns the layer has seen before this forward (pads included).
             stored: int64 ``[B]`` tokens the layer stores per row (``None``: empty layer).
@@ -97,9 +98,9 @@ class _ForwardState:
             (:attr:`pending_mask_ok`).
 
         Raises:
-            ValueError: a mask that is not 2-D, has the wrong number of columns, holds values
-                other than 0/1, pads a row's new tokens anywhere but on the left, or disagrees
-                with the tokens the layer stores for a row.
+            ValueError: a mask that is not 2-D, has the wrong number of rows or columns, pads a
+                row's new tokens anywhere but on the left, or disagrees with the tokens the
+                layer stores for a row.
         """
         if mask is None:
             return None
@@ -108,6 +109,8 @@ class _ForwardState:
             raise ValueError(
                 f"PN-Mix caches take a 2-D attention_mask [B, past + Q] (or none), got {shape}"
             )
+        if mask.shape[0] != batch:
+            raise ValueError(f"attention_mask has {mask.shape[0]} rows; the batch has {batch}")
         if mask.shape[1] != columns + queries:
             raise ValueError(
                 f"attention_mask has {mask.shape[1]} columns; the cache has seen {columns} "
@@ -130,9 +133,7 @@ class _ForwardState:
 
     @staticmethod
     def _read(mask: Tensor, queries: int, columns: int, stored: np.ndarray | None) -> np.ndarray:
-        host = np.asarray(mask.to(torch.int64).tolist(), dtype=np.int64)
-        if ((host != 0) & (host != 1)).any():
-            raise ValueError("attention_mask must hold only 0 and 1 (or False and True)")
+        host = np.asarray(mask.bool().tolist(), dtype=np.int64)  # nonzero = keep
         new = host[:, columns:]
         lengths = new.sum(axis=1)
         left_padded = (new == (np.arange(queries)[None, :] >= queries - lengths[:, None])).all()
@@ -337,7 +338,7 @@ class PNMixLayer(CacheLayerMixin):
         keys, values = pending
         q = keys.shape[2]
         stored = store.seq_lengths[:, 0] if int(store.seq_lengths.max()) else None
-        lengths = self._shared.lengths(attention_mask, q, self.columns, stored)
+        lengths = self._shared.lengths(attention_mask, keys.shape[0], q, self.columns, stored)
         if q > 1:  # a multi-token forward checks every layer's deferred flags first
             self._shared.check()
         store.append(keys, values, lengths, checks="deferred" if q == 1 else "eager")
