@@ -1,4 +1,5 @@
-"""The PN-Mix mechanism diagnostic (paper key ``pn-mix``), SPEC §3 / reference record 004.
+"""The PN-Mix mechanism diagnostic (paper key ``pn-mix``; docs/diagnostics.md, reference record
+004; the cache: docs/design.md, "PN-Mix").
 
 Protocol, per seed: build :class:`~kvlab.models.byte_rope_gqa.ByteRopeGQA` from the seed;
 take the first 448 bytes of the text; prefill 384 tokens into a :class:`PNMixCache` and run
@@ -405,6 +406,8 @@ PAPER = Paper(
     implementation_modules=(
         "kvlab.pnmix.packing",
         "kvlab.pnmix.quantizers",
+        "kvlab.pnmix.codecs",
+        "kvlab.pnmix.store",
         "kvlab.pnmix.cache",
         "kvlab.pnmix.attention",
         "kvlab.rope",
