@@ -7,18 +7,18 @@ The torch reference (:func:`packed_attention_reference`) takes the raw buffers o
 public entry point and dispatches to a backend (``"torch"`` today).
 
 Algorithm (split-K softmax, as FlashDecoding): the stream of every row — exact sinks, quantized
-groups, exact residual — is cut into segments: the sinks, blocks of ``block_groups`` group
-slots, the residual. Per segment: logits ``q · (k - mu)`` in float32, where a block's keys are
-first decoded to float32 by the key codec's ``decode`` (element for element what
-:meth:`~kvlab.pnmix.cache.PNMixCache.dequantize` computes) and ``mu`` is one stored key of the
-row: the softmax is unchanged, while float32 rounding becomes relative to the spread of the
-row's keys rather than their magnitude (large zero points do not cancel); logits are masked
-where a slot lies beyond the row's count or, causally, beyond what a query may see; then the
-segment's maximum ``m``, ``l = Σ exp(logit - m)`` and ``Σ exp(logit - m) v``. Values of a block
-are read from their codes in the per-token affine form ``Σ_t p_t z_t + Σ_t (p_t s_t) c_t``
-(the terms of ``Σ_t p_t (z_t + s_t c_t)`` regrouped; float32 rounding relative to the values'
-scale). Segments are merged with weights ``exp(m - max m)``. A query row that sees nothing (a
-padding query) returns zeros.
+groups, exact residual — is cut into segments: the exact tokens (sinks and residual together)
+and blocks of ``block_groups`` group slots. Per segment: logits ``q · (k - mu)`` in float32,
+where a block's keys are first decoded to float32 by the key codec's ``decode`` (element for
+element what :meth:`~kvlab.pnmix.cache.PNMixCache.dequantize` computes) and ``mu`` is one
+stored key of the row: the softmax is unchanged, while float32 rounding becomes relative to the
+spread of the row's keys rather than their magnitude (large zero points do not cancel); logits
+are masked where a slot lies beyond the row's count or, causally, beyond what a query may see;
+then the segment's maximum ``m``, ``l = Σ exp(logit - m)`` and ``Σ exp(logit - m) v``. Values
+of a block are read from their codes in the per-token affine form ``Σ_t p_t z_t + Σ_t (p_t s_t)
+c_t`` (the terms of ``Σ_t p_t (z_t + s_t c_t)`` regrouped; float32 rounding relative to the
+values' scale). Segments are merged with weights ``exp(m - max m)``. A query row that sees
+nothing (a padding query) returns zeros.
 
 Memory: the largest temporaries are one block's decoded keys and unpacked value codes
 (``B * H_kv * block_groups * group_tokens * (D + Dv)`` floats) and its logits; nothing grows
@@ -185,12 +185,11 @@ class _Partials:
         self.l: list[Tensor] = []
         self.acc: list[Tensor] = []
 
-    def logits(self, s: Tensor, limit: Tensor | None, offset: int) -> Tensor:
-        """Mask logits ``[B, H, M, w]`` beyond ``limit`` (slots from ``offset``); return the
+    def logits(self, s: Tensor, hidden: Tensor | None) -> Tensor:
+        """Mask logits ``[B, H, M, w]`` where ``hidden`` (bool, broadcastable); return the
         unnormalized probabilities ``exp(s - m)`` and record ``m`` and ``l``."""
-        if limit is not None:
-            cols = torch.arange(offset, offset + s.shape[-1], device=s.device)
-            s = s.masked_fill(cols >= limit, -math.inf)
+        if hidden is not None:
+            s = s.masked_fill(hidden, -math.inf)
         m = s.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(s.dtype).min)
         p = torch.exp(s - m)
         self.m.append(m)
@@ -240,40 +239,36 @@ def packed_attention_reference(
     mu = _reference_keys(kv)
     parts = _Partials()
     n_sink = int(kv.sink_lengths.max(initial=0))
-    if n_sink:
-        sk = kv.sink_keys[:, :, :n_sink].float() - mu
-        p = parts.logits(q @ sk.mT, None if limits is None else limits[0], 0)
-        parts.acc.append(p @ kv.sink_values[:, :, :n_sink].float())
+    n_res = int(kv.residual_lengths.max(initial=0))
+    if n_sink or n_res:  # the exact tokens, sinks then residual, as one segment
+        keys = torch.cat([kv.sink_keys[:, :, :n_sink], kv.residual_keys[:, :, :n_res]], 2)
+        values = torch.cat([kv.sink_values[:, :, :n_sink], kv.residual_values[:, :, :n_res]], 2)
+        hidden = None
+        if limits is not None:
+            cols = torch.arange(n_sink + n_res, device=dev)
+            hidden = torch.where(cols < n_sink, cols >= limits[0], (cols - n_sink) >= limits[2])
+        p = parts.logits(q @ keys.float().sub_(mu).mT, hidden)
+        parts.acc.append(p @ values.float())
     n_groups = int(kv.group_counts.max(initial=0))
+    dv = kv.sink_values.shape[-1]
     for g0 in range(0, n_groups, block_groups):
         g1 = min(g0 + block_groups, n_groups)
         n = g1 - g0
-        rows = b * hkv * n
-        codes = _unpack_float(kv.key_codes[:, :, g0:g1], kv.bits, t * d).reshape(rows, t, d)
+        codes = _unpack_float(kv.key_codes[:, :, g0:g1], kv.bits, t * d).reshape(b, hkv, n, t, d)
         mask = kv.mask
         if mask is not None:
-            mask = mask.unsqueeze(2).expand(-1, -1, n, -1).reshape(rows, -1)
-        keys = kv.codec.decode(
-            codes, kv.key_scalars[:, :, g0:g1].reshape(rows, -1), kv.layout, mask, kv.active_pairs
-        )
+            mask = mask.unsqueeze(2).expand(-1, -1, n, -1)
+        keys = kv.codec.decode(codes, kv.key_scalars[:, :, g0:g1], kv.layout, mask, kv.active_pairs)
         keys = keys.reshape(b, hkv, n * t, d).sub_(mu)
-        p = parts.logits(q @ keys.mT, None if limits is None else limits[1], g0 * t)
-        vcodes = _unpack_float(kv.value_codes[:, :, g0:g1], kv.bits, t * kv.sink_values.shape[-1])
-        dv = kv.sink_values.shape[-1]
-        vs = kv.value_scalars[:, :, g0:g1].float()
+        hidden = None
+        if limits is not None:
+            hidden = torch.arange(g0 * t, g1 * t, device=dev) >= limits[1]
+        p = parts.logits(q @ keys.mT, hidden)
+        vcodes = _unpack_float(kv.value_codes[:, :, g0:g1], kv.bits, t * dv).reshape(b, hkv, -1, dv)
+        vs = kv.value_scalars[:, :, g0:g1].float()  # [B, H, n, 2T]: scale(T) | zero(T)
         v_scale = vs[..., :t].reshape(b, hkv, 1, n * t)
         v_zero = vs[..., t:].reshape(b, hkv, 1, n * t)
-        acc = (p * v_scale) @ vcodes.reshape(b, hkv, n * t, dv)
-        parts.acc.append(acc + (p * v_zero).sum(dim=-1, keepdim=True))
-    n_res = int(kv.residual_lengths.max(initial=0))
-    if n_res:
-        rk = kv.residual_keys[:, :, :n_res].float() - mu
-        p = parts.logits(
-            q @ rk.mT,
-            None if limits is None else limits[2],
-            0,
-        )
-        parts.acc.append(p @ kv.residual_values[:, :, :n_res].float())
+        parts.acc.append((p * v_scale) @ vcodes + (p * v_zero).sum(dim=-1, keepdim=True))
     return parts.merge().reshape(b, hq, nq, -1)
 
 

@@ -674,8 +674,8 @@ class PNMixCache:
         k, v = k_in.to(dt), v_in.to(dt)
         state: dict[str, Any] = {}
 
-        def encode(plan: AppendPlan, gk: Tensor, gv: Tensor) -> EncodedGroups:
-            enc, ok = self._encode(plan, gk, gv, state)
+        def encode(plan: AppendPlan, groups: tuple[Tensor, Tensor] | None) -> EncodedGroups | None:
+            enc, ok = (None, None) if groups is None else self._encode(plan, *groups, state)
             ok_kv = (
                 torch.isfinite(self._real(k, plan)).all()
                 & torch.isfinite(self._real(v, plan)).all()
@@ -710,23 +710,12 @@ class PNMixCache:
 
     def _encode(
         self, plan: AppendPlan, gk: Tensor, gv: Tensor, state: dict[str, Any]
-    ) -> tuple[EncodedGroups, Tensor | None]:
+    ) -> tuple[EncodedGroups, Tensor]:
         """Code the flushed groups (one codec call); returns them and a device flag that every
-        key scalar is finite (``None``: no group). Mix masks of rows flushing their first group
-        go to ``state``."""
+        key scalar is finite. Mix masks of rows flushing their first group go to ``state``."""
         cfg = self._config
         dt = cfg.storage_dtype
-        g = self._geometry
-        ok = None
         n = plan.num_groups
-        if n == 0:
-            empty = gk.new_zeros((0,), dtype=torch.uint8)
-            return EncodedGroups(
-                empty.reshape(0, g.key_code_bytes),
-                gk.new_zeros((0, g.key_scalar_count), dtype=dt),
-                empty.reshape(0, g.value_code_bytes),
-                gk.new_zeros((0, 2 * g.group_tokens), dtype=dt),
-            ), ok
         rows = plan.group_rows
         mask = None
         if isinstance(self._codec, MixCodec):

@@ -61,6 +61,11 @@ __all__ = [
 ]
 
 
+def _cols(x: Tensor, index: Tensor) -> Tensor:
+    """Channels ``index`` of ``x`` (last dimension): ``x[..., index]`` as one contiguous copy."""
+    return x.index_select(-1, index)
+
+
 def _check_bits(bits: object) -> None:
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"bits must be an int in 1..8, got {bits!r}")
@@ -230,10 +235,10 @@ class PairCodec(KeyCodec):
         codes, scale, zero = cart.codes, cart.scale, cart.zero
         if layout.num_pairs:
             f, s = layout.first, layout.second
-            pc = self.encode_pairs(keys[..., f], keys[..., s], storage_dtype)
-            codes[..., f], codes[..., s] = pc.code_a, pc.code_b
-            scale[..., f], zero[..., f] = pc.scale_a, pc.zero_a
-            scale[..., s], zero[..., s] = pc.scale_b, pc.zero_b
+            pc = self.encode_pairs(_cols(keys, f), _cols(keys, s), storage_dtype)
+            codes.index_copy_(-1, f, pc.code_a).index_copy_(-1, s, pc.code_b)
+            scale.index_copy_(-1, f, pc.scale_a).index_copy_(-1, s, pc.scale_b)
+            zero.index_copy_(-1, f, pc.zero_a).index_copy_(-1, s, pc.zero_b)
         return codes, torch.cat([scale, zero], dim=-1)
 
     def decode(
@@ -250,14 +255,14 @@ class PairCodec(KeyCodec):
         if layout.num_pairs:
             f, s = layout.first, layout.second
             a_hat, b_hat = self.decode_pairs(
-                codes[..., f],
-                codes[..., s],
-                scale[..., f],
-                zero[..., f],
-                scale[..., s],
-                zero[..., s],
+                _cols(codes, f),
+                _cols(codes, s),
+                _cols(scale, f),
+                _cols(zero, f),
+                _cols(scale, s),
+                _cols(zero, s),
             )
-            out[..., f], out[..., s] = a_hat, b_hat
+            out.index_copy_(-1, f, a_hat).index_copy_(-1, s, b_hat)
         return out
 
 
@@ -410,7 +415,7 @@ def first_group_error_saliency(
     Returns:
         bool ``[N, P]``.
     """
-    a, b = keys[..., layout.first], keys[..., layout.second]
+    a, b = _cols(keys, layout.first), _cols(keys, layout.second)
     first = _pair_errors(codec.first, a, b, storage_dtype)
     second = _pair_errors(codec.second, a, b, storage_dtype)
     return second < first
@@ -470,15 +475,15 @@ class MixCodec(KeyCodec):
             return codes, scalars
         d = layout.head_dim
         f, s = layout.first, layout.second
-        pc = self.second.encode_pairs(keys[..., f], keys[..., s], storage_dtype)
+        pc = self.second.encode_pairs(_cols(keys, f), _cols(keys, s), storage_dtype)
         scale, zero = scalars[..., :d], scalars[..., d:]
         tok = mask.unsqueeze(-2)
-        codes[..., f] = torch.where(tok, pc.code_a, codes[..., f])
-        codes[..., s] = torch.where(tok, pc.code_b, codes[..., s])
-        scale[..., f] = torch.where(mask, pc.scale_a, scale[..., f])
-        zero[..., f] = torch.where(mask, pc.zero_a, zero[..., f])
-        scale[..., s] = torch.where(mask, pc.scale_b, scale[..., s])
-        zero[..., s] = torch.where(mask, pc.zero_b, zero[..., s])
+        codes.index_copy_(-1, f, torch.where(tok, pc.code_a, _cols(codes, f)))
+        codes.index_copy_(-1, s, torch.where(tok, pc.code_b, _cols(codes, s)))
+        scale.index_copy_(-1, f, torch.where(mask, pc.scale_a, _cols(scale, f)))
+        zero.index_copy_(-1, f, torch.where(mask, pc.zero_a, _cols(zero, f)))
+        scale.index_copy_(-1, s, torch.where(mask, pc.scale_b, _cols(scale, s)))
+        zero.index_copy_(-1, s, torch.where(mask, pc.zero_b, _cols(zero, s)))
         return codes, scalars
 
     def decode(
@@ -499,14 +504,19 @@ class MixCodec(KeyCodec):
         if active_pairs is not None:
             if active_pairs.numel() == 0:
                 return out
-            f, s, mask = f[active_pairs], s[active_pairs], mask[..., active_pairs]
+            f, s, mask = f[active_pairs], s[active_pairs], _cols(mask, active_pairs)
         scale, zero = scalars[..., :d], scalars[..., d:]
         a_hat, b_hat = self.second.decode_pairs(
-            codes[..., f], codes[..., s], scale[..., f], zero[..., f], scale[..., s], zero[..., s]
+            _cols(codes, f),
+            _cols(codes, s),
+            _cols(scale, f),
+            _cols(zero, f),
+            _cols(scale, s),
+            _cols(zero, s),
         )
         tok = mask.unsqueeze(-2)
-        out[..., f] = torch.where(tok, a_hat, out[..., f])
-        out[..., s] = torch.where(tok, b_hat, out[..., s])
+        out.index_copy_(-1, f, torch.where(tok, a_hat, _cols(out, f)))
+        out.index_copy_(-1, s, torch.where(tok, b_hat, _cols(out, s)))
         return out
 
     def __str__(self) -> str:

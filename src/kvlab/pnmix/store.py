@@ -125,9 +125,10 @@ class AppendPlan:
         return int(self.group_rows.shape[0])
 
 
-GroupEncoder = Callable[[AppendPlan, Tensor, Tensor], EncodedGroups]
-"""``encode(plan, keys [N, T, D], values [N, T, Dv]) -> EncodedGroups``; may raise to abort
-the append (nothing is written before it returns)."""
+GroupEncoder = Callable[[AppendPlan, "tuple[Tensor, Tensor] | None"], "EncodedGroups | None"]
+"""``encode(plan, groups) -> EncodedGroups | None``: ``groups`` is ``(keys [N, T, D], values
+[N, T, Dv])`` of the flushed groups, or ``None`` when the append flushes none (then return
+``None``); it may raise to abort the append (nothing is written before it returns)."""
 
 
 def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -341,14 +342,17 @@ class PackedStore:
         start = new_start[rows_b, rows_h][:, None]
         return np.where(v < n_res, v, start + v - n_res)
 
-    def gather(self, plan: AppendPlan, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    def gather(
+        self, plan: AppendPlan, keys: Tensor, values: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
         """The tokens of the groups ``plan`` flushes: ``(keys [N, T, D], values [N, T, Dv])``
-        in the plan's order, from the storage-rounded input ``[B, H, T_in, D|Dv]``."""
+        in the plan's order, from the storage-rounded input ``[B, H, T_in, D|Dv]``; ``None``
+        when the plan flushes no group."""
         g = self.geometry
         t = g.group_tokens
         n = plan.num_groups
         if n == 0:
-            return keys.new_zeros((0, t, g.head_dim)), values.new_zeros((0, t, g.value_head_dim))
+            return None
         if plan.uniform:
             f = int(plan.flush[0, 0])
             n_res = int(self.residual_lengths[0, 0])
@@ -376,7 +380,9 @@ class PackedStore:
             out.append(src[bi, hi, torch.from_numpy(idx).to(dev)])
         return out[0], out[1]
 
-    def write(self, plan: AppendPlan, keys: Tensor, values: Tensor, encoded: EncodedGroups) -> None:
+    def write(
+        self, plan: AppendPlan, keys: Tensor, values: Tensor, encoded: EncodedGroups | None
+    ) -> None:
         """Write sinks, groups and residual of ``plan`` (input as in :meth:`gather`) and
         update the counts. Nothing here raises on valid plans."""
         g = self.geometry
@@ -392,7 +398,7 @@ class PackedStore:
         assert int(self.sink_lengths.max(initial=0)) <= g.sink_tokens
 
     def _write_uniform(
-        self, plan: AppendPlan, keys: Tensor, values: Tensor, enc: EncodedGroups
+        self, plan: AppendPlan, keys: Tensor, values: Tensor, enc: EncodedGroups | None
     ) -> None:
         g = self.geometry
         t = g.group_tokens
@@ -407,6 +413,7 @@ class PackedStore:
             self.sink_keys[:, :, n_sink : n_sink + take] = keys[:, :, start : start + take]
             self.sink_values[:, :, n_sink : n_sink + take] = values[:, :, start : start + take]
         if f:
+            assert enc is not None
             for buf, data in zip(
                 (self.key_codes, self.key_scalars, self.value_codes, self.value_scalars),
                 enc,
@@ -427,7 +434,7 @@ class PackedStore:
                 res[:, :, : kept.shape[2]] = kept
 
     def _write_rows(
-        self, plan: AppendPlan, keys: Tensor, values: Tensor, enc: EncodedGroups
+        self, plan: AppendPlan, keys: Tensor, values: Tensor, enc: EncodedGroups | None
     ) -> None:
         g = self.geometry
         t = g.group_tokens
@@ -448,6 +455,7 @@ class PackedStore:
             self.sink_values[ib, ih, idst] = values[ib, ih, isrc]
         # groups
         if plan.num_groups:
+            assert enc is not None
             rb, rh, slot = (dev_index(a) for a in plan.group_rows.T)
             for buf, data in zip(
                 (self.key_codes, self.key_scalars, self.value_codes, self.value_scalars),
@@ -486,8 +494,7 @@ class PackedStore:
             The executed plan.
         """
         plan = self.plan(keys.shape[2], lengths)
-        gk, gv = self.gather(plan, keys, values)
-        encoded = encode(plan, gk, gv)
+        encoded = encode(plan, self.gather(plan, keys, values))
         self.write(plan, keys, values, encoded)
         return plan
 
