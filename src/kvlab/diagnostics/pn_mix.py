@@ -36,7 +36,8 @@ from kvlab.device import AcceleratorInfo, accelerator_info
 from kvlab.diagnostics.paper import Paper, PaperRun, RunContext, SeedResult
 from kvlab.models.byte_rope_gqa import ByteRopeGQA, ByteRopeGQAConfig
 from kvlab.pnmix.attention import pnmix_attention
-from kvlab.pnmix.cache import PNMixCache, PNMixConfig
+from kvlab.pnmix.cache import PNMixCache
+from kvlab.pnmix.config import PNMixConfig
 
 __all__ = ["CPU_CUDA_TOLERANCE", "PAPER", "run_protocol", "run_seed"]
 
@@ -408,6 +409,7 @@ PAPER = Paper(
         "kvlab.pnmix.quantizers",
         "kvlab.pnmix.codecs",
         "kvlab.pnmix.store",
+        "kvlab.pnmix.config",
         "kvlab.pnmix.cache",
         "kvlab.pnmix.attention",
         "kvlab.rope",

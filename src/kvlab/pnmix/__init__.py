@@ -7,17 +7,18 @@ once at prefill by a saliency test; values are quantized per token. Attention
 (:func:`pnmix_attention`) reads the packed codes directly.
 
 Modules: :mod:`~kvlab.pnmix.packing` (bitstream packing), :mod:`~kvlab.pnmix.quantizers`
-(elementary min-max and Phase–Norm quantizers), :mod:`~kvlab.pnmix.codecs` (key codecs, the
-one seam every key coding goes through), :mod:`~kvlab.pnmix.store` (contiguous per-layer
-buffers), :mod:`~kvlab.pnmix.cache` (the one-layer cache), :mod:`~kvlab.pnmix.attention`
-(packed attention), :mod:`~kvlab.pnmix.allocation` (per-layer group sizes under a byte budget).
+(elementary min-max and Phase–Norm quantizers), :mod:`~kvlab.pnmix.codecs` (key codecs, the one
+seam every key coding goes through), :mod:`~kvlab.pnmix.store` (contiguous per-layer buffers),
+:mod:`~kvlab.pnmix.config` (the configuration), :mod:`~kvlab.pnmix.cache` (the one-layer
+cache), :mod:`~kvlab.pnmix.attention` (packed attention), :mod:`~kvlab.pnmix.allocation`
+(per-layer group sizes under a byte budget).
 """
 
 from __future__ import annotations
 
 from kvlab.pnmix.allocation import allocate_group_tokens
 from kvlab.pnmix.attention import PackedKV, packed_attention_reference, pnmix_attention
-from kvlab.pnmix.cache import KeyCoding, PackedGroup, PNMixCache, PNMixConfig
+from kvlab.pnmix.cache import PackedGroup, PNMixCache
 from kvlab.pnmix.codecs import (
     CartesianCodec,
     KeyCodec,
@@ -28,6 +29,7 @@ from kvlab.pnmix.codecs import (
     PhaseNormCodec,
     first_group_error_saliency,
 )
+from kvlab.pnmix.config import KeyCoding, PNMixConfig
 from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
 from kvlab.pnmix.store import PackedStore, StoreGeometry
 
