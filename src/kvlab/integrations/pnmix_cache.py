@@ -49,22 +49,23 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView, dense_causal_attention
+from kvlab.integrations.model_support import layer_rotary, plan_model
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
-from kvlab.rope import RotaryConfig
 
 __all__ = ["PNMixLayer", "PNMixModelCache", "PNMixView", "pnmix_config_for_model"]
 
 
 def pnmix_config_for_model(model_config: Any, base: PNMixConfig | None = None) -> PNMixConfig:
     """``base`` (default ``PNMixConfig()``) with ``rotary_dim`` and ``rotary_layout`` taken from
-    the model's RoPE (:meth:`kvlab.rope.RotaryConfig.from_hf_config`), so that Phase–Norm pairs
-    are the model's true rotary pairs (partial rotary and interleaved layouts included).
+    the RoPE of the model's full-attention layers
+    (:func:`kvlab.integrations.model_support.layer_rotary`), so that Phase–Norm pairs are the
+    model's true rotary pairs (partial rotary and interleaved layouts included).
 
     Raises:
         ValueError: the config has no supported RoPE (see ``RotaryConfig.from_hf_config``).
     """
     base = base or PNMixConfig()
-    rotary = RotaryConfig.from_hf_config(model_config.get_text_config(decoder=True))
+    rotary = layer_rotary(model_config)  # model-matrix: per-layer-type RoPE (Gemma 3)
     return dataclasses.replace(base, rotary_dim=rotary.rotary_dim, rotary_layout=rotary.layout)
 
 
@@ -196,6 +197,8 @@ class PNMixView(CacheView):
     """
 
     supports_padding = True
+    # Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
+    supported_features = frozenset({"softcap", "s_aux"})
 
     def __init__(self, layer: PNMixLayer) -> None:
         self.layer = layer
@@ -211,12 +214,14 @@ class PNMixView(CacheView):
     ) -> Tensor:
         """Commit, then :func:`kvlab.pnmix.pnmix_attention` (causal, bottom-right aligned per
         row) of ``query`` ``[B, H_q, Q, D]`` — or exact attention over the prefill's own keys;
-        returns ``[B, H_q, Q, Dv]`` in the query dtype. Padding queries return zeros.
+        returns ``[B, H_q, Q, Dv]`` in the query dtype. Padding queries return zeros. Applies
+        ``kwargs["softcap"]`` (Gemma 2) and ``kwargs["s_aux"]`` (GPT-OSS sinks) when set.
 
         Raises:
             ValueError: a bad mask (see :class:`PNMixModelCache`), or, for a multi-token
                 forward, keys/values beyond the storage range; nothing is stored then.
         """
+        softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
         layer = self.layer
         exact = layer.commit(attention_mask)
         store = layer.store
@@ -224,11 +229,21 @@ class PNMixView(CacheView):
             raise RuntimeError("PNMixView used before its layer received any token")
         if exact is not None:
             keys, values, real = exact
+            out = dense_causal_attention(
+                query,
+                keys,
+                values,
+                scaling=scaling,
+                attention_mask=real,
+                softcap=softcap,
+                s_aux=s_aux,
+            )
             if real is None:
-                return dense_causal_attention(query, keys, values, scaling=scaling)
-            out = dense_causal_attention(query, keys, values, scaling=scaling, attention_mask=real)
+                return out
             return torch.where(real[:, None, :, None], out, torch.zeros((), dtype=out.dtype))
-        return pnmix_attention(query, store, scale=scaling, causal=True).to(query.dtype)
+        return pnmix_attention(
+            query, store, scale=scaling, causal=True, logit_softcap=softcap, sink_logits=s_aux
+        ).to(query.dtype)
 
 
 class PNMixLayer(CacheLayerMixin):
@@ -425,10 +440,16 @@ class PNMixModelCache(Cache):
         layer_group_tokens: one ``group_tokens`` per decoder layer (tokens); ``None`` = every
             layer uses ``config.group_tokens``.
 
+    Sliding-window and chunked layers (Mistral, Gemma 2/3, GPT-OSS, ...) are not compressed:
+    each keeps exactly its last ``window - 1`` tokens
+    (:class:`kvlab.integrations.model_support.WindowLayer`); the full-attention layers hold
+    PN-Mix. ``plan`` is the :class:`~kvlab.integrations.model_support.ModelPlan` used.
+
     Raises:
-        ValueError: a model with non-full-attention layers (sliding window, linear attention),
-            a RoPE that :class:`kvlab.rope.RotaryConfig` does not support, or
-            ``layer_group_tokens`` of the wrong length or with a value PNMixConfig rejects.
+        ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
+            unsupported (linear-attention or KV-sharing layers, latent attention), a RoPE that
+            :class:`kvlab.rope.RotaryConfig` does not support, or ``layer_group_tokens`` of the
+            wrong length or with a value PNMixConfig rejects.
     """
 
     def __init__(
@@ -441,12 +462,10 @@ class PNMixModelCache(Cache):
         layer_group_tokens: Sequence[int] | None = None,
     ) -> None:
         text_config = model_config.get_text_config(decoder=True)
-        layer_types = getattr(text_config, "layer_types", None)
-        if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                "PNMixModelCache supports full-attention decoders only; layer types "
-                f"{sorted(set(layer_types))} found"
-            )
+        # model-matrix: refuse unsupported models before any layer exists (one line, every
+        # reason); full-attention layers hold PN-Mix, sliding/chunked layers only their window.
+        plan = plan_model(text_config)
+        plan.check(type(self).__name__)
         config = config or PNMixConfig()
         if match_rotary:
             config = pnmix_config_for_model(text_config, config)
@@ -460,33 +479,37 @@ class PNMixModelCache(Cache):
                     f"layer_group_tokens has {len(groups)} entries; the model has {n_layers} layers"
                 )
         self.layer_group_tokens = tuple(groups)
+        # window layers (WindowLayer) keep their window exactly, as transformers does; their
+        # layer_group_tokens entries are unused. PN-Mix layers share one forward state.
+        self.plan = plan
         shared = _ForwardState()
         super().__init__(
-            layers=[
-                PNMixLayer(dataclasses.replace(config, group_tokens=g), exact_prefill, shared)
-                for g in groups
-            ]
+            layers=plan.build_layers(
+                lambda i: PNMixLayer(
+                    dataclasses.replace(config, group_tokens=groups[i]), exact_prefill, shared
+                )
+            )
         )
         self._shared = shared
 
     def nbytes(self) -> int:
-        """Persistent bytes of every layer (sinks, residual, codes, scales, masks)."""
+        """Persistent bytes of every layer (sinks, residual, codes, scales, masks; window
+        layers: their exact keys and values)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def storage_report(self) -> dict[str, int]:
         """Bytes by component, summed over layers (see :meth:`PNMixCache.nbytes`)."""
         total: dict[str, int] = {}
         for layer in self.layers:
-            if layer.store is not None:
+            if getattr(layer, "store", None) is not None:  # model-matrix: skip window layers
                 for name, value in layer.store.nbytes().items():
                     total[name] = total.get(name, 0) + value
         return total
 
     def attention_calls(self) -> int:
         """Packed-attention calls over all layers (each reads codes, never a dequantized copy)."""
-        return sum(
-            0 if layer.store is None else layer.store.attention_calls for layer in self.layers
-        )
+        stores = [getattr(layer, "store", None) for layer in self.layers]  # window layers: None
+        return sum(0 if store is None else store.attention_calls for store in stores)
 
     def check_values(self) -> None:
         """Check every single-token forward since the last check (values finite and within the

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlab.integrations.attention import CacheView
+from kvlab.integrations.attention import CacheView, softmax_attention
+from kvlab.integrations.model_support import layer_rotary, plan_model
 from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 from kvlab.relay.core import relay
 from kvlab.relay.scorers import ScoreInputs, Scorer, get_scorer
@@ -147,6 +148,9 @@ class RelayView(CacheView):
     """Returned by :meth:`RelayLayer.update`: attends head by head over the ragged storage and
     runs the layer's eviction afterwards when it is due."""
 
+    # model-matrix: Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
+    supported_features = frozenset({"softcap", "s_aux"})
+
     def __init__(self, layer: RelayLayer, num_new: int, shift: int) -> None:
         self.layer = layer
         self.num_new = num_new
@@ -172,6 +176,7 @@ class RelayView(CacheView):
         if hq % heads:
             raise ValueError(f"query heads {hq} must be a multiple of kv heads {heads}")
         group = hq // heads
+        softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")  # model-matrix
         outs = []
         for h in range(heads):
             keys, values = layer.keys_per_head[h], layer.values_per_head[h]
@@ -182,12 +187,14 @@ class RelayView(CacheView):
                 rows = torch.arange(q_len, device=q.device).unsqueeze(-1) + (n - q_len)
                 mask = torch.arange(n, device=q.device).unsqueeze(0) <= rows
             outs.append(
-                F.scaled_dot_product_attention(
+                softmax_attention(  # model-matrix: was F.scaled_dot_product_attention
                     q,
                     keys.unsqueeze(1).expand(batch, group, n, keys.shape[-1]).to(q.dtype),
                     values.unsqueeze(1).expand(batch, group, n, values.shape[-1]).to(q.dtype),
-                    attn_mask=mask,
-                    scale=scaling,
+                    mask=mask,
+                    scaling=scaling,
+                    softcap=softcap,
+                    s_aux=None if s_aux is None else s_aux[h * group : (h + 1) * group],
                 )
             )
         out = torch.cat(outs, dim=1)
@@ -500,8 +507,17 @@ class RelayModelCache(Cache):
         config: the :class:`EvictionConfig`.
         rotary: the model's RoPE; default :meth:`RotaryConfig.from_hf_config` of the config.
 
+    Sliding-window and chunked layers (Mistral, Gemma 2/3, GPT-OSS, ...) are not evicted from:
+    each keeps exactly its last ``window - 1`` tokens
+    (:class:`kvlab.integrations.model_support.WindowLayer`, which follows the relay's position
+    moves by rotation); the full-attention layers evict and relay. ``plan`` is the
+    :class:`~kvlab.integrations.model_support.ModelPlan` used.
+
     Raises:
-        ValueError: non-full-attention layers, or an unsupported RoPE (dynamic, longrope, ...).
+        ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
+            unsupported (linear-attention or KV-sharing layers, latent attention), full-attention
+            layers without RoPE when ``config.relay``, or an unsupported RoPE (dynamic,
+            longrope, ...).
     """
 
     def __init__(
@@ -512,19 +528,23 @@ class RelayModelCache(Cache):
         rotary: RotaryConfig | None = None,
     ) -> None:
         text_config = model_config.get_text_config(decoder=True)
-        layer_types = getattr(text_config, "layer_types", None)
-        if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                "RelayModelCache supports full-attention decoders only; layer types "
-                f"{sorted(set(layer_types))} found"
-            )
+        # model-matrix: refuse unsupported models before any layer exists (one line, every
+        # reason); full-attention layers evict, sliding/chunked layers keep only their window.
+        plan = plan_model(text_config)
+        plan.check(type(self).__name__, rotates_keys=config.relay)
+        self.plan = plan
         self.eviction = config
-        self.rotary = rotary or RotaryConfig.from_hf_config(text_config)
+        self.rotary = rotary or layer_rotary(text_config)
         super().__init__(
-            layers=[
-                RelayLayer(config, self.rotary, i) for i in range(text_config.num_hidden_layers)
-            ]
+            layers=plan.build_layers(
+                lambda i: RelayLayer(config, self.rotary, i),
+                rotary=lambda layer_type: layer_rotary(text_config, layer_type),
+            )
         )
+
+    def _relay_layers(self) -> list[RelayLayer]:
+        """The full-attention layers (model-matrix: window layers are WindowLayer)."""
+        return [layer for layer in self.layers if isinstance(layer, RelayLayer)]
 
     def nbytes(self) -> int:
         """Bytes of every layer's stored key and value tensors."""
@@ -536,18 +556,22 @@ class RelayModelCache(Cache):
 
     def index_bytes(self) -> int:
         """Bytes of the per-token position bookkeeping over all layers."""
-        return sum(layer.index_bytes() for layer in self.layers)
+        return sum(layer.index_bytes() for layer in self._relay_layers())
 
     @property
     def stream_length(self) -> int:
         """Tokens received so far (original stream length)."""
-        return self.layers[0].stream_length if self.layers else 0
+        relay_layers = self._relay_layers()
+        if relay_layers:
+            return relay_layers[0].stream_length
+        return self.get_seq_length(0) if self.layers else 0
 
     @property
     def next_position(self) -> int:
-        """Position of the next token (same in every layer)."""
-        return self.layers[0].next_position if self.layers else 0
+        """Position of the next token (same in every full-attention layer)."""
+        relay_layers = self._relay_layers()
+        return relay_layers[0].next_position if relay_layers else self.stream_length
 
     def events(self) -> list[EvictionEvent]:
         """Every eviction of every layer, in layer order."""
-        return [event for layer in self.layers for event in layer.events]
+        return [event for layer in self._relay_layers() for event in layer.events]

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab.attention_logits import softcap_logits
 from kvlab.pnmix.cache import PNMixCache
 from kvlab.pnmix.codecs import KeyCodec, KeyLayout
 from kvlab.pnmix.packing import unpack_codes
@@ -213,6 +214,8 @@ def packed_attention_reference(
     scale: float,
     causal: bool = True,
     block_groups: int = 32,
+    logit_softcap: float | None = None,
+    sink_logits: Tensor | None = None,
 ) -> Tensor:
     """Softmax attention of ``query`` over packed storage, in float32 (module docstring).
 
@@ -225,9 +228,14 @@ def packed_attention_reference(
         causal: query ``j`` sees stream indices ``<= n - Q + j`` (bottom-right); ``False``: all
             of the row's ``n`` tokens.
         block_groups: group slots decoded at a time (>= 1).
+        logit_softcap: Gemma 2 soft-cap of the scaled logits, applied before masking
+            (:func:`kvlab.attention_logits.softcap_logits`), or ``None``. ``tanh`` is not
+            shift-invariant, so with a cap the logits are ``q · (k - mu) + q · mu``.
+        sink_logits: ``[H_q]`` learned sink logits (GPT-OSS ``s_aux``): one extra logit per
+            query row in the softmax, with no value, or ``None``.
 
     Returns:
-        float32 ``[B, H_q, Q, Dv]``; zeros for a query that sees no token.
+        float32 ``[B, H_q, Q, Dv]``; zeros for a query that sees no token (and no sink).
     """
     b, hq, nq, d = query.shape
     hkv = kv.sink_keys.shape[1]
@@ -237,6 +245,14 @@ def packed_attention_reference(
     q = query.to(device=dev, dtype=torch.float32).reshape(b, hkv, rep * nq, d) * scale
     limits = _limits(kv, nq, rep, causal, dev)
     mu = _reference_keys(kv)
+    # q . mu: what the centred logits lack, needed where the true logit value matters
+    q_mu = q @ mu.mT if logit_softcap is not None or sink_logits is not None else None
+
+    def transform(s: Tensor) -> Tensor:
+        if logit_softcap is None:
+            return s
+        return softcap_logits(s + q_mu, logit_softcap)
+
     parts = _Partials()
     n_sink = int(kv.sink_lengths.max(initial=0))
     n_res = int(kv.residual_lengths.max(initial=0))
@@ -247,7 +263,7 @@ def packed_attention_reference(
         if limits is not None:
             cols = torch.arange(n_sink + n_res, device=dev)
             hidden = torch.where(cols < n_sink, cols >= limits[0], (cols - n_sink) >= limits[2])
-        p = parts.logits(q @ keys.float().sub_(mu).mT, hidden)
+        p = parts.logits(transform(q @ keys.float().sub_(mu).mT), hidden)
         parts.acc.append(p @ values.float())
     n_groups = int(kv.group_counts.max(initial=0))
     dv = kv.sink_values.shape[-1]
@@ -263,12 +279,20 @@ def packed_attention_reference(
         hidden = None
         if limits is not None:
             hidden = torch.arange(g0 * t, g1 * t, device=dev) >= limits[1]
-        p = parts.logits(q @ keys.mT, hidden)
+        p = parts.logits(transform(q @ keys.mT), hidden)
         vcodes = _unpack_float(kv.value_codes[:, :, g0:g1], kv.bits, t * dv).reshape(b, hkv, -1, dv)
         vs = kv.value_scalars[:, :, g0:g1].float()  # [B, H, n, 2T]: scale(T) | zero(T)
         v_scale = vs[..., :t].reshape(b, hkv, 1, n * t)
         v_zero = vs[..., t:].reshape(b, hkv, 1, n * t)
         parts.acc.append((p * v_scale) @ vcodes + (p * v_zero).sum(dim=-1, keepdim=True))
+    if sink_logits is not None:  # row r * Q + j of kv head h is query head h * rep + r
+        sinks = sink_logits.detach().to(device=dev, dtype=torch.float32).view(1, hkv, rep, 1)
+        sinks = sinks.expand(b, hkv, rep, nq).reshape(b, hkv, rep * nq, 1)
+        if logit_softcap is None:
+            sinks = sinks - q_mu  # into the centred logits' frame
+        parts.m.append(sinks)
+        parts.l.append(torch.ones_like(sinks))
+        parts.acc.append(sinks.new_zeros((b, hkv, rep * nq, kv.sink_values.shape[-1])))
     return parts.merge().reshape(b, hq, nq, -1)
 
 
@@ -280,6 +304,8 @@ def pnmix_attention(
     causal: bool = True,
     block_groups: int | None = None,
     backend: str = "auto",
+    logit_softcap: float | None = None,
+    sink_logits: Tensor | None = None,
 ) -> Tensor:
     """Softmax attention of ``query`` over a PN-Mix cache, consuming its packed codes.
 
@@ -297,6 +323,11 @@ def pnmix_attention(
             default: as many as make 4,096 tokens (at least one).
         backend: ``"torch"`` (the reference, :func:`packed_attention_reference`) or
             ``"auto"`` (the best available: ``"torch"`` today).
+        logit_softcap: Gemma 2 attention-logit soft-cap applied to the scaled logits before
+            the causal mask (:func:`kvlab.attention_logits.softcap_logits`), or ``None``.
+        sink_logits: ``[H_q]`` learned sink logits (GPT-OSS ``s_aux``): one extra logit per
+            query head in the softmax, with no value
+            (:func:`kvlab.attention_logits.softmax_with_sinks`), or ``None``.
 
     Returns:
         ``[B, H_q, Q, Dv]`` in ``query``'s dtype and device, computed in float32. Agrees with
@@ -307,7 +338,7 @@ def pnmix_attention(
     Raises:
         ValueError: wrong rank, dtype or shape; ``H_q`` not a multiple of ``H_kv``; ``Q``
             larger than the longest row; an empty cache; ``block_groups < 1``; an unknown
-            backend.
+            backend; ``sink_logits`` not ``[H_q]``; ``logit_softcap`` not a positive number.
     """
     if not isinstance(cache, PNMixCache):
         raise ValueError(f"cache must be a PNMixCache, got {type(cache).__name__}")
@@ -332,10 +363,20 @@ def pnmix_attention(
         raise ValueError("cache is empty: append keys and values before attending")
     if not 1 <= nq <= longest:
         raise ValueError(f"query count {nq} must lie in 1..seq_length={longest}")
+    if sink_logits is not None and tuple(sink_logits.shape) != (hq,):
+        raise ValueError(f"sink_logits must be [H_q] = [{hq}], got {tuple(sink_logits.shape)}")
+    if logit_softcap is not None:
+        softcap_logits(query.new_zeros(()), logit_softcap)  # validates the cap
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     out = packed_attention_reference(
-        query, packed_kv(cache), scale=scale, causal=causal, block_groups=block_groups
+        query,
+        packed_kv(cache),
+        scale=scale,
+        causal=causal,
+        block_groups=block_groups,
+        logit_softcap=logit_softcap,
+        sink_logits=sink_logits,
     )
     cache._record_attention_call()
     return out.to(device=query.device, dtype=query.dtype)
