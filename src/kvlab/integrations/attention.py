@@ -11,12 +11,14 @@ attention (PyTorch SDPA; float32 logits when soft-capping or sinks apply) when i
 tensors (e.g. a ``DynamicCache``, or a kvlab cache's sliding-window layers).
 
 Masks: ``"kvlab"`` registers :func:`kvlab_mask` in ``transformers``' mask interface. For the
-plain causal mask it hands the attention function the caller's 2-D ``attention_mask``
-(``[B, past + Q]``, True = keep) when it has padding, else ``None``; queries are the last ``Q``
-tokens of the cache and attend causally (bottom-right aligned), as ``transformers``' own causal
-mask would make them. Any other mask pattern (sliding window, chunked, packed sequences,
-bidirectional blocks) is materialized exactly as ``transformers``' SDPA mask (a 4-D boolean
-``[B, 1, Q, K]``), which plain tensors honour and cache views refuse.
+plain causal mask it hands the attention function the caller's 2-D ``attention_mask`` (``[B,
+past + Q]``, True = keep) as given, or ``None`` (it never reads the mask's values: no host
+sync); queries are the last ``Q`` tokens of the cache and attend causally (bottom-right
+aligned), as ``transformers``' own causal mask would make them. A view whose
+``supports_padding`` is False refuses a 2-D mask with zeros. Any other mask pattern (sliding
+window, chunked, packed sequences, bidirectional blocks) is materialized exactly as
+``transformers``' SDPA mask (a 4-D boolean ``[B, 1, Q, K]``), which plain tensors honour and
+cache views refuse.
 
 Attention arguments: every keyword ``transformers`` (5.x) passes to an attention function is
 honoured or refused with one clear error, never dropped — ``scaling``, ``dropout``,
@@ -87,17 +89,14 @@ class CacheView:
     feature before calling ``attend``. Any attempt to use a view as a tensor (for example when
     the model runs with ``attn_implementation="sdpa"``) raises a ``TypeError`` that says how to
     switch to the ``"kvlab"`` attention implementation.
-
-    ``supports_padding``: whether :meth:`attend` handles a 2-D attention mask with padding
-    (left-padded batches); when False, :func:`kvlab_attention_forward` refuses such masks.
     """
 
     #: Features of :data:`VIEW_FEATURES` that :meth:`attend` applies (read from its ``kwargs``:
     #: ``kwargs["softcap"]`` a float or None, ``kwargs["s_aux"]`` a ``[H_q]`` tensor or None).
     supported_features: ClassVar[frozenset[str]] = frozenset()
-
-    #: Whether :meth:`attend` handles a 2-D attention mask with padding (left-padded batches)
-    #: itself; when False, :func:`kvlab_attention_forward` refuses such masks.
+    #: Whether :meth:`attend` handles a 2-D padding mask itself (PN-Mix and relay views do); if
+    #: False, :func:`kvlab_attention_forward` refuses masks with zeros (and 4-D masks) before
+    #: the call.
     supports_padding: ClassVar[bool] = False
 
     def attend(
@@ -328,18 +327,18 @@ def kvlab_mask(
     """Mask builder registered as ``"kvlab"`` in ``transformers.AttentionMaskInterface``.
 
     For ``transformers``' plain causal mask function: the 2-D boolean keep mask ``[B, past +
-    Q]`` as given when it masks anything (padding), else ``None`` (plain causal attention,
-    applied by the attention itself). For any other mask function (sliding window, chunked,
-    packed sequences, bidirectional or block overlays): ``transformers.masking_utils.sdpa_mask``
-    materialized as a 4-D boolean ``[B, 1, Q, kv_length]`` keep mask, exactly what the
-    ``"sdpa"`` implementation would receive.
+    Q]`` as given (its values are not read), or ``None`` when there is none (plain causal
+    attention, applied by the attention itself). For any other mask function (sliding window,
+    chunked, packed sequences, bidirectional or block overlays):
+    ``transformers.masking_utils.sdpa_mask`` materialized as a 4-D boolean
+    ``[B, 1, Q, kv_length]`` keep mask, exactly what the ``"sdpa"`` implementation would
+    receive.
     """
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     if mask_function is None or mask_function is causal_mask_function:
-        if attention_mask is None or bool(attention_mask.bool().all()):
-            return None
-        return attention_mask.bool()
+        # as given, without reading it (no host sync): the attention decides about padding
+        return None if attention_mask is None else attention_mask.bool()
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
     return sdpa_mask(
@@ -447,7 +446,7 @@ def kvlab_attention_forward(
             )
         if not causal:
             raise ValueError("kvlab cache views attend causally only (is_causal=False given)")
-        if not key.supports_padding:
+        if not type(key).supports_padding:
             _check_padding(attention_mask)
         out = key.attend(
             module,

@@ -5,9 +5,9 @@ keeps its tokens in a :class:`kvlab.relay.storage.RelayStore`: one flat key buff
 value buffer with one segment per (sequence, kv head), so every head of every sequence keeps its
 own number of tokens and evicted tokens are physically gone (:meth:`RelayModelCache.nbytes`
 shrinks by the evicted fraction). Layout, growth and byte accounting: docs/design.md,
-RoPE-Relay.
+"RoPE-Relay".
 
-A forward through a layer (docs/design.md, RoPE-Relay: A forward):
+A forward through a layer (docs/design.md, "RoPE-Relay: A forward"):
 
 1. ``update`` only stashes the new keys and values and returns a :class:`RelayView`;
 2. the ``"kvlab"`` attention function calls :meth:`RelayView.attend` with the queries and the
@@ -30,7 +30,7 @@ shared by every head and layer (``E = slots - 1``), so the next token sits at ``
 everywhere; with ``relay=False`` the kept tokens keep their original positions. The kept tokens
 are then compacted to the front of their segments, in stream order.
 
-Positions (docs/design.md, RoPE-Relay: Positions): :meth:`RelayModelCache.get_seq_length` is
+Positions (docs/design.md, "RoPE-Relay: Positions"): :meth:`RelayModelCache.get_seq_length` is
 what ``transformers`` means by it — the tokens (columns, left padding included) the cache has
 seen — so multi-turn ``generate``, continuing a cached prefix and ``copy.deepcopy`` reuse work.
 The RoPE position of a sequence's next token is a separate quantity,

@@ -1,5 +1,5 @@
 """RoPE-Relay: heterogeneous per-head eviction, then a relay of the kept keys
-(docs/design.md, RoPE-Relay).
+(docs/design.md, "RoPE-Relay").
 
 The package holds the mechanism's parts, none of which imports ``transformers``:
 

@@ -1,6 +1,6 @@
 """Ragged KV storage of one attention layer: one flat buffer, one segment per (sequence, kv head).
 
-Layout (docs/design.md, RoPE-Relay: Storage format): a layer holds ``B`` sequences of
+Layout (docs/design.md, "RoPE-Relay: Storage format"): a layer holds ``B`` sequences of
 ``H`` kv heads, i.e. ``B * H`` *segments*; segment ``s = b * H + h`` owns the rows
 ``offsets[s] .. offsets[s] + capacities[s] - 1`` of four flat buffers:
 
@@ -14,15 +14,16 @@ for future tokens. ``offsets``, ``lengths`` and ``capacities`` are host-side Pyt
 read back from the device), like ``cu_seqlens`` of varlen attention kernels. Segments are
 contiguous and in order (``offsets[s + 1] == offsets[s] + capacities[s]``).
 
-Growth (docs/design.md, RoPE-Relay: Segment layout and growth): when a segment runs out of
+Growth (docs/design.md, "RoPE-Relay: Segment layout
+and growth"): when a segment runs out of
 headroom the whole buffer is re-laid out with every segment given
 ``headroom = max(min_headroom, ceil(growth * mean length))`` free rows, so a re-layout (one copy
 of the used rows) happens at most once per ``headroom`` appended tokens per segment: amortized
 O(1) per token. Eviction compacts a segment in place (kept tokens moved to its front;
-docs/design.md, RoPE-Relay: Compaction); :meth:`RelayStore.shrink` gives back memory when the
+docs/design.md, "RoPE-Relay: Compaction"); :meth:`RelayStore.shrink` gives back memory when the
 buffer is mostly headroom.
 
-Bytes (docs/design.md, RoPE-Relay: Byte accounting): :meth:`RelayStore.nbytes` counts the used
+Bytes (docs/design.md, "RoPE-Relay: Byte accounting"): :meth:`RelayStore.nbytes` counts the used
 key/value elements exactly, :meth:`RelayStore.reserved_bytes` the allocation,
 :meth:`RelayStore.index_bytes` the used position bookkeeping (two int64 per stored token).
 
