@@ -14,7 +14,12 @@ from kvlab.integrations import (
     enable_kvlab_attention,
     use_attention,
 )
-from kvlab.integrations.attention import dense_causal_attention
+from kvlab.integrations.attention import (
+    CacheView,
+    dense_causal_attention,
+    kvlab_attention_forward,
+    kvlab_mask,
+)
 
 
 def _reference_attention(q, k, v, scaling, offset):
@@ -79,14 +84,51 @@ def test_view_under_sdpa_raises_clear_error(make_llama):
         model(torch.tensor([[5, 6, 7]]), cache=cache)
 
 
-def test_padded_batch_is_rejected(make_llama):
+class _NoPaddingView(CacheView):
+    """A view that leaves padding to the attention function (``supports_padding`` False)."""
+
+    def attend(self, module, query, *, scaling, attention_mask, kwargs):
+        return torch.zeros_like(query)
+
+
+def test_padded_batch_is_rejected_for_views_without_padding_support():
+    view = _NoPaddingView()
+    module = torch.nn.Module()
+    query = torch.randn(2, 4, 3, 8)
+    padded = torch.tensor([[1, 1, 1], [0, 1, 1]]).bool()
+    with pytest.raises(ValueError, match="padded"):
+        kvlab_attention_forward(module, query, view, view, padded, scaling=1.0)
+    with pytest.raises(ValueError, match="4-D"):
+        kvlab_attention_forward(module, query, view, view, padded[:, None, None], scaling=1.0)
+    out, _ = kvlab_attention_forward(
+        module, query, view, view, torch.ones(2, 3).bool(), scaling=1.0
+    )
+    assert out.shape == (2, 3, 4, 8)
+
+
+def test_mask_builder_never_reads_the_mask(monkeypatch):
+    """kvlab_mask hands the 2-D mask on as given (a padding decision costs no host sync)."""
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("kvlab_mask read the mask on the host")
+
+    for name in ("item", "__bool__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    out = kvlab_mask(2, 3, 3, attention_mask=mask)
+    monkeypatch.undo()
+    assert out.dtype == torch.bool and torch.equal(out, mask.bool())
+    assert kvlab_mask(2, 3, 3, attention_mask=None) is None
+
+
+def test_bad_padding_for_a_padding_view_is_refused_and_attention_restored(make_llama):
     model = make_llama()
-    ids = torch.tensor([[5, 6, 7, 8], [0, 6, 7, 8]])
-    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    ids = torch.tensor([[5, 6, 7, 8], [6, 7, 8, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])  # right padding: PN-Mix refuses it
     with (
         use_attention(model, KVLAB_ATTENTION),
         torch.no_grad(),
-        pytest.raises(ValueError, match="padded"),
+        pytest.raises(ValueError, match="left padding"),
     ):
         model(ids, attention_mask=mask, cache=PNMixModelCache(model.config))
     assert model.config._attn_implementation == "sdpa"  # restored by use_attention

@@ -158,3 +158,252 @@ def test_crop_is_refused():
     layer.crop(0)
     with pytest.raises(NotImplementedError, match="cropped"):
         layer.crop(-1)
+
+
+# ---------------------------------------------------------------- padded batches
+def _left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r) :] = r
+        mask[b, width - len(r) :] = 1
+    return ids, mask
+
+
+def _row_bytes(store: PNMixCache, b: int) -> list[torch.Tensor]:
+    s = store.store
+    ns, ng, nr = (int(a[b, 0]) for a in (s.sink_lengths, s.group_counts, s.residual_lengths))
+    parts = [
+        s.sink_keys[b, :, :ns],
+        s.sink_values[b, :, :ns],
+        s.key_codes[b, :, :ng],
+        s.key_scalars[b, :, :ng],
+        s.value_codes[b, :, :ng],
+        s.value_scalars[b, :, :ng],
+        s.residual_keys[b, :, :nr],
+        s.residual_values[b, :, :nr],
+    ]
+    if s.mask is not None:
+        parts.append(s.mask[b])
+    return [p.contiguous().view(torch.int16) if p.is_floating_point() else p for p in parts]
+
+
+@pytest.mark.parametrize("exact_prefill", [True, False])
+def test_left_padded_batch_rows_equal_rows_run_alone(make_llama, exact_prefill):
+    """Each row of a left-padded batch (positions from the mask, as generate makes them):
+    logits of its real tokens equal the row run alone to float32 rounding, padding query rows
+    stay finite, and the row's layer-0 storage equals the row's alone byte for byte (deeper
+    layers' keys depend on float32 attention outputs that may round differently in a batch;
+    the store-level tests pin exact bytes for any input)."""
+    model = make_llama(seed=11)
+    gen = torch.Generator().manual_seed(12)
+    rows = [torch.randint(3, 96, (n,), generator=gen) for n in (70, 45, 58)]
+    ids, mask = _left_padded(rows)
+    nxt = torch.randint(3, 96, (3, 6), generator=gen)
+    cache = PNMixModelCache(model.config, PNMixConfig(**SMALL), exact_prefill=exact_prefill)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        out = model(
+            ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache
+        )
+        steps = []
+        for t in range(6):
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            positions = mask.sum(-1, keepdim=True) - 1
+            steps.append(
+                model(
+                    nxt[:, t : t + 1], attention_mask=mask, position_ids=positions, cache=cache
+                ).logits
+            )
+        assert bool(torch.isfinite(out.logits).all())
+        assert cache.get_seq_length() == ids.shape[1] + 6
+        for b, row in enumerate(rows):
+            alone = PNMixModelCache(model.config, PNMixConfig(**SMALL), exact_prefill=exact_prefill)
+            ref = model(row[None], cache=alone).logits[0]
+            torch.testing.assert_close(
+                out.logits[b, ids.shape[1] - len(row) :], ref, atol=1e-5, rtol=1e-5
+            )
+            for t in range(6):
+                torch.testing.assert_close(
+                    steps[t][b],
+                    model(nxt[b : b + 1, t : t + 1], cache=alone).logits[0],
+                    atol=1e-5,
+                    rtol=1e-5,
+                )
+            for layer_b, layer_a in zip(cache.layers, alone.layers, strict=True):
+                assert (
+                    layer_b.store.seq_lengths[b].tolist() == layer_a.store.seq_lengths[0].tolist()
+                )
+            assert alone.layers[0].store.quantized_tokens > 0  # groups were flushed
+            for x, y in zip(
+                _row_bytes(cache.layers[0].store, b),
+                _row_bytes(alone.layers[0].store, 0),
+                strict=True,
+            ):
+                assert torch.equal(x, y)
+
+
+def test_left_padded_generate_equals_each_row_alone(make_llama):
+    model = make_llama(seed=13)
+    model.generation_config.eos_token_id = None
+    gen = torch.Generator().manual_seed(14)
+    rows = [torch.randint(3, 96, (n,), generator=gen) for n in (64, 41)]
+    ids, mask = _left_padded(rows)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        cache = PNMixModelCache(model.config, PNMixConfig(**SMALL))
+        batch = model.generate(
+            ids, attention_mask=mask, max_new_tokens=10, do_sample=False, cache=cache
+        )
+        assert cache.layers[0].store.group_counts[:, 0].tolist() == [3, 2]
+        cache.check_values()
+        for b, row in enumerate(rows):
+            alone = model.generate(
+                row[None],
+                max_new_tokens=10,
+                do_sample=False,
+                cache=PNMixModelCache(model.config, PNMixConfig(**SMALL)),
+            )
+            assert torch.equal(batch[b, -10:], alone[0, -10:])
+
+
+# ---------------------------------------------------------------- multi-turn
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_second_generate_continues_the_same_cache(make_llama, quantized):
+    """Multi-turn: generate, append a user turn, generate again with the same cache. The cache
+    counts every token exactly once; with nothing quantized the tokens equal DynamicCache's."""
+    model = make_llama(seed=15)
+    model.generation_config.eos_token_id = None
+    config = PNMixConfig(**SMALL) if quantized else PNMixConfig()
+    gen = torch.Generator().manual_seed(16)
+    prompt = torch.randint(3, 96, (1, 30), generator=gen)
+    turn = torch.randint(3, 96, (1, 9), generator=gen)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        cache = PNMixModelCache(model.config, config)
+        first = model.generate(prompt, max_new_tokens=8, do_sample=False, cache=cache)
+        assert cache.get_seq_length() == first.shape[1] - 1  # the last token is not fed yet
+        conversation = torch.cat([first, turn], 1)
+        second = model.generate(conversation, max_new_tokens=8, do_sample=False, cache=cache)
+        assert torch.equal(second[:, : conversation.shape[1]], conversation)
+        assert cache.get_seq_length() == second.shape[1] - 1
+        assert cache.layers[0].store.seq_length == second.shape[1] - 1
+        if quantized:
+            assert cache.layers[0].store.quantized_tokens > 0
+            return
+        reference = DynamicCache(config=model.config)
+        ref_first = model.generate(prompt, max_new_tokens=8, do_sample=False, cache=reference)
+        ref_second = model.generate(
+            torch.cat([ref_first, turn], 1), max_new_tokens=8, do_sample=False, cache=reference
+        )
+    assert torch.equal(first, ref_first) and torch.equal(second, ref_second)
+
+
+# ---------------------------------------------------------------- atomic failure
+def _snapshot(cache: PNMixModelCache) -> list:
+    out = []
+    for layer in cache.layers:
+        store = layer.store
+        counts = None if store is None else store.seq_lengths.tolist()
+        data = (
+            None
+            if store is None
+            else [t.clone() for b in range(store.batch_size) for t in _row_bytes(store, b)]
+        )
+        out.append((layer.get_seq_length(), counts, layer.nbytes(), data))
+    return out
+
+
+def _same(a: list, b: list) -> bool:
+    for (la, ca, na, da), (lb, cb, nb, db) in zip(a, b, strict=True):
+        if (la, ca, na) != (lb, cb, nb):
+            return False
+        if da is not None and not all(torch.equal(x, y) for x, y in zip(da, db, strict=True)):
+            return False
+    return True
+
+
+def test_every_input_error_changes_no_layer(make_llama):
+    model = make_llama(seed=17)
+    gen = torch.Generator().manual_seed(18)
+    ids, mask = _left_padded([torch.randint(3, 96, (n,), generator=gen) for n in (40, 33)])
+    cache = PNMixModelCache(model.config, PNMixConfig(**SMALL))
+    step = torch.randint(3, 96, (2, 3), generator=gen)
+    ones = torch.ones(2, 3, dtype=torch.long)
+    bad_inputs = [
+        (
+            dict(
+                input_ids=step,
+                attention_mask=torch.cat([mask, torch.tensor([[1, 1, 0], [1, 1, 1]])], 1),
+            ),
+            "left padding",
+        ),
+        (dict(input_ids=step, attention_mask=torch.cat([mask, ones], 1)[:, 1:]), "columns"),
+        (dict(input_ids=step, attention_mask=torch.cat([mask, ones], 1).repeat(2, 1)), "rows"),
+        (
+            dict(input_ids=step, attention_mask=torch.cat([torch.ones_like(mask), ones], 1)),
+            "past tokens",
+        ),
+        (
+            dict(
+                input_ids=step,
+                attention_mask=torch.ones(2, 1, 3, ids.shape[1] + 3, dtype=torch.bool),
+            ),
+            "2-D",
+        ),
+        (dict(input_ids=torch.randint(3, 96, (3, 2), generator=gen)), "do not fit"),
+    ]
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        model(ids, attention_mask=mask, cache=cache)
+        before = _snapshot(cache)
+        for kwargs, match in bad_inputs:
+            with pytest.raises(ValueError, match=match):
+                model(**kwargs, cache=cache)
+            assert _same(before, _snapshot(cache)), match
+        # the cache still works: the valid continuation
+        model(step, attention_mask=torch.cat([mask, ones], 1), cache=cache)
+    assert cache.get_seq_length() == ids.shape[1] + 3
+
+
+# ---------------------------------------------------------------- host syncs and deferred checks
+def test_decode_forwards_read_nothing_back_from_the_device(make_llama, monkeypatch):
+    """Single-token forwards of a padded batch (groups flushing among them) through the
+    model: no tensor value is read by Python (no host sync); the checks run later."""
+    model = make_llama(seed=19)
+    gen = torch.Generator().manual_seed(20)
+    ids, mask = _left_padded([torch.randint(3, 96, (n,), generator=gen) for n in (40, 35)])
+    steps = torch.randint(3, 96, (2, 30), generator=gen)
+    cache = PNMixModelCache(model.config, PNMixConfig(**SMALL))
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("host sync: a tensor value was read by Python")
+
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        model(ids, attention_mask=mask, cache=cache)
+        before = cache.layers[0].store.group_counts
+        masks = [torch.cat([mask, torch.ones(2, t + 1, dtype=torch.long)], 1) for t in range(30)]
+        for name in ("item", "__bool__", "tolist", "__int__", "__float__"):
+            monkeypatch.setattr(torch.Tensor, name, forbidden)
+        for t in range(30):
+            model(steps[:, t : t + 1], attention_mask=masks[t], cache=cache)
+        model(steps[:, :1], cache=cache)  # and without a mask
+        monkeypatch.undo()
+    assert (cache.layers[0].store.group_counts - before).min() >= 1
+    cache.check_values()
+
+
+def test_deferred_checks_of_decode_forwards(make_llama):
+    model = make_llama(seed=21)
+    ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(22))
+    cache = PNMixModelCache(model.config, PNMixConfig(**SMALL))
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        model(ids, cache=cache)
+        # a single-token forward whose mask calls its new token padding: taken as real now
+        pad_column = torch.cat([torch.ones(2, 30, dtype=torch.long), torch.tensor([[1], [0]])], 1)
+        model(ids[:, :1], attention_mask=pad_column, cache=cache)
+        with pytest.raises(ValueError, match="padding"):
+            cache.check_values()
+        cache.check_values()  # reported once
+        # keys beyond float16 in a decode step: stored, reported by check_values
+        model.model.layers[1].self_attn.k_proj.weight.data.mul_(1e7)
+        model(ids[:, :1], cache=cache)
+        with pytest.raises(ValueError, match="layer 1"):
+            cache.check_values()

@@ -200,3 +200,108 @@ def test_attention_errors() -> None:
     with pytest.raises(ValueError, match="PNMixCache"):
         pnmix_attention(q, object())  # type: ignore[arg-type]
     assert cache.attention_calls == 0
+
+
+# ---------------------------------------------------------------- large zero points (bf16)
+def _outlier_keys(variant: str, gen: torch.Generator) -> torch.Tensor:
+    k = torch.randn(1, 2, 200, 16, generator=gen)
+    far = -7e4 + 300 * torch.randn(1, 2, 200, 16, generator=gen)  # bf16 step there: 512
+    if variant == "channel":
+        k[..., 3] = far[..., 3]
+    elif variant == "pair":  # half layout: channels 0 and 8 form pair 0
+        k[..., 0], k[..., 8] = far[..., 0], far[..., 8]
+    elif variant == "half":
+        k[..., :8] = far[..., :8]
+    else:
+        k = far
+    return k
+
+
+@pytest.mark.parametrize("variant", ["channel", "pair", "half", "all"])
+@pytest.mark.parametrize("coding", CODINGS)
+def test_large_zero_points_agree_with_dequantize_then_attend(coding: str, variant: str) -> None:
+    """bfloat16 keys near -7e4 (issue 11): packed attention agrees with float64
+    dequantize-then-attend to float32 rounding relative to the spread of the keys within a
+    row (what softmax depends on), not their magnitude: error <= 2 eps * max_t |q| . |k_t - k_0|
+    * max |v|. The folded ``q . zero + (q . scale) . codes`` form of the list-of-groups
+    storage missed this bound by up to 9x here (cancellation of the -7e4 zero points)."""
+    gen = torch.Generator().manual_seed(7)
+    cfg = PNMixConfig(
+        sink_tokens=4,
+        residual_tokens=4,
+        group_tokens=16,
+        storage_dtype=torch.bfloat16,
+        key_coding=coding,  # type: ignore[arg-type]
+    )
+    cache = PNMixCache(cfg, batch_size=1, num_key_value_heads=2, head_dim=16)
+    cache.append(_outlier_keys(variant, gen), torch.randn(1, 2, 200, 16, generator=gen))
+    eps = torch.finfo(torch.float32).eps
+    keys, values = cache.dequantize()
+    for scale in (1e-2, 1.0):
+        q = torch.randn(1, 4, 3, 16, generator=gen) * scale
+        out = pnmix_attention(q, cache)
+        ref = reference(q, cache)
+        spread = (keys - keys[:, :, :1]).abs().double().repeat_interleave(2, dim=1)  # [B,Hq,T,D]
+        logit_scale = (q.abs().double() @ spread.transpose(-1, -2)).max() / 4  # / sqrt(D)
+        tol = 2 * eps * float(logit_scale) * float(values.abs().max()) + 4 * eps
+        err = float((out.double() - ref).abs().max())
+        assert err <= tol, (err, tol)
+
+
+def test_large_value_zero_points_agree_to_the_values_scale() -> None:
+    gen = torch.Generator().manual_seed(8)
+    cfg = PNMixConfig(
+        sink_tokens=2, residual_tokens=2, group_tokens=8, storage_dtype=torch.bfloat16
+    )
+    cache = PNMixCache(cfg, batch_size=1, num_key_value_heads=2, head_dim=8)
+    values = -7e4 + 300 * torch.randn(1, 2, 100, 8, generator=gen)
+    cache.append(torch.randn(1, 2, 100, 8, generator=gen), values)
+    q = torch.randn(1, 2, 2, 8, generator=gen)
+    err = float((pnmix_attention(q, cache).double() - reference(q, cache)).abs().max())
+    assert err <= 16 * torch.finfo(torch.float32).eps * 7.1e4
+
+
+# ---------------------------------------------------------------- padded rows, backends
+def test_padded_rows_attend_like_each_row_alone() -> None:
+    """A batch whose rows hold different lengths (left-padded appends): each row's output
+    equals attention over that row's own cache; queries before a row's first token (padding
+    queries) return zeros, never NaN."""
+    cfg = PNMixConfig(sink_tokens=2, residual_tokens=3, group_tokens=4)
+    gen = torch.Generator().manual_seed(9)
+    lengths = [30, 7, 19, 0]
+    t = 30
+    k = torch.randn(4, 2, t, 8, generator=gen)
+    v = torch.randn(4, 2, t, 8, generator=gen)
+    batch = PNMixCache(cfg, batch_size=4, num_key_value_heads=2, head_dim=8)
+    batch.append(k, v, lengths)
+    for nq in (1, 5, 12):
+        q = torch.randn(4, 4, nq, 8, generator=gen)
+        out = pnmix_attention(q, batch, block_groups=2)
+        assert bool(torch.isfinite(out).all())
+        for i, n in enumerate(lengths):
+            if n == 0:
+                assert bool((out[i] == 0).all())
+                continue
+            alone = PNMixCache(cfg, batch_size=1, num_key_value_heads=2, head_dim=8)
+            alone.append(k[i : i + 1, :, t - n :], v[i : i + 1, :, t - n :])
+            real = min(nq, n)  # the row's last `real` queries are its own tokens
+            expected = pnmix_attention(q[i : i + 1, :, nq - real :], alone)
+            torch.testing.assert_close(
+                out[i : i + 1, :, nq - real :], expected, rtol=1e-6, atol=1e-6
+            )
+            assert bool((out[i, :, : nq - real] == 0).all())
+
+
+def test_backend_dispatch() -> None:
+    k, v = make_kv(1, 2, 40, 8, 8, seed=10)
+    cache = PNMixCache(
+        PNMixConfig(sink_tokens=2, residual_tokens=2, group_tokens=4),
+        batch_size=1,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    cache.append(k, v)
+    q = torch.randn(1, 2, 3, 8)
+    assert torch.equal(pnmix_attention(q, cache, backend="torch"), pnmix_attention(q, cache))
+    with pytest.raises(ValueError, match="backend"):
+        pnmix_attention(q, cache, backend="triton-not-here")

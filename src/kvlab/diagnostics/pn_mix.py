@@ -1,4 +1,5 @@
-"""The PN-Mix mechanism diagnostic (paper key ``pn-mix``), SPEC §3 / reference record 004.
+"""The PN-Mix mechanism diagnostic (paper key ``pn-mix``; docs/diagnostics.md, reference record
+004; the cache: docs/design.md, "PN-Mix").
 
 Protocol, per seed: build :class:`~kvlab.models.byte_rope_gqa.ByteRopeGQA` from the seed;
 take the first 448 bytes of the text; prefill 384 tokens into a :class:`PNMixCache` and run
@@ -35,7 +36,8 @@ from kvlab.device import AcceleratorInfo, accelerator_info
 from kvlab.diagnostics.paper import Paper, PaperRun, RunContext, SeedResult
 from kvlab.models.byte_rope_gqa import ByteRopeGQA, ByteRopeGQAConfig
 from kvlab.pnmix.attention import pnmix_attention
-from kvlab.pnmix.cache import PNMixCache, PNMixConfig
+from kvlab.pnmix.cache import PNMixCache
+from kvlab.pnmix.config import PNMixConfig
 
 __all__ = ["CPU_CUDA_TOLERANCE", "PAPER", "run_protocol", "run_seed"]
 
@@ -405,6 +407,9 @@ PAPER = Paper(
     implementation_modules=(
         "kvlab.pnmix.packing",
         "kvlab.pnmix.quantizers",
+        "kvlab.pnmix.codecs",
+        "kvlab.pnmix.store",
+        "kvlab.pnmix.config",
         "kvlab.pnmix.cache",
         "kvlab.pnmix.attention",
         "kvlab.rope",

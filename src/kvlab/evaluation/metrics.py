@@ -131,9 +131,8 @@ def cache_storage(cache: Any) -> CacheStorage:
             actual += size
             normalized += size  # exact parts and scales already stored in 2 bytes
         elif isinstance(layer, RelayLayer):
-            a, n = _storage_of([*layer.keys_per_head, *layer.values_per_head])
-            actual += a
-            normalized += n
+            actual += layer.nbytes()  # used elements only; headroom is not stored data
+            normalized += layer.numel() * 2
             index += layer.index_bytes()
         elif isinstance(layer, QuantizedLayer):
             parts = [layer._quantized_keys, layer._quantized_values]

@@ -158,7 +158,13 @@ def run_needle(
     import torch
 
     from kvlab.evaluation.metrics import CacheStorage, cache_storage
-    from kvlab.evaluation.protocols import accepts_keyword, cache_details, cache_keyword
+    from kvlab.evaluation.protocols import (  # the stream protocol's position handling
+        _position_kwargs,
+        _rope_position,
+        accepts_keyword,
+        cache_details,
+        cache_keyword,
+    )
     from kvlab.integrations.attention import use_attention
 
     if chunk < 1 or max_new_tokens < 1 or not tokens:
@@ -175,7 +181,13 @@ def run_needle(
         for start in range(0, ids.numel(), chunk):
             piece = ids[start : start + chunk]
             began = time.perf_counter()
-            out = model(piece.view(1, -1), use_cache=True, **{key: cache}, **extra)
+            out = model(
+                piece.view(1, -1),
+                use_cache=True,
+                **{key: cache},
+                **extra,
+                **_position_kwargs(cache, piece.numel()),
+            )
             seconds += time.perf_counter() - began
             storage = cache_storage(cache)
             if storage.kv_bytes > peak.kv_bytes:
@@ -189,7 +201,11 @@ def run_needle(
                 break
             began = time.perf_counter()
             out = model(
-                torch.tensor([[token]], device=device), use_cache=True, **{key: cache}, **extra
+                torch.tensor([[token]], device=device),
+                use_cache=True,
+                **{key: cache},
+                **extra,
+                **_position_kwargs(cache, 1),
             )
             seconds += time.perf_counter() - began
     answer = tokenizer.decode(generated, skip_special_tokens=True)
@@ -197,7 +213,7 @@ def run_needle(
         "answer": answer,
         "correct": answer_is_correct(answer, passkey),
         "generated_tokens": generated,
-        "final_position": int(cache.get_seq_length()),
+        "final_position": _rope_position(cache),
         "peak_kv_bytes": peak.kv_bytes,
         "peak_kv_bytes_16bit": peak.kv_bytes_16bit,
         "model_seconds": seconds,

@@ -12,9 +12,10 @@ caches. The full-cache (``DynamicCache``) run of the same window is the referenc
 
 ``stream`` (:func:`stream_tokens`): ``N`` tokens go through the method's cache in chunks of
 ``chunk`` tokens (each chunk one forward); the logits of every chunk score the tokens that follow,
-so all ``N - 1`` next-token predictions are scored. Positions are whatever the cache reports
-(``get_seq_length``): the stream length for ``full`` and ``evict-no-relay``, synchronized
-positions inside the cache for RoPE-Relay.
+so all ``N - 1`` next-token predictions are scored. Tokens are rotated at the cache's own RoPE
+positions (:func:`_position_kwargs`): the stream length for ``full`` and ``evict-no-relay``,
+synchronized positions inside the cache for RoPE-Relay (``RelayModelCache.next_positions``,
+which differ from its ``get_seq_length``, the tokens seen).
 """
 
 from __future__ import annotations
@@ -98,6 +99,25 @@ def cache_details(cache: Any) -> dict[str, Any]:
     return {}
 
 
+def _position_kwargs(cache: Any, num_new: int) -> dict[str, Tensor]:
+    """``position_ids`` at the cache's own RoPE positions for a :class:`RelayModelCache` (the
+    model then rotates there directly, no re-rotation by the cache), else nothing."""
+    from kvlab.integrations.relay_cache import RelayModelCache
+
+    if isinstance(cache, RelayModelCache):
+        return {"position_ids": cache.position_ids(num_new)}
+    return {}
+
+
+def _rope_position(cache: Any) -> int:
+    """The RoPE position the next token would get."""
+    from kvlab.integrations.relay_cache import RelayModelCache
+
+    if isinstance(cache, RelayModelCache):
+        return cache.next_position
+    return int(cache.get_seq_length())
+
+
 @torch.no_grad()
 def score_window(
     model: Any,
@@ -150,14 +170,20 @@ def score_window(
 
     with use_attention(model, method.attention):
         start = time.perf_counter()
-        out = model(tokens[:prefill].view(1, -1), use_cache=True, **{key: cache}, **extra)
+        out = model(
+            tokens[:prefill].view(1, -1),
+            use_cache=True,
+            **{key: cache},
+            **extra,
+            **_position_kwargs(cache, prefill),
+        )
         seconds += time.perf_counter() - start
         storage_prefill = cache_storage(cache)
         consume(0, out.logits[0, -1])
         for j in range(1, score):
             step = tokens[prefill + j - 1].view(1, 1)
             start = time.perf_counter()
-            out = model(step, use_cache=True, **{key: cache}, **extra)
+            out = model(step, use_cache=True, **{key: cache}, **extra, **_position_kwargs(cache, 1))
             seconds += time.perf_counter() - start
             consume(j, out.logits[0, -1])
     return WindowScore(
@@ -179,7 +205,8 @@ class StreamScore:
         nll: float64 ``[N - 1]``: NLL of token ``t + 1`` given tokens ``0..t`` (as cached).
         peak_storage: the largest cache storage seen after any chunk.
         final_storage: the cache storage at the end.
-        final_position: the position the next token would get (``get_seq_length``).
+        final_position: the RoPE position the next token would get (for RoPE-Relay its
+            synchronized position, not the tokens seen).
         model_seconds: wall time of the model calls.
         details: method-specific facts.
     """
@@ -222,7 +249,12 @@ def stream_tokens(
         for start in range(0, total - 1, chunk):
             piece = tokens[start : min(start + chunk, total - 1)]
             begin = time.perf_counter()
-            out = model(piece.view(1, -1), use_cache=True, **{key: cache})
+            out = model(
+                piece.view(1, -1),
+                use_cache=True,
+                **{key: cache},
+                **_position_kwargs(cache, piece.numel()),
+            )
             seconds += time.perf_counter() - begin
             targets = tokens[start + 1 : start + 1 + piece.numel()]
             nll_parts.append(token_nll(out.logits[0], targets))
@@ -235,7 +267,7 @@ def stream_tokens(
         nll=torch.cat(nll_parts),
         peak_storage=peak,
         final_storage=cache_storage(cache),
-        final_position=int(cache.get_seq_length()),
+        final_position=_rope_position(cache),
         model_seconds=seconds,
         details=cache_details(cache),
     )

@@ -5,6 +5,8 @@
 * :mod:`~kvlab.integrations.pnmix_cache` — :class:`PNMixModelCache`, PN-Mix for every layer.
 * :mod:`~kvlab.integrations.relay_cache` — :class:`RelayModelCache`, per-head eviction with
   RoPE-Relay (or without, as a baseline).
+* :mod:`~kvlab.integrations.model_support` — :func:`plan_model`: which layers a cache compresses
+  (full attention), which it keeps as an exact window (:class:`WindowLayer`), what it refuses.
 
 The eviction policy these caches run (scorers, per-head budgets) lives in :mod:`kvlab.relay`.
 """
@@ -19,6 +21,7 @@ from kvlab.integrations.attention import (
     register_kvlab_attention,
     use_attention,
 )
+from kvlab.integrations.model_support import ModelPlan, WindowLayer, plan_model
 from kvlab.integrations.pnmix_cache import PNMixModelCache, pnmix_config_for_model
 from kvlab.integrations.relay_cache import EvictionConfig, EvictionEvent, RelayModelCache
 
@@ -27,10 +30,13 @@ __all__ = [
     "CacheView",
     "EvictionConfig",
     "EvictionEvent",
+    "ModelPlan",
     "PNMixModelCache",
     "RelayModelCache",
+    "WindowLayer",
     "enable_kvlab_attention",
     "kvlab_attention_forward",
+    "plan_model",
     "pnmix_config_for_model",
     "register_kvlab_attention",
     "use_attention",

@@ -7,45 +7,97 @@ do not hand full key/value tensors back from ``Cache.update``: they return a lig
 registered attention function, so no model code is patched: the function registered here under
 :data:`KVLAB_ATTENTION` through ``transformers.AttentionInterface.register`` asks the view to
 attend (reading packed codes, or ragged per-head storage), and falls back to exact softmax
-attention (PyTorch SDPA) when it receives plain tensors (e.g. a ``DynamicCache``).
+attention (PyTorch SDPA; float32 logits when soft-capping or sinks apply) when it receives plain
+tensors (e.g. a ``DynamicCache``, or a kvlab cache's sliding-window layers).
 
-Masks: ``"kvlab"`` registers :func:`kvlab_mask` in ``transformers``' mask interface, which hands
-the attention function the caller's 2-D ``attention_mask`` (``[B, past + Q]``, True = keep) when
-it has padding, else ``None``; queries are the last ``Q`` tokens of the cache and attend causally
-(bottom-right aligned), as ``transformers``' own causal mask would make them. Extra mask
-functions (packed sequences, bidirectional blocks) are not supported.
+Masks: ``"kvlab"`` registers :func:`kvlab_mask` in ``transformers``' mask interface. For the
+plain causal mask it hands the attention function the caller's 2-D ``attention_mask`` (``[B,
+past + Q]``, True = keep) as given, or ``None`` (it never reads the mask's values: no host
+sync); queries are the last ``Q`` tokens of the cache and attend causally (bottom-right
+aligned), as ``transformers``' own causal mask would make them. A view whose
+``supports_padding`` is False refuses a 2-D mask with zeros. Any other mask pattern (sliding
+window, chunked, packed sequences, bidirectional blocks) is materialized exactly as
+``transformers``' SDPA mask (a 4-D boolean ``[B, 1, Q, K]``), which plain tensors honour and
+cache views refuse.
+
+Attention arguments: every keyword ``transformers`` (5.x) passes to an attention function is
+honoured or refused with one clear error, never dropped — ``scaling``, ``dropout``,
+``sliding_window`` (a query sees the last ``sliding_window`` keys, itself included),
+``softcap`` (Gemma 2 logit soft-capping), ``s_aux`` (GPT-OSS learned sinks), ``is_causal``;
+``position_ids`` and the bookkeeping flags in :data:`HARMLESS_KWARGS` carry no attention
+semantics (RoPE is applied by the model before the call). Anything else raises
+``ValueError`` naming it. Cache views honour what their class lists in
+:attr:`CacheView.supported_features`; the features reach :meth:`CacheView.attend` in its
+``kwargs`` (keys ``"softcap"``, ``"s_aux"``, ``"sliding_window"``). The table of families and
+features is in README.md, "Model families".
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab.attention_logits import softcap_logits, softmax_with_sinks
+
 __all__ = [
+    "HARMLESS_KWARGS",
     "KVLAB_ATTENTION",
+    "VIEW_FEATURES",
     "CacheView",
     "dense_causal_attention",
     "enable_kvlab_attention",
     "kvlab_attention_forward",
     "kvlab_mask",
     "register_kvlab_attention",
+    "softmax_attention",
     "use_attention",
 ]
 
 #: Name under which the attention function is registered (``config._attn_implementation``).
 KVLAB_ATTENTION = "kvlab"
 
+#: Keyword arguments ``transformers`` passes to attention functions that carry no attention
+#: semantics here: ``position_ids`` (RoPE is applied by the model before the call; relay
+#: caches read them in ``update``), output/bookkeeping flags and MoE router flags.
+#: ``output_attentions=True`` is refused separately (kvlab never returns attention weights).
+HARMLESS_KWARGS: frozenset[str] = frozenset(
+    {
+        "position_ids",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "num_items_in_batch",
+        "cache_position",
+    }
+)
+
+#: Attention features a :class:`CacheView` may honour; they reach ``attend`` in ``kwargs``.
+VIEW_FEATURES: tuple[str, ...] = ("softcap", "s_aux", "sliding_window")
+
 
 class CacheView:
     """What a kvlab cache layer returns from ``update`` in place of the key and value tensors.
 
-    Subclasses implement :meth:`attend`. Any attempt to use a view as a tensor (for example when
+    Subclasses implement :meth:`attend` and list in :attr:`supported_features` the entries of
+    :data:`VIEW_FEATURES` they honour; :func:`kvlab_attention_forward` refuses any other active
+    feature before calling ``attend``. Any attempt to use a view as a tensor (for example when
     the model runs with ``attn_implementation="sdpa"``) raises a ``TypeError`` that says how to
     switch to the ``"kvlab"`` attention implementation.
     """
+
+    #: Features of :data:`VIEW_FEATURES` that :meth:`attend` applies (read from its ``kwargs``:
+    #: ``kwargs["softcap"]`` a float or None, ``kwargs["s_aux"]`` a ``[H_q]`` tensor or None).
+    supported_features: ClassVar[frozenset[str]] = frozenset()
+    #: Whether :meth:`attend` handles a 2-D padding mask itself (PN-Mix and relay views do); if
+    #: False, :func:`kvlab_attention_forward` refuses masks with zeros (and 4-D masks) before
+    #: the call.
+    supports_padding: ClassVar[bool] = False
 
     def attend(
         self,
@@ -57,8 +109,9 @@ class CacheView:
         kwargs: dict[str, Any],
     ) -> Tensor:
         """Attention of ``query`` ``[B, H_q, Q, D]`` (rotated by the model) over the layer's
-        cache, whose last ``Q`` tokens are the queries' own. Returns ``[B, H_q, Q, Dv]`` in the
-        query dtype."""
+        cache, whose last ``Q`` tokens are the queries' own. ``kwargs`` holds the model's extra
+        attention keywords plus the :data:`VIEW_FEATURES` keys (None when inactive). Returns
+        ``[B, H_q, Q, Dv]`` in the query dtype."""
         raise NotImplementedError
 
     @classmethod
@@ -87,14 +140,92 @@ def _check_padding(attention_mask: Tensor | None) -> None:
         return
     if attention_mask.dim() != 2:
         raise ValueError(
-            "kvlab caches take no 4-D attention mask; pass a 2-D all-ones mask or none "
-            f"(got shape {tuple(attention_mask.shape)})"
+            "kvlab cache views attend causally only: this layer's mask is a 4-D "
+            f"{tuple(attention_mask.shape)} pattern (sliding window, chunked, packed sequences "
+            "or a custom mask); pass a 2-D all-ones mask or none"
         )
     if not bool(attention_mask.bool().all()):
         raise ValueError(
             "kvlab caches do not support padded batches (attention_mask has zeros); run "
             "sequences of equal length or one at a time"
         )
+
+
+def softmax_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    scaling: float,
+    mask: Tensor | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
+) -> Tensor:
+    """Exact softmax attention with an explicit mask, logit soft-capping and learned sinks.
+
+    Without ``softcap`` and ``s_aux`` this is PyTorch SDPA; with either, the logits are
+    computed in float32 and transformed by :func:`kvlab.attention_logits.softcap_logits`
+    (before the mask) and :func:`kvlab.attention_logits.softmax_with_sinks`, as the Gemma 2 and
+    GPT-OSS eager attentions of ``transformers`` do.
+
+    Args:
+        query: ``[B, H_q, Q, D]``.
+        key: ``[B, H_kv, K, D]``, ``H_q`` a multiple of ``H_kv`` (GQA: query head ``i`` reads kv
+            head ``i // (H_q / H_kv)``).
+        value: ``[B, H_kv, K, Dv]``.
+        scaling: softmax scale of the logits.
+        mask: ``None`` (every query sees every key), a boolean keep mask or an additive float
+            mask, broadcastable to ``[B, H_q, Q, K]``.
+        dropout: attention dropout probability (applied as given).
+        softcap: Gemma 2 attention-logit soft-cap, or ``None``.
+        s_aux: ``[H_q]`` learned sink logits (GPT-OSS), or ``None``.
+
+    Returns:
+        ``[B, H_q, Q, Dv]`` in the query dtype.
+
+    Raises:
+        ValueError: ``H_q`` not a multiple of ``H_kv``, or ``s_aux`` not ``[H_q]``.
+    """
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of kv heads {hkv}")
+    rep = hq // hkv
+    if rep > 1:
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    if softcap is None and s_aux is None:
+        return F.scaled_dot_product_attention(
+            query,
+            key.to(query.dtype),
+            value.to(query.dtype),
+            attn_mask=mask,
+            dropout_p=dropout,
+            scale=scaling,
+        )
+    if s_aux is not None and tuple(s_aux.shape) != (hq,):
+        raise ValueError(f"s_aux must hold one sink logit per query head [{hq}], got {s_aux.shape}")
+    logits = (query.float() @ key.float().transpose(-1, -2)) * scaling
+    logits = softcap_logits(logits, softcap)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+        else:
+            logits = logits + mask.to(logits.dtype)
+    sinks = None if s_aux is None else s_aux.float().view(1, hq, 1, 1)  # keeps its gradient
+    probs = softmax_with_sinks(logits, sinks)
+    if dropout > 0.0:
+        probs = F.dropout(probs, p=dropout)
+    return (probs @ value.float()).to(query.dtype)
+
+
+def _window_band(q_len: int, k_len: int, sliding_window: int, device: torch.device) -> Tensor:
+    """``[1, 1, Q, K]`` True where key ``j`` lies in the last ``sliding_window`` keys of query
+    ``i`` (itself included), bottom-right aligned: ``j > K - Q + i - sliding_window``
+    (transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``)."""
+    rows = torch.arange(q_len, device=device).unsqueeze(-1) + (k_len - q_len)
+    cols = torch.arange(k_len, device=device).unsqueeze(0)
+    return (cols > rows - sliding_window).view(1, 1, q_len, k_len)
 
 
 def dense_causal_attention(
@@ -105,6 +236,10 @@ def dense_causal_attention(
     scaling: float,
     attention_mask: Tensor | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
+    is_causal: bool = True,
 ) -> Tensor:
     """Exact softmax attention with bottom-right causal alignment, for plain tensors.
 
@@ -116,14 +251,21 @@ def dense_causal_attention(
         scaling: softmax scale of the logits.
         attention_mask: ``None``; a 2-D ``[B, K]`` keep mask (1/True = attend; padding);
             or a 4-D ``[B, 1|H_q, Q, K]`` boolean keep mask or additive float mask, used as is
-            (no causal mask added).
+            (no causal mask added), as ``transformers``' SDPA attention does.
         dropout: attention dropout probability.
+        sliding_window: a query sees only the last ``sliding_window`` keys, itself included
+            (tokens; ``None`` = no window); intersected with a 4-D mask too.
+        softcap: Gemma 2 attention-logit soft-cap (see :func:`softmax_attention`).
+        s_aux: ``[H_q]`` GPT-OSS learned sink logits (see :func:`softmax_attention`).
+        is_causal: ``False`` lets every query see every key when no 4-D mask is given (SDPA's
+            ``is_causal=False``).
 
     Returns:
-        ``[B, H_q, Q, Dv]`` in the query dtype (PyTorch SDPA).
+        ``[B, H_q, Q, Dv]`` in the query dtype.
 
     Raises:
-        ValueError: ``H_q`` not a multiple of ``H_kv``, or ``Q > K``.
+        ValueError: ``H_q`` not a multiple of ``H_kv``, ``Q > K``, a 2-D mask that is not
+            ``[B, K]``, or ``sliding_window < 1``.
     """
     _, hq, q_len, _ = query.shape
     hkv, k_len = key.shape[1], key.shape[2]
@@ -131,32 +273,44 @@ def dense_causal_attention(
         raise ValueError(f"query heads {hq} must be a multiple of kv heads {hkv}")
     if q_len > k_len:
         raise ValueError(f"{q_len} queries but only {k_len} keys")
-    rep = hq // hkv
-    if rep > 1:
-        key = key.repeat_interleave(rep, dim=1)
-        value = value.repeat_interleave(rep, dim=1)
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1 token, got {sliding_window}")
+    device = query.device
+    mask: Tensor | None
     if attention_mask is not None and attention_mask.dim() == 4:
         mask = attention_mask
+        if sliding_window is not None:
+            band = _window_band(q_len, k_len, int(sliding_window), device)
+            if mask.dtype == torch.bool:
+                mask = mask & band
+            else:
+                mask = mask.masked_fill(~band, torch.finfo(mask.dtype).min)
     else:
-        offset = k_len - q_len
-        rows = torch.arange(q_len, device=query.device).unsqueeze(-1) + offset
-        cols = torch.arange(k_len, device=query.device).unsqueeze(0)
-        mask = (cols <= rows).view(1, 1, q_len, k_len)
+        mask = None
+        if is_causal and q_len > 1:
+            offset = k_len - q_len
+            rows = torch.arange(q_len, device=device).unsqueeze(-1) + offset
+            cols = torch.arange(k_len, device=device).unsqueeze(0)
+            mask = (cols <= rows).view(1, 1, q_len, k_len)
+        if sliding_window is not None and k_len > int(sliding_window):
+            band = _window_band(q_len, k_len, int(sliding_window), device)
+            mask = band if mask is None else mask & band
         if attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape[-1] != k_len:
                 raise ValueError(
                     f"2-D attention_mask must be [B, {k_len}], got {tuple(attention_mask.shape)}"
                 )
-            mask = mask & attention_mask.bool().view(-1, 1, 1, k_len)
-        if q_len == 1 and attention_mask is None:
-            mask = None
-    return F.scaled_dot_product_attention(
+            padding = attention_mask.bool().view(-1, 1, 1, k_len)
+            mask = padding if mask is None else mask & padding
+    return softmax_attention(
         query,
-        key.to(query.dtype),
-        value.to(query.dtype),
-        attn_mask=mask,
-        dropout_p=dropout,
-        scale=scaling,
+        key,
+        value,
+        scaling=scaling,
+        mask=mask,
+        dropout=dropout,
+        softcap=softcap,
+        s_aux=s_aux,
     )
 
 
@@ -172,12 +326,57 @@ def kvlab_mask(
 ) -> Tensor | None:
     """Mask builder registered as ``"kvlab"`` in ``transformers.AttentionMaskInterface``.
 
-    Returns the 2-D boolean keep mask ``[B, past + Q]`` as given when it masks anything
-    (padding), else ``None`` (plain causal attention, applied by the attention itself).
+    For ``transformers``' plain causal mask function: the 2-D boolean keep mask ``[B, past +
+    Q]`` as given (its values are not read), or ``None`` when there is none (plain causal
+    attention, applied by the attention itself). For any other mask function (sliding window,
+    chunked, packed sequences, bidirectional or block overlays):
+    ``transformers.masking_utils.sdpa_mask`` materialized as a 4-D boolean
+    ``[B, 1, Q, kv_length]`` keep mask, exactly what the ``"sdpa"`` implementation would
+    receive.
     """
-    if attention_mask is None or bool(attention_mask.bool().all()):
-        return None
-    return attention_mask.bool()
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if mask_function is None or mask_function is causal_mask_function:
+        # as given, without reading it (no host sync): the attention decides about padding
+        return None if attention_mask is None else attention_mask.bool()
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        **kwargs,
+    )
+
+
+def _check_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """Refuse attention keywords kvlab does not implement (one error naming all of them).
+
+    A keyword set to ``None`` is inactive in every ``transformers`` attention function and is
+    accepted; so is ``output_attentions=False``.
+
+    Raises:
+        ValueError: an active keyword outside :data:`HARMLESS_KWARGS`, or
+            ``output_attentions=True``.
+    """
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in HARMLESS_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"the 'kvlab' attention does not implement the attention argument(s) {unknown} "
+            "that this model passes; supported: scaling, dropout, sliding_window, softcap, s_aux, "
+            f"is_causal, and the no-op keywords {sorted(HARMLESS_KWARGS)}"
+        )
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "the 'kvlab' attention never returns attention weights; call the model with "
+            "output_attentions=False (or use attn_implementation='eager' to inspect them)"
+        )
 
 
 def kvlab_attention_forward(
@@ -188,31 +387,73 @@ def kvlab_attention_forward(
     attention_mask: Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
+    is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The function registered as ``"kvlab"`` in ``transformers.AttentionInterface``.
 
     Args:
-        module: the calling attention module (``num_key_value_groups``, ``layer_idx``).
+        module: the calling attention module (``layer_idx``, ``training``, ``is_causal``).
         query: ``[B, H_q, Q, D]``, rotated by the model at its ``position_ids``.
         key, value: a :class:`CacheView` (kvlab cache) or plain ``[B, H_kv, K, D|Dv]`` tensors.
         attention_mask: what the model passes (see module docstring).
-        dropout: attention dropout (plain tensors only; views are inference-only).
+        dropout: attention dropout, applied in training mode (plain tensors only; views are
+            inference-only and refuse it).
         scaling: softmax scale (default ``D ** -0.5``).
+        sliding_window: the layer's window in tokens (a query sees the last ``sliding_window``
+            keys, itself included), or ``None``.
+        softcap: attention-logit soft-cap (Gemma 2), or ``None``.
+        s_aux: ``[H_q]`` learned sink logits (GPT-OSS), or ``None``.
+        is_causal: ``False`` = bidirectional when no 4-D mask is given (plain tensors only);
+            default the module's ``is_causal`` (True).
+        **kwargs: the rest of what the model passes; see :data:`HARMLESS_KWARGS`.
 
     Returns:
         ``(output [B, Q, H_q, Dv], None)`` — the layout ``transformers``' SDPA path returns.
         Attention weights are never returned.
 
     Raises:
-        ValueError: a padded batch or a 4-D mask with a kvlab cache view.
+        ValueError: an attention argument kvlab does not implement (named); with a kvlab cache
+            view: a padded batch or a 4-D mask (unless its ``supports_padding``), dropout in
+            training mode, ``is_causal=False``, or a feature the view does not list in
+            ``supported_features``.
     """
+    _check_kwargs(kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    p = float(dropout) if module.training else 0.0
     if isinstance(key, CacheView):
-        _check_padding(attention_mask)
+        features = {"softcap": softcap, "s_aux": s_aux, "sliding_window": sliding_window}
+        refused = sorted(
+            name
+            for name, v in features.items()
+            if v is not None and name not in type(key).supported_features
+        )
+        if refused:
+            raise ValueError(
+                f"{type(key).__name__} (layer {getattr(module, 'layer_idx', '?')}) cannot apply "
+                f"the attention argument(s) {refused}; the cache should have refused this model "
+                "at construction (see kvlab.integrations.model_support)"
+            )
+        if p > 0.0:
+            raise ValueError(
+                f"kvlab cache views are inference-only: attention dropout {p} in training mode; "
+                "call model.eval()"
+            )
+        if not causal:
+            raise ValueError("kvlab cache views attend causally only (is_causal=False given)")
+        if not type(key).supports_padding:
+            _check_padding(attention_mask)
         out = key.attend(
-            module, query, scaling=float(scaling), attention_mask=attention_mask, kwargs=kwargs
+            module,
+            query,
+            scaling=float(scaling),
+            attention_mask=attention_mask,
+            kwargs={**kwargs, **features},
         )
     else:
         out = dense_causal_attention(
@@ -221,7 +462,11 @@ def kvlab_attention_forward(
             value,
             scaling=float(scaling),
             attention_mask=attention_mask,
-            dropout=dropout if module.training else 0.0,
+            dropout=p,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            s_aux=s_aux,
+            is_causal=causal,
         )
     return out.transpose(1, 2).contiguous(), None
 

@@ -1,21 +1,36 @@
 """PN-Mix as a ``transformers`` cache: one :class:`kvlab.pnmix.PNMixCache` per decoder layer.
 
 ``PNMixModelCache(model.config, PNMixConfig(...))`` is a ``transformers.Cache`` usable as
-``model(..., cache=cache)`` and in ``model.generate(..., cache=cache)``. Each layer's
-``update`` appends the new (already rotated) keys and values to the layer's PN-Mix storage
-(exact sinks, exact residual, packed codes for the rest) and returns a :class:`PNMixView`;
-the ``"kvlab"`` attention function (:mod:`kvlab.integrations.attention`) then calls
-:func:`kvlab.pnmix.pnmix_attention`, which reads the packed codes directly — the cache is never
-dequantized as a whole. The one exception is the prefill (the first forward into an empty
-cache, more than one token): by default it attends to its freshly computed keys and values
-exactly and stores them packed, as ``transformers``' ``QuantizedCache`` and KIVI do
-(``exact_prefill=False`` makes the prefill read its own codes too). Switch the model to that
+``model(..., cache=cache)`` and in ``model.generate(..., cache=cache)``, including a second
+``generate`` that continues the same conversation. Switch the model to the ``"kvlab"``
 attention first: :func:`kvlab.integrations.enable_kvlab_attention`.
 
+Per forward and layer (docs/design.md, "Model integration"): ``update`` stashes the new
+(already rotated) keys and values and returns a :class:`PNMixView`; the ``"kvlab"`` attention
+function hands the view the query and the 2-D attention mask, and the view commits the stash
+to the layer's PN-Mix storage — dropping padding, flushing groups — then attends with
+:func:`kvlab.pnmix.pnmix_attention`, which reads the packed codes directly. The one exception
+is the prefill (the first forward into an empty cache, more than one token): by default it
+attends to its freshly computed keys and values exactly and stores them packed, as
+``transformers``' ``QuantizedCache`` and KIVI do (``exact_prefill=False`` makes the prefill read
+its own codes too).
+
+Padded batches (left padding, a 2-D ``attention_mask``): the new part of each row's mask must
+be zeros then ones (real tokens right-aligned); pads are never stored, never enter a group, the
+mix saliency or a score, and each row's storage, and its logits given its own
+``position_ids``, equal the row run alone. ``get_seq_length()`` counts token columns seen,
+pads included — what ``transformers`` uses to align the next mask and cache positions.
+
+Checks and host syncs: every input check (shapes, dtypes, mask format and lengths) runs in the
+first layer before any layer stores anything. A multi-token forward reads its mask once (one
+host sync) and checks values eagerly; a single-token forward (decode) reads nothing back from
+the device: its value checks and mask check are recorded on the device and raised by
+:meth:`PNMixModelCache.check_values` (or the next multi-token forward).
+
 Beam search: ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``
-row-select every buffer (exact tensors, packed codes, scales, packed mix mask) with
-:meth:`PNMixCache.select_batch`; nothing is re-quantized, so a reorder is bit-exact.
-``crop`` (assisted decoding) is not supported: codes already written are never rewritten.
+row-select every buffer and count with :meth:`PNMixCache.select_batch`; nothing is
+re-quantized, so a reorder is bit-exact. ``crop`` (assisted decoding) is not supported: codes
+already written are never rewritten.
 
 Per-layer group sizes: ``layer_group_tokens`` gives each decoder layer its own
 ``group_tokens`` (everything else as ``config``), e.g. an allocation from
@@ -28,41 +43,165 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView, dense_causal_attention
+from kvlab.integrations.model_support import layer_rotary, plan_model
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
-from kvlab.rope import RotaryConfig
 
 __all__ = ["PNMixLayer", "PNMixModelCache", "PNMixView", "pnmix_config_for_model"]
 
 
 def pnmix_config_for_model(model_config: Any, base: PNMixConfig | None = None) -> PNMixConfig:
     """``base`` (default ``PNMixConfig()``) with ``rotary_dim`` and ``rotary_layout`` taken from
-    the model's RoPE (:meth:`kvlab.rope.RotaryConfig.from_hf_config`), so that Phase–Norm pairs
-    are the model's true rotary pairs (partial rotary and interleaved layouts included).
+    the RoPE of the model's full-attention layers
+    (:func:`kvlab.integrations.model_support.layer_rotary`), so that Phase–Norm pairs are the
+    model's true rotary pairs (partial rotary and interleaved layouts included).
 
     Raises:
         ValueError: the config has no supported RoPE (see ``RotaryConfig.from_hf_config``).
     """
     base = base or PNMixConfig()
-    rotary = RotaryConfig.from_hf_config(model_config.get_text_config(decoder=True))
+    rotary = layer_rotary(model_config)  # model-matrix: per-layer-type RoPE (Gemma 3)
     return dataclasses.replace(base, rotary_dim=rotary.rotary_dim, rotary_layout=rotary.layout)
 
 
-class PNMixView(CacheView):
-    """Returned by :meth:`PNMixLayer.update`; attends over the layer's packed storage.
+class _ForwardState:
+    """What the layers of one model cache share: the forward's mask, read once for every layer
+    (one host sync per multi-token forward, none for single-token forwards), and the deferred
+    mask check of single-token forwards."""
 
-    ``exact`` holds the forward's own keys and values when they were the layer's first tokens
-    and the layer's ``exact_prefill`` is on: the prefill then attends to them exactly (they are
-    stored packed for every later token), as ``transformers``' ``QuantizedCache`` and KIVI do.
+    def __init__(self) -> None:
+        self.layers: list[PNMixLayer] = []
+        self._key: tuple[Any, ...] | None = None
+        self._mask: Tensor | None = None
+        self._lengths: np.ndarray | None = None
+        self.pending_mask_ok: Tensor | None = None
+
+    def lengths(
+        self, mask: Tensor | None, batch: int, queries: int, columns: int, stored: np.ndarray | None
+    ) -> np.ndarray | None:
+        """Real tokens per row among the forward's ``queries`` new ones.
+
+        Args:
+            mask: the 2-D keep mask ``[B, columns + queries]`` or ``None``.
+            batch: the forward's batch size ``B``.
+            queries: the forward's new tokens ``Q``.
+            columns: token columns the layer has seen before this forward (pads included).
+            stored: int64 ``[B]`` tokens the layer stores per row (``None``: empty layer).
+
+        Returns:
+            host int64 ``[B]``, or ``None`` when all ``Q`` are real. For ``Q == 1`` the mask
+            is not read: the token is taken as real and the check is deferred
+            (:attr:`pending_mask_ok`).
+
+        Raises:
+            ValueError: a mask that is not 2-D, has the wrong number of rows or columns, pads a
+                row's new tokens anywhere but on the left, or disagrees with the tokens the
+                layer stores for a row.
+        """
+        if mask is None:
+            return None
+        if not isinstance(mask, Tensor) or mask.dim() != 2:
+            shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(
+                f"PN-Mix caches take a 2-D attention_mask [B, past + Q] (or none), got {shape}"
+            )
+        if mask.shape[0] != batch:
+            raise ValueError(f"attention_mask has {mask.shape[0]} rows; the batch has {batch}")
+        if mask.shape[1] != columns + queries:
+            raise ValueError(
+                f"attention_mask has {mask.shape[1]} columns; the cache has seen {columns} "
+                f"token columns and this forward adds {queries}: it needs {columns + queries}"
+            )
+        key = (id(mask), mask._version, tuple(mask.shape), columns, queries)
+        if key != self._key:
+            self._key, self._mask = key, mask  # held so that its id stays unique
+            if queries == 1:
+                self._lengths = None
+                ok = mask[:, -1].bool().all()
+                prev = self.pending_mask_ok
+                self.pending_mask_ok = ok if prev is None else prev & ok
+            else:
+                self._lengths = self._read(mask, queries, columns, stored)
+        lengths = self._lengths
+        if lengths is None or (lengths == queries).all():
+            return None
+        return lengths.copy()
+
+    @staticmethod
+    def _read(mask: Tensor, queries: int, columns: int, stored: np.ndarray | None) -> np.ndarray:
+        host = np.asarray(mask.bool().tolist(), dtype=np.int64)  # nonzero = keep
+        new = host[:, columns:]
+        lengths = new.sum(axis=1)
+        left_padded = (new == (np.arange(queries)[None, :] >= queries - lengths[:, None])).all()
+        if not left_padded:
+            raise ValueError(
+                "attention_mask pads a row's new tokens on the right or in between; PN-Mix "
+                "takes left padding only (a row's real tokens last)"
+            )
+        past = host[:, :columns].sum(axis=1)
+        expected = np.zeros_like(past) if stored is None else stored
+        if (past != expected).any():
+            row = int(np.flatnonzero(past != expected)[0])
+            raise ValueError(
+                f"attention_mask row {row} marks {int(past[row])} past tokens as real; the cache "
+                f"stores {int(expected[row])} for that row"
+            )
+        return lengths
+
+    def pending(self) -> list[Tensor]:
+        """Every device flag not yet checked (True = valid), over all layers."""
+        flags = [] if self.pending_mask_ok is None else [self.pending_mask_ok]
+        for layer in self.layers:
+            store = layer._store
+            if store is not None and store.pending_check() is not None:
+                flags.append(store.pending_check())
+        return flags
+
+    def check(self) -> None:
+        """Check every deferred flag with one device read (none if there is nothing pending).
+
+        Raises:
+            ValueError: naming the offending layer, or the padding column.
+        """
+        flags = self.pending()
+        if not flags:
+            return
+        ok = bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+        mask_ok, self.pending_mask_ok = self.pending_mask_ok, None
+        for i, layer in enumerate(self.layers):
+            if layer._store is not None:
+                try:
+                    layer._store.check_values(assume_valid=ok)
+                except ValueError as err:
+                    raise ValueError(f"layer {i}: {err}") from err
+        if mask_ok is not None and not ok and not bool(mask_ok):
+            raise ValueError(
+                "a single-token forward's attention_mask marked its new token as padding; "
+                "PN-Mix stores the new token of every row in single-token forwards (it is "
+                "stored now: reset the cache)"
+            )
+
+
+class PNMixView(CacheView):
+    """Returned by :meth:`PNMixLayer.update`; commits the layer's stashed tokens and attends
+    over its packed storage (module docstring).
+
+    With ``exact_prefill`` on, the first forward into an empty layer attends to its own keys
+    and values exactly (they are stored packed for every later token), as ``transformers``'
+    ``QuantizedCache`` and KIVI do.
     """
 
-    def __init__(self, layer: PNMixLayer, exact: tuple[Tensor, Tensor] | None = None) -> None:
+    supports_padding = True
+    # Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
+    supported_features = frozenset({"softcap", "s_aux"})
+
+    def __init__(self, layer: PNMixLayer) -> None:
         self.layer = layer
-        self.exact = exact
 
     def attend(
         self,
@@ -73,16 +212,38 @@ class PNMixView(CacheView):
         attention_mask: Tensor | None,
         kwargs: dict[str, Any],
     ) -> Tensor:
-        """:func:`kvlab.pnmix.pnmix_attention` (causal, bottom-right aligned) of ``query``
-        ``[B, H_q, Q, D]`` — or exact attention over the prefill's own keys (see the class
-        docstring); returns ``[B, H_q, Q, Dv]`` in the query dtype."""
-        if self.exact is not None:
-            keys, values = self.exact
-            return dense_causal_attention(query, keys, values, scaling=scaling)
-        store = self.layer.store
+        """Commit, then :func:`kvlab.pnmix.pnmix_attention` (causal, bottom-right aligned per
+        row) of ``query`` ``[B, H_q, Q, D]`` — or exact attention over the prefill's own keys;
+        returns ``[B, H_q, Q, Dv]`` in the query dtype. Padding queries return zeros. Applies
+        ``kwargs["softcap"]`` (Gemma 2) and ``kwargs["s_aux"]`` (GPT-OSS sinks) when set.
+
+        Raises:
+            ValueError: a bad mask (see :class:`PNMixModelCache`), or, for a multi-token
+                forward, keys/values beyond the storage range; nothing is stored then.
+        """
+        softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
+        layer = self.layer
+        exact = layer.commit(attention_mask)
+        store = layer.store
         if store is None:
             raise RuntimeError("PNMixView used before its layer received any token")
-        return pnmix_attention(query, store, scale=scaling, causal=True).to(query.dtype)
+        if exact is not None:
+            keys, values, real = exact
+            out = dense_causal_attention(
+                query,
+                keys,
+                values,
+                scaling=scaling,
+                attention_mask=real,
+                softcap=softcap,
+                s_aux=s_aux,
+            )
+            if real is None:
+                return out
+            return torch.where(real[:, None, :, None], out, torch.zeros((), dtype=out.dtype))
+        return pnmix_attention(
+            query, store, scale=scaling, causal=True, logit_softcap=softcap, sink_logits=s_aux
+        ).to(query.dtype)
 
 
 class PNMixLayer(CacheLayerMixin):
@@ -90,21 +251,40 @@ class PNMixLayer(CacheLayerMixin):
 
     The :class:`kvlab.pnmix.PNMixCache` (``store``) is created lazily from the first keys:
     batch size, ``num_key_value_heads``, ``head_dim`` and value head dim are read from them.
+    ``update`` stashes a forward's keys and values; :meth:`commit` (called by the view's
+    ``attend``, or by the next ``update`` when no attention ran) stores them.
     """
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, config: PNMixConfig, exact_prefill: bool = True) -> None:
+    def __init__(
+        self, config: PNMixConfig, exact_prefill: bool = True, shared: _ForwardState | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.exact_prefill = exact_prefill
-        self.store: PNMixCache | None = None
+        self._store: PNMixCache | None = None
+        self.columns = 0
+        self._pending: tuple[Tensor, Tensor] | None = None
+        if shared is None:
+            shared = _ForwardState()
+        shared.layers.append(self)
+        self._shared = shared
+
+    @property
+    def store(self) -> PNMixCache | None:
+        """The layer's :class:`PNMixCache` (``None`` before the first token). Reading it
+        commits tokens an ``update`` stashed without any attention consuming them (as no-mask
+        tokens)."""
+        if self._pending is not None:
+            self.commit(None)
+        return self._store
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         batch, heads, _, head_dim = key_states.shape
-        self.store = PNMixCache(
+        self._store = PNMixCache(
             self.config,
             batch_size=batch,
             num_key_value_heads=heads,
@@ -116,22 +296,83 @@ class PNMixLayer(CacheLayerMixin):
         self.dtype = key_states.dtype
         self.is_initialized = True
 
+    def _check_states(self, key_states: Tensor, value_states: Tensor) -> None:
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() != 4:
+                raise ValueError(f"{name} must be a 4-D floating tensor [B, H_kv, T, D]")
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise ValueError(
+                f"key_states {tuple(key_states.shape)} and value_states "
+                f"{tuple(value_states.shape)} disagree on batch, heads or tokens"
+            )
+        store = self._store
+        if store is not None:
+            want = (store.batch_size, store.num_key_value_heads, store.head_dim)
+            got = (key_states.shape[0], key_states.shape[1], key_states.shape[3])
+            if got != want or value_states.shape[3] != store.value_head_dim:
+                raise ValueError(
+                    f"states of shape {tuple(key_states.shape)} / {tuple(value_states.shape)} do "
+                    f"not fit this layer's cache (batch, kv heads, head_dim = {want}, value "
+                    f"head dim {store.value_head_dim})"
+                )
+
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
     ) -> tuple[PNMixView, PNMixView]:
-        """Append ``[B, H_kv, T, D]`` keys (rotated) and ``[B, H_kv, T, Dv]`` values; return
-        the view (twice: the key and the value slot)."""
+        """Stash ``[B, H_kv, T, D]`` keys (rotated) and ``[B, H_kv, T, Dv]`` values for the
+        view to commit; return the view (twice: the key and the value slot).
+
+        Raises:
+            ValueError: states of the wrong rank, dtype or shape (nothing changes).
+        """
+        self._check_states(key_states, value_states)
+        if self._pending is not None:  # a previous update that no attention consumed
+            self.commit(None)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        assert self.store is not None
-        first = self.store.seq_length == 0 and key_states.shape[2] > 1
-        self.store.append(key_states, value_states)
-        exact = (key_states, value_states) if first and self.exact_prefill else None
-        view = PNMixView(self, exact)
+        self._pending = (key_states, value_states)
+        view = PNMixView(self)
         return view, view
 
+    def commit(self, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """Store the stashed tokens, dropping padding per ``attention_mask``.
+
+        Returns:
+            ``(keys, values, real)`` when this was an exact prefill (``real``: bool ``[B, Q]``
+            real-token mask, ``None`` without padding), else ``None``.
+
+        Raises:
+            ValueError: a bad mask, or a multi-token forward's values beyond the storage range;
+                the stash is dropped and the store is unchanged.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        store = self._store
+        assert store is not None
+        keys, values = pending
+        q = keys.shape[2]
+        stored = store.seq_lengths[:, 0] if int(store.seq_lengths.max()) else None
+        lengths = self._shared.lengths(attention_mask, keys.shape[0], q, self.columns, stored)
+        if q > 1:  # a multi-token forward checks every layer's deferred flags first
+            self._shared.check()
+        store.append(keys, values, lengths, checks="deferred" if q == 1 else "eager")
+        first = stored is None and q > 1
+        self.columns += q
+        if not (first and self.exact_prefill):
+            return None
+        real = None
+        if lengths is not None:
+            real = (
+                torch.arange(q, device=keys.device)
+                >= torch.from_numpy(q - lengths).to(keys.device)[:, None]
+            )
+        return keys, values, real
+
     def get_seq_length(self) -> int:
-        return 0 if self.store is None else self.store.seq_length
+        """Token columns seen, padding included (stashed ones too)."""
+        pending = 0 if self._pending is None else self._pending[0].shape[2]
+        return self.columns + pending
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -146,22 +387,28 @@ class PNMixLayer(CacheLayerMixin):
         return None
 
     def reset(self) -> None:
-        self.store = None
+        self._store = None
+        self.columns = 0
+        self._pending = None
         self.is_initialized = False
+
+    def _select(self, index: Tensor) -> None:
+        if self._pending is not None:
+            self.commit(None)
+        if self.store is not None:
+            self.store.select_batch(index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row-select every buffer (codes included) by ``beam_idx``; never re-quantizes."""
-        if self.store is not None:
-            self.store.select_batch(beam_idx.to(self.store.device))
+        self._select(beam_idx)
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        if self.store is not None:
-            self.store.select_batch(torch.as_tensor(indices).to(self.store.device))
+        self._select(torch.as_tensor(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.store is not None:
-            index = torch.arange(self.store.batch_size, device=self.store.device)
-            self.store.select_batch(index.repeat_interleave(repeats))
+            index = torch.arange(self.store.batch_size)
+            self._select(index.repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Only ``crop(0)`` is supported (packed codes are never rewritten).
@@ -193,10 +440,16 @@ class PNMixModelCache(Cache):
         layer_group_tokens: one ``group_tokens`` per decoder layer (tokens); ``None`` = every
             layer uses ``config.group_tokens``.
 
+    Sliding-window and chunked layers (Mistral, Gemma 2/3, GPT-OSS, ...) are not compressed:
+    each keeps exactly its last ``window - 1`` tokens
+    (:class:`kvlab.integrations.model_support.WindowLayer`); the full-attention layers hold
+    PN-Mix. ``plan`` is the :class:`~kvlab.integrations.model_support.ModelPlan` used.
+
     Raises:
-        ValueError: a model with non-full-attention layers (sliding window, linear attention),
-            a RoPE that :class:`kvlab.rope.RotaryConfig` does not support, or
-            ``layer_group_tokens`` of the wrong length or with a value PNMixConfig rejects.
+        ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
+            unsupported (linear-attention or KV-sharing layers, latent attention), a RoPE that
+            :class:`kvlab.rope.RotaryConfig` does not support, or ``layer_group_tokens`` of the
+            wrong length or with a value PNMixConfig rejects.
     """
 
     def __init__(
@@ -209,12 +462,10 @@ class PNMixModelCache(Cache):
         layer_group_tokens: Sequence[int] | None = None,
     ) -> None:
         text_config = model_config.get_text_config(decoder=True)
-        layer_types = getattr(text_config, "layer_types", None)
-        if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                "PNMixModelCache supports full-attention decoders only; layer types "
-                f"{sorted(set(layer_types))} found"
-            )
+        # model-matrix: refuse unsupported models before any layer exists (one line, every
+        # reason); full-attention layers hold PN-Mix, sliding/chunked layers only their window.
+        plan = plan_model(text_config)
+        plan.check(type(self).__name__)
         config = config or PNMixConfig()
         if match_rotary:
             config = pnmix_config_for_model(text_config, config)
@@ -228,28 +479,44 @@ class PNMixModelCache(Cache):
                     f"layer_group_tokens has {len(groups)} entries; the model has {n_layers} layers"
                 )
         self.layer_group_tokens = tuple(groups)
+        # window layers (WindowLayer) keep their window exactly, as transformers does; their
+        # layer_group_tokens entries are unused. PN-Mix layers share one forward state.
+        self.plan = plan
+        shared = _ForwardState()
         super().__init__(
-            layers=[
-                PNMixLayer(dataclasses.replace(config, group_tokens=g), exact_prefill)
-                for g in groups
-            ]
+            layers=plan.build_layers(
+                lambda i: PNMixLayer(
+                    dataclasses.replace(config, group_tokens=groups[i]), exact_prefill, shared
+                )
+            )
         )
+        self._shared = shared
 
     def nbytes(self) -> int:
-        """Persistent bytes of every layer (sinks, residual, codes, scales, masks)."""
+        """Persistent bytes of every layer (sinks, residual, codes, scales, masks; window
+        layers: their exact keys and values)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def storage_report(self) -> dict[str, int]:
         """Bytes by component, summed over layers (see :meth:`PNMixCache.nbytes`)."""
         total: dict[str, int] = {}
         for layer in self.layers:
-            if layer.store is not None:
+            if getattr(layer, "store", None) is not None:  # model-matrix: skip window layers
                 for name, value in layer.store.nbytes().items():
                     total[name] = total.get(name, 0) + value
         return total
 
     def attention_calls(self) -> int:
         """Packed-attention calls over all layers (each reads codes, never a dequantized copy)."""
-        return sum(
-            0 if layer.store is None else layer.store.attention_calls for layer in self.layers
-        )
+        stores = [getattr(layer, "store", None) for layer in self.layers]  # window layers: None
+        return sum(0 if store is None else store.attention_calls for store in stores)
+
+    def check_values(self) -> None:
+        """Check every single-token forward since the last check (values finite and within the
+        storage range, no padding column): one device read for all layers, none if there is
+        nothing to check.
+
+        Raises:
+            ValueError: naming the first offending layer (its storage holds the bad values).
+        """
+        self._shared.check()

@@ -30,7 +30,7 @@ from kvlab.data import TextSource, default_text
 from kvlab.integrations.attention import use_attention
 from kvlab.integrations.pnmix_cache import PNMixLayer, pnmix_config_for_model
 from kvlab.pnmix.allocation import DEFAULT_GROUP_CANDIDATES, allocate_group_tokens
-from kvlab.pnmix.cache import PNMixConfig
+from kvlab.pnmix.config import PNMixConfig
 
 __all__ = [
     "CALIBRATION_START",

@@ -1,122 +1,299 @@
-"""Attention that reads a :class:`~kvlab.pnmix.cache.PNMixCache`'s packed codes directly.
+"""Attention over a PN-Mix cache that reads its packed buffers directly (docs/design.md,
+"Attention").
 
-For a block of quantized groups (at most ``block_groups`` at a time) the codes are unpacked to
-small integers and used as follows (``L = 2**bits - 1``, pair-slot convention of
-:mod:`kvlab.pnmix.quantizers`, GQA queries folded to ``M = (H_q / H_kv) * Q`` rows per kv head):
+The torch reference (:func:`packed_attention_reference`) takes the raw buffers of a
+:class:`~kvlab.pnmix.store.PackedStore` plus the per-row counts and the codec description
+(:class:`PackedKV`), which is what a compiled kernel reads too; :func:`pnmix_attention` is the
+public entry point and dispatches to a backend (``"torch"`` today).
 
-* **Cartesian channels** (per-channel scale ``s_d`` and zero ``z_d`` per group):
-  ``q · k_hat_t = Σ_d q_d z_d + Σ_d (q_d s_d) c_td`` — a per-group folded query ``q * s``
-  times the code matrix, plus one per-group constant.
-* **Phase–Norm pairs** (norm levels ``n_l = z + l s``, phase levels ``φ_l``): per group and
-  pair a table ``T[m, p, l] = q_a cos φ_l + q_b sin φ_l`` of the query projected on the
-  ``2**bits`` phase levels; the logit contribution is ``n(code_norm) * T[code_phase]``,
-  computed as a matmul of the table with the one-hot phase codes weighted by the norm level.
-* **Per-token keys** (``key_coding="per_token"``, scale ``s_t``, zero ``z_t``):
-  ``q · k_hat_t = z_t Σ_d q_d + s_t (q · c_t)``.
-* **Values** (per-token ``s_t``, ``z_t``): ``Σ_t p_t v_hat_t = (Σ_t p_t z_t) 1 +
-  Σ_t (p_t s_t) c_t``.
+Algorithm (split-K softmax, as FlashDecoding): the stream of every row — exact sinks, quantized
+groups, exact residual — is cut into segments: the exact tokens (sinks and residual together)
+and blocks of ``block_groups`` group slots. Per segment: logits ``q · (k - mu)`` in float32,
+where a block's keys are first decoded to float32 by the key codec's ``decode`` (element for
+element what :meth:`~kvlab.pnmix.cache.PNMixCache.dequantize` computes) and ``mu`` is one
+stored key of the row: the softmax is unchanged, while float32 rounding becomes relative to the
+spread of the row's keys rather than their magnitude (large zero points do not cancel); logits
+are masked where a slot lies beyond the row's count or, causally, beyond what a query may see;
+then the segment's maximum ``m``, ``l = Σ exp(logit - m)`` and ``Σ exp(logit - m) v``. Values
+of a block are read from their codes in the per-token affine form ``Σ_t p_t z_t + Σ_t (p_t s_t)
+c_t`` (the terms of ``Σ_t p_t (z_t + s_t c_t)`` regrouped; float32 rounding relative to the
+values' scale). Segments are merged with weights ``exp(m - max m)``. A query row that sees
+nothing (a padding query) returns zeros.
 
-Sinks and residual are exact and attend normally. Logits of all parts are concatenated in
-sequence order, masked, and soft-maxed together (a global softmax), then each part's values
-are weighted by its slice of the probabilities. The cache is never dequantized as a whole:
-the largest code-derived temporary is one block's unpacked codes
-(``B * H_kv * block_groups * group_tokens * D`` floats) and, for Phase–Norm, its one-hot
-weights (``... * U * 2**bits``, ``U`` the pairs that any sequence or head codes in Phase–Norm;
-the others skip this path). The logits ``[B, H_kv, M, seq_length]`` are materialized,
-as in unfused attention.
+Memory: the largest temporaries are one block's decoded keys and unpacked value codes
+(``B * H_kv * block_groups * group_tokens * (D + Dv)`` floats) and its logits; nothing grows
+with the context beyond one block except the per-segment ``(m, l, acc)`` triples.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.pnmix.cache import PackedGroup, PNMixCache
+from kvlab.attention_logits import softcap_logits
+from kvlab.pnmix.cache import PNMixCache
+from kvlab.pnmix.codecs import KeyCodec, KeyLayout
 from kvlab.pnmix.packing import unpack_codes
-from kvlab.pnmix.quantizers import phase_levels
 
-__all__ = ["pnmix_attention"]
+__all__ = ["BACKENDS", "PackedKV", "packed_attention_reference", "packed_kv", "pnmix_attention"]
 
+BACKENDS: tuple[str, ...] = ("torch",)
+"""Backends :func:`pnmix_attention` can dispatch to (``"auto"`` picks the first available)."""
 
-def _stack(groups: list[PackedGroup], name: str) -> Tensor:
-    return torch.stack([getattr(g, name).float() for g in groups], dim=2)
-
-
-def _block_codes(groups: list[PackedGroup], name: str, width: int) -> Tensor:
-    """Codes of ``n`` same-size groups, unpacked in one call: uint8 ``[B, H_kv, n, T, width]``."""
-    g0 = groups[0]
-    packed = torch.stack([getattr(g, name) for g in groups], dim=2)  # [B,H,n,bytes]
-    codes = unpack_codes(packed, g0.bits, g0.num_tokens * width)
-    return codes.reshape(*codes.shape[:-1], g0.num_tokens, width)
+_DEFAULT_BLOCK_TOKENS = 4096
 
 
-def _block_logits(
-    q: Tensor,
-    groups: list[PackedGroup],
-    cache: PNMixCache,
-    pn_pairs: Tensor | None,
-    any_phase_norm: bool,
+@dataclass(frozen=True, eq=False)
+class PackedKV:
+    """Everything packed attention reads: buffers, host counts and the codec description.
+
+    Attributes:
+        sink_keys, sink_values: storage dtype ``[B, H, S, D|Dv]``.
+        key_codes: uint8 ``[B, H, G_cap, ceil(T * D * bits / 8)]`` (token-major ``[T, D]``
+            codes per group, little-endian bitstream).
+        key_scalars: storage dtype ``[B, H, G_cap, S_k]`` (the codec's layout).
+        value_codes: uint8 ``[B, H, G_cap, ceil(T * Dv * bits / 8)]``.
+        value_scalars: storage dtype ``[B, H, G_cap, 2 * T]`` (``[scale(T) | zero(T)]``).
+        residual_keys, residual_values: storage dtype ``[B, H, R_cap, D|Dv]``.
+        sink_lengths, group_counts, residual_lengths: host int64 ``[B, H]``.
+        bits, group_tokens: code width and ``T``.
+        codec, layout: the key codec and the head's rotary pairs.
+        mask: bool ``[B, H, P]`` mix mask (``None`` for other codecs).
+        active_pairs: int64 ``[U]`` pairs set in some row's mask (``None`` = all pairs).
+    """
+
+    sink_keys: Tensor
+    sink_values: Tensor
+    key_codes: Tensor
+    key_scalars: Tensor
+    value_codes: Tensor
+    value_scalars: Tensor
+    residual_keys: Tensor
+    residual_values: Tensor
+    sink_lengths: np.ndarray
+    group_counts: np.ndarray
+    residual_lengths: np.ndarray
+    bits: int
+    group_tokens: int
+    codec: KeyCodec
+    layout: KeyLayout
+    mask: Tensor | None = None
+    active_pairs: Tensor | None = None
+
+    @property
+    def seq_lengths(self) -> np.ndarray:
+        """int64 ``[B, H]``: tokens per row."""
+        return self.sink_lengths + self.group_counts * self.group_tokens + self.residual_lengths
+
+
+def packed_kv(cache: PNMixCache) -> PackedKV:
+    """The :class:`PackedKV` of ``cache`` (views of its buffers, copies of its counts)."""
+    s = cache.store
+    return PackedKV(
+        sink_keys=s.sink_keys,
+        sink_values=s.sink_values,
+        key_codes=s.key_codes,
+        key_scalars=s.key_scalars,
+        value_codes=s.value_codes,
+        value_scalars=s.value_scalars,
+        residual_keys=s.residual_keys,
+        residual_values=s.residual_values,
+        sink_lengths=s.sink_lengths.copy(),
+        group_counts=s.group_counts.copy(),
+        residual_lengths=s.residual_lengths.copy(),
+        bits=s.geometry.bits,
+        group_tokens=s.geometry.group_tokens,
+        codec=cache.codec,
+        layout=cache.layout,
+        mask=cache.codec_mask(),
+        active_pairs=cache.active_pairs(),
+    )
+
+
+_LUTS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _unpack_float(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Float32 codes ``[..., n]`` of packed rows ``[..., bytes]`` (the values
+    :func:`~kvlab.pnmix.packing.unpack_codes` returns, as floats)."""
+    if 8 % bits:
+        return unpack_codes(packed, bits, n).float()
+    per_byte = 8 // bits
+    key = (bits, packed.device)
+    lut = _LUTS.get(key)
+    if lut is None:
+        byte = torch.arange(256, device=packed.device)[:, None]
+        shifts = torch.arange(per_byte, device=packed.device) * bits
+        lut = ((byte >> shifts) & ((1 << bits) - 1)).float()
+        _LUTS[key] = lut
+    codes = F.embedding(packed.int(), lut).flatten(-2)
+    return codes if codes.shape[-1] == n else codes[..., :n]
+
+
+def _limits(kv: PackedKV, nq: int, rep: int, causal: bool, device: torch.device) -> Tensor | None:
+    """Per (b, h, query row) how many slots of the sinks, the group region and the residual a
+    query may see: int64 ``[3, B, H, M, 1]``; ``None`` when every query sees every stored
+    token (equal rows, and one query or no causal mask)."""
+    uniform = all(
+        int(a.min()) == int(a.max(initial=0))
+        for a in (kv.sink_lengths, kv.group_counts, kv.residual_lengths)
+    )
+    if uniform and (not causal or nq == 1):
+        return None
+    ns, ng, nr = kv.sink_lengths, kv.group_counts * kv.group_tokens, kv.residual_lengths
+    n = ns + ng + nr
+    j = np.tile(np.arange(nq), rep)  # query row m = r * Q + j
+    visible = (
+        n[..., None] - nq + j + 1 if causal else np.broadcast_to(n[..., None], (*n.shape, j.size))
+    )
+    sinks = np.clip(np.minimum(visible, ns[..., None]), 0, None)
+    groups = np.clip(np.minimum(visible - ns[..., None], ng[..., None]), 0, None)
+    res = np.clip(np.minimum(visible - (ns + ng)[..., None], nr[..., None]), 0, None)
+    return torch.from_numpy(np.stack([sinks, groups, res])[..., None]).to(device)
+
+
+def _reference_keys(kv: PackedKV) -> Tensor:
+    """A stored key of every row, float32 ``[B, H, 1, D]``: the first sink slot, else the first
+    residual slot, else the decoded first token of group slot 0. Logits are computed against
+    keys minus this reference: softmax is invariant to the row's constant ``q · mu``, and the
+    subtraction (exact when a key lies within a factor of 2 of ``mu``, Sterbenz) makes the
+    float32 rounding of a logit relative to the spread of the row's keys, not their magnitude
+    (large zero points: docs/design.md, "Attention")."""
+    if kv.sink_keys.shape[2]:
+        return kv.sink_keys[:, :, :1].float()
+    if kv.residual_keys.shape[2]:
+        return kv.residual_keys[:, :, :1].float()
+    b, h = kv.sink_keys.shape[:2]
+    d, t = kv.sink_keys.shape[-1], kv.group_tokens
+    if kv.key_codes.shape[2] == 0:
+        return kv.sink_keys.new_zeros((b, h, 1, d), dtype=torch.float32)
+    codes = _unpack_float(kv.key_codes[:, :, 0], kv.bits, t * d).reshape(b * h, t, d)
+    mask = None if kv.mask is None else kv.mask.reshape(b * h, -1)
+    first = kv.codec.decode(codes, kv.key_scalars[:, :, 0].reshape(b * h, -1), kv.layout, mask)
+    return first[:, :1].reshape(b, h, 1, d)
+
+
+class _Partials:
+    """Per-segment softmax partials ``(m, l, acc)``, merged at the end."""
+
+    def __init__(self) -> None:
+        self.m: list[Tensor] = []
+        self.l: list[Tensor] = []
+        self.acc: list[Tensor] = []
+
+    def logits(self, s: Tensor, hidden: Tensor | None) -> Tensor:
+        """Mask logits ``[B, H, M, w]`` where ``hidden`` (bool, broadcastable); return the
+        unnormalized probabilities ``exp(s - m)`` and record ``m`` and ``l``."""
+        if hidden is not None:
+            s = s.masked_fill(hidden, -math.inf)
+        m = s.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(s.dtype).min)
+        p = torch.exp(s - m)
+        self.m.append(m)
+        self.l.append(p.sum(dim=-1, keepdim=True))
+        return p
+
+    def merge(self) -> Tensor:
+        if len(self.m) == 1:
+            return self.acc[0] / self.l[0].clamp_min(torch.finfo(torch.float32).tiny)
+        m = torch.stack(self.m)
+        w = torch.exp(m - m.amax(dim=0))
+        l_sum = (w * torch.stack(self.l)).sum(dim=0)
+        acc = (w * torch.stack(self.acc)).sum(dim=0)
+        return acc / l_sum.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def packed_attention_reference(
+    query: Tensor,
+    kv: PackedKV,
+    *,
+    scale: float,
+    causal: bool = True,
+    block_groups: int = 32,
+    logit_softcap: float | None = None,
+    sink_logits: Tensor | None = None,
 ) -> Tensor:
-    """Raw logits ``[B, H_kv, M, n * T]`` of query rows ``q [B, H_kv, M, D]`` (float32) against
-    the keys of ``n`` consecutive groups, from their codes. ``pn_pairs``: bool ``[B, H_kv, P]``
-    Phase–Norm pairs (channel-wise codings), ``any_phase_norm``: whether any is set."""
-    cfg = cache.config
-    codes = _block_codes(groups, "key_codes", groups[0].head_dim).float()  # [B,H,n,T,D]
-    scale = _stack(groups, "key_scale")
-    zero = _stack(groups, "key_zero")
-    b, h, n, t, _ = codes.shape
-    qn = q.unsqueeze(2)  # [B,H,1,M,D]
-    if cfg.key_coding == "per_token":
-        # scale, zero: [B,H,n,T]
-        dots = qn @ codes.transpose(-1, -2)  # [B,H,n,M,T]
-        logits = dots * scale.unsqueeze(-2) + q.sum(-1)[:, :, None, :, None] * zero.unsqueeze(-2)
-    else:
-        assert pn_pairs is not None
-        first, second = cache.pair_indices
-        first, second = first.to(q.device), second.to(q.device)
-        # scale, zero: [B,H,n,D]; Cartesian channels: all but the Phase–Norm pairs' slots
-        pn = pn_pairs.to(q.device)  # [B,H,P]
-        cart = torch.ones(b, h, cache.head_dim, dtype=torch.bool, device=q.device)
-        cart[:, :, first] = ~pn
-        cart[:, :, second] = ~pn
-        q_cart = qn * cart.unsqueeze(2).unsqueeze(3)  # [B,H,1,M,D]
-        folded = q_cart * scale.unsqueeze(-2)  # [B,H,n,M,D]
-        const = (q_cart * zero.unsqueeze(-2)).sum(-1, keepdim=True)  # [B,H,n,M,1]
-        logits = folded @ codes.transpose(-1, -2) + const  # [B,H,n,M,T]
-        if any_phase_norm:
-            # only the pairs some (sequence, head) codes in Phase–Norm: usually a few of P
-            used = pn.flatten(0, 1).any(0).nonzero().squeeze(1)  # [U]
-            fu, su, pn_u = first[used], second[used], pn[..., used].float()  # pn_u [B,H,U]
-            bits = cfg.bits
-            n_levels = 1 << bits
-            lv = phase_levels(zero[..., su], scale[..., su], bits)  # [B,H,n,U,Lv]
-            q_a = q[..., fu][:, :, None, :, :, None]  # [B,H,1,M,U,1]
-            q_b = q[..., su][:, :, None, :, :, None]
-            table = q_a * torch.cos(lv).unsqueeze(3) + q_b * torch.sin(lv).unsqueeze(3)
-            # norm level of each (token, pair): z + code * s, zero where the pair is Cartesian
-            norm_zero = zero[..., fu].unsqueeze(-2)  # [B,H,n,1,U]
-            norm_scale = scale[..., fu].unsqueeze(-2)
-            norm = (norm_zero + codes[..., fu] * norm_scale) * pn_u[:, :, None, None, :]
-            onehot = F.one_hot(codes[..., su].long(), n_levels).float()  # [B,H,n,T,U,Lv]
-            weights = (onehot * norm.unsqueeze(-1)).flatten(-2)  # [B,H,n,T,U*Lv]
-            logits = logits + table.flatten(-2) @ weights.transpose(-1, -2)
-    return logits.permute(0, 1, 3, 2, 4).reshape(b, h, q.shape[2], n * t)
+    """Softmax attention of ``query`` over packed storage, in float32 (module docstring).
 
+    Args:
+        query: ``[B, H_q, Q, D]`` on the buffers' device, ``H_q`` a multiple of ``H``: query
+            head ``i`` reads kv head ``i // (H_q / H)`` (GQA). Query ``j`` of row ``(b, h)``
+            is that row's stream token ``n - Q + j`` (``n`` its length).
+        kv: the packed storage.
+        scale: softmax scale of the logits.
+        causal: query ``j`` sees stream indices ``<= n - Q + j`` (bottom-right); ``False``: all
+            of the row's ``n`` tokens.
+        block_groups: group slots decoded at a time (>= 1).
+        logit_softcap: Gemma 2 soft-cap of the scaled logits, applied before masking
+            (:func:`kvlab.attention_logits.softcap_logits`), or ``None``. ``tanh`` is not
+            shift-invariant, so with a cap the logits are ``q · (k - mu) + q · mu``.
+        sink_logits: ``[H_q]`` learned sink logits (GPT-OSS ``s_aux``): one extra logit per
+            query row in the softmax, with no value, or ``None``.
 
-def _block_output(p: Tensor, groups: list[PackedGroup]) -> Tensor:
-    """``Σ_t p_t v_hat_t`` ``[B, H_kv, M, Dv]`` for probabilities ``p [B, H_kv, M, n * T]``
-    over ``n`` groups, from the value codes."""
-    codes = _block_codes(groups, "value_codes", groups[0].value_head_dim).float()  # [B,H,n,T,Dv]
-    scale = _stack(groups, "value_scale")  # [B,H,n,T]
-    zero = _stack(groups, "value_zero")
-    b, h, n, t, _ = codes.shape
-    pb = p.reshape(b, h, p.shape[2], n, t).transpose(2, 3)  # [B,H,n,M,T]
-    const = (pb * zero.unsqueeze(-2)).sum(-1, keepdim=True)  # [B,H,n,M,1]
-    out = (pb * scale.unsqueeze(-2)) @ codes + const  # [B,H,n,M,Dv]
-    return out.sum(dim=2)
+    Returns:
+        float32 ``[B, H_q, Q, Dv]``; zeros for a query that sees no token (and no sink).
+    """
+    b, hq, nq, d = query.shape
+    hkv = kv.sink_keys.shape[1]
+    rep = hq // hkv
+    t = kv.group_tokens
+    dev = kv.sink_keys.device
+    q = query.to(device=dev, dtype=torch.float32).reshape(b, hkv, rep * nq, d) * scale
+    limits = _limits(kv, nq, rep, causal, dev)
+    mu = _reference_keys(kv)
+    # q . mu: what the centred logits lack, needed where the true logit value matters
+    q_mu = q @ mu.mT if logit_softcap is not None or sink_logits is not None else None
+
+    def transform(s: Tensor) -> Tensor:
+        if logit_softcap is None:
+            return s
+        return softcap_logits(s + q_mu, logit_softcap)
+
+    parts = _Partials()
+    n_sink = int(kv.sink_lengths.max(initial=0))
+    n_res = int(kv.residual_lengths.max(initial=0))
+    if n_sink or n_res:  # the exact tokens, sinks then residual, as one segment
+        keys = torch.cat([kv.sink_keys[:, :, :n_sink], kv.residual_keys[:, :, :n_res]], 2)
+        values = torch.cat([kv.sink_values[:, :, :n_sink], kv.residual_values[:, :, :n_res]], 2)
+        hidden = None
+        if limits is not None:
+            cols = torch.arange(n_sink + n_res, device=dev)
+            hidden = torch.where(cols < n_sink, cols >= limits[0], (cols - n_sink) >= limits[2])
+        p = parts.logits(transform(q @ keys.float().sub_(mu).mT), hidden)
+        parts.acc.append(p @ values.float())
+    n_groups = int(kv.group_counts.max(initial=0))
+    dv = kv.sink_values.shape[-1]
+    for g0 in range(0, n_groups, block_groups):
+        g1 = min(g0 + block_groups, n_groups)
+        n = g1 - g0
+        codes = _unpack_float(kv.key_codes[:, :, g0:g1], kv.bits, t * d).reshape(b, hkv, n, t, d)
+        mask = kv.mask
+        if mask is not None:
+            mask = mask.unsqueeze(2).expand(-1, -1, n, -1)
+        keys = kv.codec.decode(codes, kv.key_scalars[:, :, g0:g1], kv.layout, mask, kv.active_pairs)
+        keys = keys.reshape(b, hkv, n * t, d).sub_(mu)
+        hidden = None
+        if limits is not None:
+            hidden = torch.arange(g0 * t, g1 * t, device=dev) >= limits[1]
+        p = parts.logits(transform(q @ keys.mT), hidden)
+        vcodes = _unpack_float(kv.value_codes[:, :, g0:g1], kv.bits, t * dv).reshape(b, hkv, -1, dv)
+        vs = kv.value_scalars[:, :, g0:g1].float()  # [B, H, n, 2T]: scale(T) | zero(T)
+        v_scale = vs[..., :t].reshape(b, hkv, 1, n * t)
+        v_zero = vs[..., t:].reshape(b, hkv, 1, n * t)
+        parts.acc.append((p * v_scale) @ vcodes + (p * v_zero).sum(dim=-1, keepdim=True))
+    if sink_logits is not None:  # row r * Q + j of kv head h is query head h * rep + r
+        sinks = sink_logits.detach().to(device=dev, dtype=torch.float32).view(1, hkv, rep, 1)
+        sinks = sinks.expand(b, hkv, rep, nq).reshape(b, hkv, rep * nq, 1)
+        if logit_softcap is None:
+            sinks = sinks - q_mu  # into the centred logits' frame
+        parts.m.append(sinks)
+        parts.l.append(torch.ones_like(sinks))
+        parts.acc.append(sinks.new_zeros((b, hkv, rep * nq, kv.sink_values.shape[-1])))
+    return parts.merge().reshape(b, hq, nq, -1)
 
 
 def pnmix_attention(
@@ -126,78 +303,80 @@ def pnmix_attention(
     scale: float | None = None,
     causal: bool = True,
     block_groups: int | None = None,
+    backend: str = "auto",
+    logit_softcap: float | None = None,
+    sink_logits: Tensor | None = None,
 ) -> Tensor:
     """Softmax attention of ``query`` over a PN-Mix cache, consuming its packed codes.
 
     Args:
         query: ``[B, H_q, Q, D]``, any floating dtype, already RoPE-rotated at its positions.
-            The ``Q`` queries belong to the last ``Q`` tokens appended to ``cache``: query
-            ``j`` sits at position ``seq_length - Q + j``.
+            The ``Q`` queries of row ``b`` belong to the last ``Q`` tokens of its stream
+            (``n_b - Q + j``); with left padding, queries before a row's first token see
+            nothing and return zeros.
         cache: the layer's :class:`PNMixCache` (``H_q`` a multiple of its ``H_kv``; query head
             ``i`` reads kv head ``i // (H_q / H_kv)``, GQA).
         scale: softmax scale of the logits (default ``1 / sqrt(D)``).
-        causal: query ``j`` sees cache positions ``<= seq_length - Q + j`` (bottom-right
-            aligned); ``False`` = every query sees the whole cache.
-        block_groups: quantized groups unpacked at a time (bounds temporary memory);
-            default: as many as make 1,024 tokens (at least one).
+        causal: query ``j`` sees stream positions ``<= n_b - Q + j`` (bottom-right aligned);
+            ``False`` = every query sees its row's whole stream.
+        block_groups: quantized groups decoded at a time (bounds temporary memory);
+            default: as many as make 4,096 tokens (at least one).
+        backend: ``"torch"`` (the reference, :func:`packed_attention_reference`) or
+            ``"auto"`` (the best available: ``"torch"`` today).
+        logit_softcap: Gemma 2 attention-logit soft-cap applied to the scaled logits before
+            the causal mask (:func:`kvlab.attention_logits.softcap_logits`), or ``None``.
+        sink_logits: ``[H_q]`` learned sink logits (GPT-OSS ``s_aux``): one extra logit per
+            query head in the softmax, with no value
+            (:func:`kvlab.attention_logits.softmax_with_sinks`), or ``None``.
 
     Returns:
         ``[B, H_q, Q, Dv]`` in ``query``'s dtype and device, computed in float32. Agrees with
-        ``cache.dequantize()`` followed by standard attention up to float32 rounding.
-        Increments ``cache.attention_calls`` by one.
+        ``cache.dequantize()`` followed by standard attention up to float32 rounding of the
+        logits and outputs. Increments ``cache.attention_calls`` by one. Reads no device
+        value back to the host.
 
     Raises:
         ValueError: wrong rank, dtype or shape; ``H_q`` not a multiple of ``H_kv``; ``Q``
-            larger than the cache; an empty cache; ``block_groups < 1``.
+            larger than the longest row; an empty cache; ``block_groups < 1``; an unknown
+            backend; ``sink_logits`` not ``[H_q]``; ``logit_softcap`` not a positive number.
     """
     if not isinstance(cache, PNMixCache):
         raise ValueError(f"cache must be a PNMixCache, got {type(cache).__name__}")
     if not isinstance(query, Tensor) or not query.is_floating_point() or query.dim() != 4:
         raise ValueError("query must be a 4-D floating tensor [B, H_q, Q, D]")
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     if block_groups is None:
-        block_groups = max(1, 1024 // cache.config.group_tokens)
+        block_groups = max(1, _DEFAULT_BLOCK_TOKENS // cache.config.group_tokens)
     if isinstance(block_groups, bool) or not isinstance(block_groups, int) or block_groups < 1:
         raise ValueError(f"block_groups must be an int >= 1, got {block_groups!r}")
     b, hq, nq, d = query.shape
-    hkv, seq = cache.num_key_value_heads, cache.seq_length
+    hkv = cache.num_key_value_heads
+    longest = int(cache.seq_lengths.max(initial=0))
     if b != cache.batch_size:
         raise ValueError(f"query batch {b} != cache batch_size {cache.batch_size}")
     if d != cache.head_dim:
         raise ValueError(f"query head_dim {d} != cache head_dim {cache.head_dim}")
     if hq % hkv:
         raise ValueError(f"query heads {hq} must be a multiple of num_key_value_heads {hkv}")
-    if seq == 0:
+    if longest == 0:
         raise ValueError("cache is empty: append keys and values before attending")
-    if not 1 <= nq <= seq:
-        raise ValueError(f"query count {nq} must lie in 1..seq_length={seq}")
+    if not 1 <= nq <= longest:
+        raise ValueError(f"query count {nq} must lie in 1..seq_length={longest}")
+    if sink_logits is not None and tuple(sink_logits.shape) != (hq,):
+        raise ValueError(f"sink_logits must be [H_q] = [{hq}], got {tuple(sink_logits.shape)}")
+    if logit_softcap is not None:
+        softcap_logits(query.new_zeros(()), logit_softcap)  # validates the cap
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    rep = hq // hkv
-    q = query.to(device=cache.device, dtype=torch.float32).reshape(b, hkv, rep * nq, d) * scale
-
-    groups = list(cache.groups)
-    blocks = [groups[i : i + block_groups] for i in range(0, len(groups), block_groups)]
-    pn_pairs = cache.phase_norm_pairs
-    any_pn = pn_pairs is not None and bool(pn_pairs.any())
-    sink_k, res_k = cache.sink_keys, cache.residual_keys
-    parts = [q @ sink_k.float().transpose(-1, -2)]
-    parts += [_block_logits(q, blk, cache, pn_pairs, any_pn) for blk in blocks]
-    parts.append(q @ res_k.float().transpose(-1, -2))
-    logits = torch.cat(parts, dim=-1)  # [B, H_kv, M, seq]
-    if causal and nq > 1:
-        rows = torch.arange(rep * nq, device=q.device) % nq
-        visible_to = seq - nq + rows  # last visible key position per row
-        hidden = torch.arange(seq, device=q.device)[None, :] > visible_to[:, None]
-        logits = logits.masked_fill(hidden, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-
-    n_sink = sink_k.shape[2]
-    out = probs[..., :n_sink] @ cache.sink_values.float()
-    pos = n_sink
-    for blk in blocks:
-        width = sum(g.num_tokens for g in blk)
-        out = out + _block_output(probs[..., pos : pos + width], blk)
-        pos += width
-    out = out + probs[..., pos:] @ cache.residual_values.float()
+    out = packed_attention_reference(
+        query,
+        packed_kv(cache),
+        scale=scale,
+        causal=causal,
+        block_groups=block_groups,
+        logit_softcap=logit_softcap,
+        sink_logits=sink_logits,
+    )
     cache._record_attention_call()
-    return out.reshape(b, hq, nq, -1).to(device=query.device, dtype=query.dtype)
+    return out.to(device=query.device, dtype=query.dtype)

@@ -1,153 +1,76 @@
-"""The PN-Mix quantized KV cache of one attention layer (kvlab SPEC §3).
+"""The PN-Mix quantized KV cache of one attention layer (docs/design.md, "PN-Mix").
 
-Per sequence of the batch the cache holds, in sequence order:
+Per row ``(b, h)`` (sequence ``b`` of the batch, kv head ``h``) the cache holds, in order:
 
 1. **Sinks** — the first ``sink_tokens`` tokens, exact in the storage dtype.
-2. **Quantized groups** — blocks of ``group_tokens`` consecutive tokens with packed ``bits``-bit
-   codes. Keys: per kv head, per channel over the group's tokens (Cartesian, KIVI-style), or
-   Phase–Norm on the rotary pairs the mix mask selects (see :mod:`kvlab.pnmix.quantizers`
-   for the pair-slot convention); values: per token over the head's channels (KIVI, Liu et
-   al. 2024: per-channel keys, per-token values).
+2. **Quantized groups** — blocks of ``group_tokens`` consecutive tokens coded by the key codec
+   (:mod:`kvlab.pnmix.codecs`; Cartesian per channel, Phase–Norm, per token, or a mix of two
+   pair codecs) and, for values, per token over the head's channels (KIVI, Liu et al. 2024:
+   per-channel keys, per-token values), packed ``bits``-bit codes plus per-group scalars.
 3. **Residual** — the most recent tokens, exact. When it reaches
    ``residual_tokens + group_tokens`` tokens the oldest ``group_tokens`` are quantized as one
-   group. Which tokens form which group depends on the total length only, each group is
-   quantized from its own tokens only, and stored codes are never rewritten, so one prefill or
-   one token at a time gives byte-identical storage.
+   group. Which tokens form which group depends on the row's total length only, each group is
+   coded from its own tokens only, and stored codes are never rewritten, so one prefill or one
+   token at a time gives byte-identical storage.
+
+Storage is a :class:`~kvlab.pnmix.store.PackedStore` (contiguous buffers
+``[B, H_kv, groups, ...]``, per-row counts on the host). Rows may hold different numbers of
+tokens (padded batches: :meth:`PNMixCache.append` takes per-row ``lengths``).
 
 The mix mask (``key_coding="mix"``) holds one bit per (kv head, rotary pair) per sequence:
-True = Phase–Norm. It is computed once, by saliency, from the keys of the **first quantized
-group** (tokens ``sink_tokens .. sink_tokens + group_tokens - 1``) at the moment that group is
-flushed: per pair, the coding with the smaller reconstruction error (sum of squared errors
-over both channels and the group's tokens). Ties go to Cartesian. It is frozen afterwards.
-Any prefill of at least ``sink_tokens + residual_tokens + group_tokens`` tokens flushes that
-group, so the mask is computed at prefill, from prefill keys; and because the first group is
-fixed by the total length alone, the mask — like every other stored byte — does not depend
-on how the tokens arrived (SPEC §3). A shorter prefill leaves the mask to the first flush.
+True = the mix's second codec (Phase–Norm). It is computed once per row, by the codec's
+saliency rule (default: reconstruction error on the row's **first quantized group**, tokens
+``sink_tokens .. sink_tokens + group_tokens - 1``, ties to Cartesian) when that group is
+flushed, and frozen. Any prefill of at least ``sink_tokens + residual_tokens + group_tokens``
+tokens flushes that group, so the mask comes from prefill keys; like every other stored byte
+it does not depend on how the tokens arrived (docs/design.md, "The mix mask").
 
-Storage is exactly what :meth:`PNMixCache.nbytes` counts: the exact buffers are tensors of
-their logical size (re-allocated on append, no spare capacity), each group is a
-:class:`PackedGroup` of packed uint8 codes plus storage-dtype scalars, and the mask is packed.
+Host syncs: an append checks its inputs (finite, within the storage range; key scalars
+finite) with one device-to-host read (``checks="eager"``, the default), or, with
+``checks="deferred"`` (the decode path), with none: the result accumulates on the device and
+:meth:`PNMixCache.check_values` raises later (docs/design.md, "Host syncs").
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from kvlab.pnmix.packing import pack_codes, unpack_codes
+from kvlab.pnmix.codecs import KeyCodec, KeyLayout, MixCodec, PairCodec, PhaseNormCodec
+from kvlab.pnmix.config import KeyCoding, PNMixConfig, check_int
+from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
 from kvlab.pnmix.quantizers import (
-    STORAGE_DTYPES,
-    dequantize_keys_channelwise,
-    key_pair_errors,
     minmax_dequantize,
     minmax_quantize,
-    quantize_keys_channelwise,
-    rotary_pair_indices,
-    round_to_storage,
+    storage_range_message,
 )
+from kvlab.pnmix.store import AppendPlan, EncodedGroups, PackedStore, StoreGeometry
 
 __all__ = ["KeyCoding", "PNMixCache", "PNMixConfig", "PackedGroup"]
-
-KeyCoding = Literal["mix", "cartesian", "phase_norm", "per_token"]
-_KEY_CODINGS = ("mix", "cartesian", "phase_norm", "per_token")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class PNMixConfig:
-    """Configuration of a PN-Mix cache (defaults: the SPEC §3 / seed-004 configuration).
-
-    Attributes:
-        bits: code width of every quantized key/value element, 2, 3 or 4 (2 = SPEC).
-        sink_tokens: leading tokens kept exact (tokens, >= 0).
-        residual_tokens: recent tokens kept exact after a flush (tokens, >= 0).
-        group_tokens: tokens per quantized group (>= 2 for the channel-wise key codings,
-            whose per-channel min-max needs a group; >= 1 for ``"per_token"``).
-        storage_dtype: dtype of every exact value and every stored scalar,
-            ``torch.float16`` (default) or ``torch.bfloat16`` (for activations beyond
-            float16's range).
-        key_coding: ``"mix"`` (SPEC: per-pair Cartesian or Phase–Norm by prefill saliency),
-            ``"cartesian"`` (all channels per-channel min-max: KIVI keys), ``"phase_norm"``
-            (every rotary pair Phase–Norm: ablation) or ``"per_token"`` (keys per token over
-            the head's channels, like values). ``"cartesian"`` and ``"phase_norm"`` store the
-            same bytes as ``"mix"`` minus its mask.
-        rotary_dim: rotary channels of a key (even; ``None`` = the head_dim); channels
-            ``rotary_dim .. head_dim - 1`` are always Cartesian.
-        rotary_layout: ``"half"`` pairs ``(i, i + rotary_dim/2)``, ``"interleaved"`` pairs
-            ``(2i, 2i + 1)`` (SPEC §1); must match the model's RoPE.
-
-    Raises:
-        ValueError: any field out of its domain (checked at construction).
-    """
-
-    bits: int = 2
-    sink_tokens: int = 32
-    residual_tokens: int = 32
-    group_tokens: int = 128
-    storage_dtype: torch.dtype = torch.float16
-    key_coding: KeyCoding = "mix"
-    rotary_dim: int | None = None
-    rotary_layout: Literal["half", "interleaved"] = "half"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or self.bits not in (2, 3, 4):
-            raise ValueError(f"bits must be 2, 3 or 4, got {self.bits!r}")
-        _check_int("sink_tokens", self.sink_tokens, 0)
-        _check_int("residual_tokens", self.residual_tokens, 0)
-        if self.key_coding not in _KEY_CODINGS:
-            raise ValueError(f"key_coding must be one of {_KEY_CODINGS}, got {self.key_coding!r}")
-        _check_int("group_tokens", self.group_tokens, 1)
-        if self.key_coding != "per_token" and self.group_tokens < 2:
-            raise ValueError(
-                f"group_tokens must be >= 2 for key_coding={self.key_coding!r} (per-channel "
-                f"min-max over a group's tokens), got {self.group_tokens}"
-            )
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(
-                f"storage_dtype must be torch.float16 or torch.bfloat16, got {self.storage_dtype!r}"
-            )
-        if self.rotary_dim is not None:
-            _check_int("rotary_dim", self.rotary_dim, 2)
-            if self.rotary_dim % 2:
-                raise ValueError(f"rotary_dim must be even, got {self.rotary_dim}")
-        if self.rotary_layout not in ("half", "interleaved"):
-            raise ValueError(
-                f"rotary_layout must be 'half' or 'interleaved', got {self.rotary_layout!r}"
-            )
-
-    @property
-    def channelwise_keys(self) -> bool:
-        """True when keys are coded per channel/pair over a group (every coding but per_token)."""
-        return self.key_coding != "per_token"
 
 
 @dataclass(frozen=True, eq=False)
 class PackedGroup:
-    """One quantized group of ``num_tokens`` tokens, all sequences of the batch (read-only view).
+    """Quantized group ``g`` of every row: read-only views into the store's buffers.
 
     Attributes:
-        start: sequence position of the group's first token.
+        start: stream index of the group's first token (``sink_tokens + g * group_tokens``).
         num_tokens: tokens in the group (= ``group_tokens``).
         bits: code width.
         head_dim, value_head_dim: channels of keys and values.
-        key_codes: uint8 ``[B, H_kv, ceil(T * D * bits / 8)]``: per (sequence, kv head) the
-            token-major codes ``[T, D]`` packed by :func:`~kvlab.pnmix.packing.pack_codes`.
-            Channel-wise codings use the pair-slot convention of
-            :mod:`kvlab.pnmix.quantizers`.
-        key_scale, key_zero: storage dtype; ``[B, H_kv, D]`` for channel-wise codings (per
-            channel / pair slot), ``[B, H_kv, T]`` for ``"per_token"``.
+        key_codes: uint8 ``[B, H_kv, ceil(T * D * bits / 8)]``: per row the token-major codes
+            ``[T, D]`` packed by :func:`~kvlab.pnmix.packing.pack_codes`.
+        key_scale, key_zero: storage dtype, the two halves of the key scalars: ``[B, H_kv, D]``
+            for channel-wise codecs (per channel / pair slot), ``[B, H_kv, T]`` for per-token.
         value_codes: uint8 ``[B, H_kv, ceil(T * Dv * bits / 8)]``, token-major ``[T, Dv]``.
         value_scale, value_zero: storage dtype ``[B, H_kv, T]`` (per token).
 
-    Tensors are shared with the cache: do not modify them in place.
+    Rows that hold fewer groups read zeros. Do not modify the tensors in place.
     """
 
     start: int
@@ -185,34 +108,12 @@ class PackedGroup:
             "value_zero": self.value_zero,
         }
 
-    def _select(self, index: Tensor) -> PackedGroup:
-        picked = {name: t.index_select(0, index) for name, t in self.tensors().items()}
-        return PackedGroup(
-            start=self.start,
-            num_tokens=self.num_tokens,
-            bits=self.bits,
-            head_dim=self.head_dim,
-            value_head_dim=self.value_head_dim,
-            **picked,
-        )
 
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-@dataclass
-class _State:
-    sink_k: Tensor
-    sink_v: Tensor
-    res_k: Tensor
-    res_v: Tensor
-    groups: list[PackedGroup] = field(default_factory=list)
-    mask_packed: Tensor | None = None
+Checks = Literal["eager", "deferred"]
 
 
 class PNMixCache:
-    """PN-Mix quantized KV cache of ONE layer, for a batch of equally long sequences.
+    """PN-Mix quantized KV cache of ONE layer.
 
     Args:
         config: :class:`PNMixConfig`.
@@ -239,12 +140,12 @@ class PNMixCache:
     ) -> None:
         if not isinstance(config, PNMixConfig):
             raise ValueError(f"config must be a PNMixConfig, got {type(config).__name__}")
-        _check_int("batch_size", batch_size, 1)
-        _check_int("num_key_value_heads", num_key_value_heads, 1)
-        _check_int("head_dim", head_dim, 1)
+        check_int("batch_size", batch_size, 1)
+        check_int("num_key_value_heads", num_key_value_heads, 1)
+        check_int("head_dim", head_dim, 1)
         if value_head_dim is None:
             value_head_dim = head_dim
-        _check_int("value_head_dim", value_head_dim, 1)
+        check_int("value_head_dim", value_head_dim, 1)
         rotary_dim = head_dim if config.rotary_dim is None else config.rotary_dim
         if rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(
@@ -252,16 +153,46 @@ class PNMixCache:
                 + (" (head_dim is odd: set config.rotary_dim)" if config.rotary_dim is None else "")
             )
         self._config = config
-        self._batch_size = batch_size
+        self._codec = config.key_codec
         self._num_heads = num_key_value_heads
         self._head_dim = head_dim
         self._value_head_dim = value_head_dim
         self._rotary_dim = rotary_dim
-        self._first, self._second = rotary_pair_indices(rotary_dim, config.rotary_layout)
-        self._device = torch.device(device) if device is not None else None
+        self._device_fixed = device is not None
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        self._layout = KeyLayout.for_rotary(head_dim, rotary_dim, config.rotary_layout, dev)
+        p = self._layout.num_pairs
+        self._geometry = StoreGeometry(
+            batch_size=batch_size,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=head_dim,
+            value_head_dim=value_head_dim,
+            bits=config.bits,
+            sink_tokens=config.sink_tokens,
+            residual_tokens=config.residual_tokens,
+            group_tokens=config.group_tokens,
+            key_scalar_count=self._codec.scalar_count(config.group_tokens, head_dim),
+            storage_dtype=config.storage_dtype,
+            mask_bytes=packed_length(num_key_value_heads * p, 1) if self.is_mix else 0,
+        )
         self._saliency_computations = 0
         self._attention_calls = 0
-        self._state = self._empty_state(self._device or torch.device("cpu"))
+        self._reset_storage(dev)
+
+    def _reset_storage(self, device: torch.device) -> None:
+        g = self._geometry
+        self._store = PackedStore(g, device)
+        self._layout = self._layout.to(device)
+        p = self._layout.num_pairs
+        # derived (not counted) copies of the mask: unpacked on the device, and on the host
+        self._mask_bool = torch.zeros(
+            (g.batch_size, g.num_key_value_heads, p), dtype=torch.bool, device=device
+        )
+        self._mask_host = np.zeros((g.batch_size, g.num_key_value_heads, p), dtype=bool)
+        self._mask_host_known = np.ones((g.batch_size, g.num_key_value_heads), dtype=bool)
+        self._active_pairs: Tensor | None = None
+        self._active_pairs_valid = False
+        self._pending_ok: Tensor | None = None
 
     # ------------------------------------------------------------------ description
     @property
@@ -269,8 +200,28 @@ class PNMixCache:
         return self._config
 
     @property
+    def codec(self) -> KeyCodec:
+        """The key codec."""
+        return self._codec
+
+    @property
+    def is_mix(self) -> bool:
+        """Whether the key codec is a :class:`~kvlab.pnmix.codecs.MixCodec` (a mask is kept)."""
+        return isinstance(self._codec, MixCodec)
+
+    @property
+    def layout(self) -> KeyLayout:
+        """The key head's channel geometry (rotary pairs), on the storage device."""
+        return self._layout
+
+    @property
+    def store(self) -> PackedStore:
+        """The packed storage (buffers and host counts; docs/design.md, "Storage format")."""
+        return self._store
+
+    @property
     def batch_size(self) -> int:
-        return self._batch_size
+        return self._geometry.batch_size
 
     @property
     def num_key_value_heads(self) -> int:
@@ -291,98 +242,195 @@ class PNMixCache:
     @property
     def num_pairs(self) -> int:
         """Rotary pairs per key head: ``rotary_dim // 2``."""
-        return self._first.numel()
+        return self._layout.num_pairs
 
     @property
     def pair_indices(self) -> tuple[Tensor, Tensor]:
         """``(first, second)`` int64 ``[P]`` channel indices of the rotary pairs (CPU)."""
-        return self._first.clone(), self._second.clone()
+        return self._layout.first.cpu(), self._layout.second.cpu()
 
     @property
     def device(self) -> torch.device:
-        return self._state.sink_k.device
+        return self._store.device
 
     # ------------------------------------------------------------------ lengths
     @property
+    def seq_lengths(self) -> np.ndarray:
+        """int64 ``[B, H_kv]``: tokens stored per row (host)."""
+        return self._store.seq_lengths
+
+    @property
+    def sink_lengths(self) -> np.ndarray:
+        """int64 ``[B, H_kv]``: exact sink tokens per row (host)."""
+        return self._store.sink_lengths.copy()
+
+    @property
+    def group_counts(self) -> np.ndarray:
+        """int64 ``[B, H_kv]``: quantized groups per row (host)."""
+        return self._store.group_counts.copy()
+
+    @property
+    def residual_lengths(self) -> np.ndarray:
+        """int64 ``[B, H_kv]``: exact residual tokens per row (host)."""
+        return self._store.residual_lengths.copy()
+
+    def _same(self, counts: np.ndarray, what: str) -> int:
+        lo, hi = int(counts.min()), int(counts.max(initial=0))
+        if lo != hi:
+            raise ValueError(
+                f"rows hold different {what} ({lo}..{hi}: a padded batch); read the per-row "
+                "counts (seq_lengths, sink_lengths, group_counts, residual_lengths)"
+            )
+        return lo
+
+    @property
     def sink_length(self) -> int:
-        """Tokens in the exact sink buffer (<= ``sink_tokens``)."""
-        return self._state.sink_k.shape[2]
+        """Tokens in the exact sink buffer (<= ``sink_tokens``), equal for every row.
+
+        Raises:
+            ValueError: rows differ (read :attr:`sink_lengths`).
+        """
+        return self._same(self._store.sink_lengths, "sink lengths")
 
     @property
     def residual_length(self) -> int:
-        """Tokens in the exact residual buffer."""
-        return self._state.res_k.shape[2]
+        """Tokens in the exact residual buffer, equal for every row (else ``ValueError``)."""
+        return self._same(self._store.residual_lengths, "residual lengths")
 
     @property
     def num_groups(self) -> int:
-        return len(self._state.groups)
+        """Quantized groups, equal for every row (else ``ValueError``)."""
+        return self._same(self._store.group_counts, "group counts")
 
     @property
     def quantized_tokens(self) -> int:
         """Tokens stored as packed codes (``num_groups * group_tokens``)."""
-        return sum(g.num_tokens for g in self._state.groups)
+        return self.num_groups * self._config.group_tokens
 
     @property
     def seq_length(self) -> int:
-        """Tokens stored per sequence: sinks + quantized + residual."""
-        return self.sink_length + self.quantized_tokens + self.residual_length
+        """Tokens stored per row: sinks + quantized + residual, equal for every row (else
+        ``ValueError``)."""
+        return self._same(self._store.seq_lengths, "lengths")
 
     @property
     def groups(self) -> tuple[PackedGroup, ...]:
-        """The quantized groups in sequence order (read-only view of the packed storage)."""
-        return tuple(self._state.groups)
+        """Views of the quantized groups in sequence order, up to the largest row's count."""
+        s, g = self._store, self._geometry
+        n = int(s.group_counts.max(initial=0))
+        half = g.key_scalar_count // 2
+        t = g.group_tokens
+        out = []
+        for i in range(n):
+            ks, vs = s.key_scalars[:, :, i], s.value_scalars[:, :, i]
+            out.append(
+                PackedGroup(
+                    start=g.sink_tokens + i * t,
+                    num_tokens=t,
+                    bits=g.bits,
+                    head_dim=g.head_dim,
+                    value_head_dim=g.value_head_dim,
+                    key_codes=s.key_codes[:, :, i],
+                    key_scale=ks[..., :half],
+                    key_zero=ks[..., half:],
+                    value_codes=s.value_codes[:, :, i],
+                    value_scale=vs[..., :t],
+                    value_zero=vs[..., t:],
+                )
+            )
+        return tuple(out)
 
     @property
     def sink_keys(self) -> Tensor:
-        """Exact sink keys, storage dtype ``[B, H_kv, sink_length, D]`` (do not modify)."""
-        return self._state.sink_k
+        """Exact sink keys, storage dtype ``[B, H_kv, max sink length, D]`` (do not modify)."""
+        return self._store.sink_keys[:, :, : int(self._store.sink_lengths.max(initial=0))]
 
     @property
     def sink_values(self) -> Tensor:
-        """Exact sink values, storage dtype ``[B, H_kv, sink_length, Dv]`` (do not modify)."""
-        return self._state.sink_v
+        """Exact sink values, storage dtype ``[B, H_kv, max sink length, Dv]``."""
+        return self._store.sink_values[:, :, : int(self._store.sink_lengths.max(initial=0))]
 
     @property
     def residual_keys(self) -> Tensor:
-        """Exact residual keys, storage dtype ``[B, H_kv, residual_length, D]``."""
-        return self._state.res_k
+        """Exact residual keys, storage dtype ``[B, H_kv, max residual length, D]``."""
+        return self._store.residual_keys[:, :, : int(self._store.residual_lengths.max(initial=0))]
 
     @property
     def residual_values(self) -> Tensor:
-        """Exact residual values, storage dtype ``[B, H_kv, residual_length, Dv]``."""
-        return self._state.res_v
+        """Exact residual values, storage dtype ``[B, H_kv, max residual length, Dv]``."""
+        return self._store.residual_values[:, :, : int(self._store.residual_lengths.max(initial=0))]
 
     # ------------------------------------------------------------------ mask
     @property
+    def mask_packed(self) -> Tensor | None:
+        """The stored mix mask, uint8 ``[B, ceil(H_kv * P / 8)]`` (bit ``h * P + p`` of each
+        sequence's little-endian bitstream); ``None`` before any row has one and for codecs
+        other than a mix. Rows without a mask yet read zeros."""
+        s = self._store
+        return s.mask if s.mask is not None and s.mask_rows.any() else None
+
+    @property
     def mix_mask(self) -> Tensor | None:
-        """The mix mask, bool ``[B, H_kv, P]`` (True = Phase–Norm), unpacked from its packed
-        storage (``uint8 [B, ceil(H_kv * P / 8)]``, bit ``h * P + p`` of each sequence's
-        little-endian bitstream). ``None`` before the first group is flushed and for codings
-        other than ``"mix"``."""
-        packed = self._state.mask_packed
+        """The mix mask, bool ``[B, H_kv, P]`` (True = the mix's second codec, Phase–Norm),
+        unpacked from :attr:`mask_packed`; ``None`` before the first group is flushed and for
+        codecs other than a mix. Rows without a mask yet read False
+        (:attr:`mask_rows` says which have one)."""
+        packed = self.mask_packed
         if packed is None:
             return None
         bits = unpack_codes(packed, 1, self._num_heads * self.num_pairs)
         return bits.reshape(packed.shape[0], self._num_heads, self.num_pairs).bool()
 
     @property
+    def mask_rows(self) -> np.ndarray:
+        """bool ``[B, H_kv]`` (host): rows whose mix mask has been computed."""
+        return self._store.mask_rows.copy()
+
+    @property
     def phase_norm_pairs(self) -> Tensor | None:
         """Bool ``[B, H_kv, P]``: which rotary pairs the quantized groups code in Phase–Norm
         (the mix mask; all False for ``"cartesian"``, all True for ``"phase_norm"``).
-        ``None`` for ``"per_token"`` and for ``"mix"`` before the first flush."""
-        coding = self._config.key_coding
-        shape = (self._batch_size, self._num_heads, self.num_pairs)
-        if coding == "mix":
-            return self.mix_mask
-        if coding == "cartesian":
-            return torch.zeros(shape, dtype=torch.bool, device=self.device)
-        if coding == "phase_norm":
-            return torch.ones(shape, dtype=torch.bool, device=self.device)
+        ``None`` for per-token keys and for a mix before its first flush."""
+        codec = self._codec
+        shape = (self.batch_size, self._num_heads, self.num_pairs)
+        if isinstance(codec, MixCodec):
+            mask = self.mix_mask
+            if mask is None:
+                return None
+            first_pn = isinstance(codec.first, PhaseNormCodec)
+            second_pn = isinstance(codec.second, PhaseNormCodec)
+            if first_pn == second_pn:
+                return torch.full_like(mask, first_pn)
+            return mask if second_pn else ~mask
+        if isinstance(codec, PairCodec):
+            return torch.full(
+                shape, isinstance(codec, PhaseNormCodec), dtype=torch.bool, device=self.device
+            )
         return None
+
+    def codec_mask(self) -> Tensor | None:
+        """The mask a mix codec's ``decode`` needs for every row, bool ``[B, H_kv, P]`` on the
+        storage device (``None`` for other codecs). Derived from the stored mask."""
+        return self._mask_bool if self.is_mix else None
+
+    def active_pairs(self) -> Tensor | None:
+        """int64 ``[U]`` pairs whose mask bit is set in some row (known on the host without a
+        device read), or ``None`` when a row's mask is not yet known on the host (after a
+        deferred-checked flush): then every pair counts as active."""
+        if not self.is_mix:
+            return None
+        if not self._active_pairs_valid:
+            if not self._mask_host_known.all():
+                return None
+            used = np.flatnonzero(self._mask_host.any(axis=(0, 1)))
+            self._active_pairs = torch.from_numpy(used).to(self.device)
+            self._active_pairs_valid = True
+        return self._active_pairs
 
     @property
     def saliency_computations(self) -> int:
-        """How many times the mix mask was computed (0 or 1)."""
+        """How many saliency-rule calls computed mix masks (one call covers every row whose
+        first group flushed in the same append: 0 or 1 for equal-length rows)."""
         return self._saliency_computations
 
     @property
@@ -395,23 +443,16 @@ class PNMixCache:
 
     # ------------------------------------------------------------------ bytes
     def nbytes(self) -> dict[str, int]:
-        """Persistent storage by component, in bytes, from the stored tensors' sizes
-        (``numel * element_size``): ``key_sink``, ``key_residual``, ``key_codes``,
-        ``key_scales`` (scales + zero points / phase spans + offsets), ``key_mask``,
-        ``value_sink``, ``value_residual``, ``value_codes``, ``value_scales``."""
-        s = self._state
-        groups = s.groups
-        return {
-            "key_sink": _nbytes(s.sink_k),
-            "key_residual": _nbytes(s.res_k),
-            "key_codes": sum(_nbytes(g.key_codes) for g in groups),
-            "key_scales": sum(_nbytes(g.key_scale) + _nbytes(g.key_zero) for g in groups),
-            "key_mask": 0 if s.mask_packed is None else _nbytes(s.mask_packed),
-            "value_sink": _nbytes(s.sink_v),
-            "value_residual": _nbytes(s.res_v),
-            "value_codes": sum(_nbytes(g.value_codes) for g in groups),
-            "value_scales": sum(_nbytes(g.value_scale) + _nbytes(g.value_zero) for g in groups),
-        }
+        """Persistent (used) storage by component, in bytes, from the host counts:
+        ``key_sink``, ``key_residual``, ``key_codes``, ``key_scales`` (scales + zero points /
+        phase spans + offsets), ``key_mask``, ``value_sink``, ``value_residual``,
+        ``value_codes``, ``value_scales`` (docs/design.md, "Byte accounting")."""
+        return self._store.nbytes()
+
+    def reserved_bytes(self) -> dict[str, int]:
+        """Allocated bytes by buffer, spare capacity included (see
+        :meth:`~kvlab.pnmix.store.PackedStore.reserved_bytes`)."""
+        return self._store.reserved_bytes()
 
     @property
     def key_bytes(self) -> int:
@@ -431,22 +472,12 @@ class PNMixCache:
     @property
     def key_bits_per_element(self) -> float:
         """Key storage bits per stored key element, sinks and residual included:
-        ``key_bytes * 8 / (B * H_kv * seq_length * D)`` (``nan`` when empty)."""
-        elements = self._batch_size * self._num_heads * self.seq_length * self._head_dim
+        ``key_bytes * 8 / (Σ_rows seq_length * D)`` (``nan`` when empty)."""
+        elements = int(self._store.seq_lengths.sum()) * self._head_dim
         return self.key_bytes * 8 / elements if elements else math.nan
 
     # ------------------------------------------------------------------ writing
-    def _empty_state(self, device: torch.device) -> _State:
-        b, h, d, dv = self._batch_size, self._num_heads, self._head_dim, self._value_head_dim
-        dt = self._config.storage_dtype
-        return _State(
-            sink_k=torch.empty((b, h, 0, d), dtype=dt, device=device),
-            sink_v=torch.empty((b, h, 0, dv), dtype=dt, device=device),
-            res_k=torch.empty((b, h, 0, d), dtype=dt, device=device),
-            res_v=torch.empty((b, h, 0, dv), dtype=dt, device=device),
-        )
-
-    def _check_input(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    def _check_input(self, keys: Tensor, values: Tensor) -> None:
         for name, t in (("keys", keys), ("values", values)):
             if not isinstance(t, Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -454,7 +485,7 @@ class PNMixCache:
                 raise ValueError(f"{name} must have a floating dtype, got {t.dtype}")
             if t.dim() != 4:
                 raise ValueError(f"{name} must be 4-D [B, H_kv, T, D], got shape {tuple(t.shape)}")
-        b, h, d, dv = self._batch_size, self._num_heads, self._head_dim, self._value_head_dim
+        b, h, d, dv = self.batch_size, self._num_heads, self._head_dim, self._value_head_dim
         if keys.shape[0] != b or values.shape[0] != b:
             raise ValueError(
                 f"batch size mismatch: cache has {b}, keys {keys.shape[0]}, "
@@ -473,170 +504,264 @@ class PNMixCache:
             raise ValueError(
                 f"keys and values disagree on tokens: {keys.shape[2]} vs {values.shape[2]}"
             )
-        if self._device is None:
-            self._device = keys.device
-            self._state = self._empty_state(keys.device)
+
+    def _real(self, x: Tensor, plan: AppendPlan) -> Tensor:
+        """``x`` with non-real (padding) positions replaced by zeros, for range checks."""
+        if plan.uniform:
+            return x[:, :, plan.tokens - int(plan.lengths[0, 0]) :]
+        t = plan.tokens
+        first = torch.from_numpy(t - plan.lengths).to(x.device)
+        real = torch.arange(t, device=x.device) >= first[..., None]
+        return torch.where(real[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    def _raise_input_error(self, keys: Tensor, values: Tensor, plan: AppendPlan) -> None:
+        """Raise the specific error for bad input (called only when a check failed)."""
         dt = self._config.storage_dtype
-        k = round_to_storage(keys.to(self._device), dt, name="keys")
-        v = round_to_storage(values.to(self._device), dt, name="values")
-        return k, v
+        for name, x in (("keys", keys), ("values", values)):
+            real = self._real(x, plan)
+            if not bool(torch.isfinite(real).all()):
+                raise ValueError(f"{name} contains non-finite values (NaN or inf)")
+            if not bool(torch.isfinite(real.to(dt)).all()):
+                raise ValueError(storage_range_message(f"{name} has values whose magnitude", dt))
 
-    def _phase_norm_pairs_of(self, mask_packed: Tensor | None) -> Tensor | None:
-        coding = self._config.key_coding
-        shape = (self._batch_size, self._num_heads, self.num_pairs)
-        if coding == "mix":
-            assert mask_packed is not None  # computed just above, at the first flush
-            bits = unpack_codes(mask_packed, 1, self._num_heads * self.num_pairs)
-            return bits.reshape(shape).bool()
-        if coding == "per_token":
-            return None
-        return torch.full(shape, coding == "phase_norm", dtype=torch.bool, device=self.device)
-
-    def _saliency(self, keys: Tensor) -> Tensor:
-        """Bool ``[B, H_kv, P]``: Phase–Norm where its error on ``keys`` (the first group,
-        ``[B, H_kv, group_tokens, D]``) is strictly smaller than Cartesian's."""
-        cfg = self._config
-        cart, pn = key_pair_errors(keys, cfg.bits, self._first, self._second, cfg.storage_dtype)
-        return pn < cart
-
-    def _quantize_group(
-        self, keys: Tensor, values: Tensor, pn_pairs: Tensor | None, start: int
-    ) -> PackedGroup:
-        cfg = self._config
-        b, h, t, d = keys.shape
-        dv = values.shape[-1]
-        if cfg.key_coding == "per_token":
-            kc, ks, kz = minmax_quantize(keys, cfg.bits, -1, cfg.storage_dtype)
-        else:
-            assert pn_pairs is not None
-            kc, ks, kz = quantize_keys_channelwise(
-                keys, cfg.bits, self._first, self._second, pn_pairs, cfg.storage_dtype
-            )
-        vc, vs, vz = minmax_quantize(values, cfg.bits, -1, cfg.storage_dtype)
-        return PackedGroup(
-            start=start,
-            num_tokens=t,
-            bits=cfg.bits,
-            head_dim=d,
-            value_head_dim=dv,
-            key_codes=pack_codes(kc.reshape(b, h, t * d), cfg.bits),
-            key_scale=ks.contiguous(),
-            key_zero=kz.contiguous(),
-            value_codes=pack_codes(vc.reshape(b, h, t * dv), cfg.bits),
-            value_scale=vs.contiguous(),
-            value_zero=vz.contiguous(),
-        )
-
-    def append(self, keys: Tensor, values: Tensor) -> None:
-        """Append ``T`` tokens to every sequence.
+    def append(
+        self,
+        keys: Tensor,
+        values: Tensor,
+        lengths: Any = None,
+        *,
+        checks: Checks = "eager",
+    ) -> None:
+        """Append tokens to every row.
 
         Args:
             keys: ``[B, H_kv, T, D]`` keys, already RoPE-rotated at their positions, any
                 floating dtype (rounded to the storage dtype).
             values: ``[B, H_kv, T, Dv]``.
+            lengths: real tokens per row, host ints ``[B]`` or ``[B, H_kv]`` (list, numpy or
+                CPU tensor; default all ``T``): the LAST ``lengths[b]`` tokens of row ``b``
+                are real (right-aligned, as in a left-padded batch); the others are padding
+                and never stored.
+            checks: ``"eager"`` validates the values with one device read before anything is
+                stored (atomic); ``"deferred"`` stores without any device read and records
+                the validity on the device for :meth:`check_values` (the decode path; an
+                eager append or :meth:`check_values` raises if a deferred append was bad).
 
-        The first ``sink_tokens`` tokens of the stream fill the sinks; the rest enter the
-        residual, which flushes every full ``group_tokens`` beyond ``residual_tokens``. With
-        ``key_coding="mix"`` the call that flushes the first group computes the mix mask from
-        that group (see module docstring). ``T = 0`` is a no-op. The call is
-        atomic: on an error nothing is stored.
+        Each row's first ``sink_tokens`` tokens fill its sinks; the rest enter its residual,
+        which flushes every full ``group_tokens`` beyond ``residual_tokens``. With a mix codec
+        the append that flushes a row's first group computes that row's mask from that group.
+        All groups flushed by one append are coded by one codec call. ``T = 0`` stores
+        nothing. Atomic: on an error nothing is stored.
 
         Raises:
-            ValueError: wrong type, dtype, rank or shape; NaN/inf; a value beyond the storage
-                dtype's range (the float16 message names bfloat16 storage); a Phase–Norm pair
-                norm beyond it.
+            ValueError: wrong type, dtype, rank or shape; bad ``lengths`` or ``checks``; and
+                with ``checks="eager"``: NaN/inf; a value beyond the storage dtype's range
+                (the float16 message names bfloat16 storage); a key scalar beyond it (e.g. a
+                Phase–Norm pair norm); or an earlier deferred append's bad values.
         """
-        k, v = self._check_input(keys, values)
-        t = k.shape[2]
-        if t == 0:
-            return
+        self._check_input(keys, values)
+        if checks not in ("eager", "deferred"):
+            raise ValueError(f"checks must be 'eager' or 'deferred', got {checks!r}")
+        if checks == "eager":
+            self.check_values()
+        if not self._device_fixed:
+            self._device_fixed = True
+            if keys.device != self.device:
+                self._reset_storage(keys.device)
+        dev = self.device
         cfg = self._config
-        old = self._state
-        n_sink = min(t, cfg.sink_tokens - self.sink_length)
-        sink_k, sink_v = old.sink_k, old.sink_v
-        if n_sink > 0:
-            sink_k = torch.cat([sink_k, k[:, :, :n_sink]], dim=2)
-            sink_v = torch.cat([sink_v, v[:, :, :n_sink]], dim=2)
-        rest_k, rest_v = k[:, :, n_sink:], v[:, :, n_sink:]
-        res_k, res_v = old.res_k, old.res_v
-        if rest_k.shape[2] > 0:
-            res_k = torch.cat([res_k, rest_k], dim=2)
-            res_v = torch.cat([res_v, rest_v], dim=2)
-        n_res, size = res_k.shape[2], cfg.group_tokens
-        n_flush = (n_res - cfg.residual_tokens) // size if n_res >= cfg.residual_tokens else 0
-        chunks = [
-            (res_k[:, :, i * size : (i + 1) * size], res_v[:, :, i * size : (i + 1) * size])
-            for i in range(n_flush)
-        ]
-        mask_packed = old.mask_packed
-        saliency = 0
-        if cfg.key_coding == "mix" and mask_packed is None and chunks:
-            pn = self._saliency(chunks[0][0]).reshape(self._batch_size, -1)
-            mask_packed = pack_codes(pn.to(torch.uint8), 1)
-            saliency = 1
-        new_groups = []
-        if chunks:
-            pn_pairs = self._phase_norm_pairs_of(mask_packed)
-            first_start = cfg.sink_tokens + self.quantized_tokens
-            new_groups = [
-                self._quantize_group(ck, cv, pn_pairs, first_start + i * size)
-                for i, (ck, cv) in enumerate(chunks)
-            ]
-            # clone: the kept residual must not pin the flushed tokens' memory
-            res_k = res_k[:, :, n_flush * size :].clone()
-            res_v = res_v[:, :, n_flush * size :].clone()
-        self._state = _State(
-            sink_k=sink_k,
-            sink_v=sink_v,
-            res_k=res_k,
-            res_v=res_v,
-            groups=old.groups + new_groups,
-            mask_packed=mask_packed,
-        )
-        self._saliency_computations += saliency
+        dt = cfg.storage_dtype
+        k_in, v_in = keys.to(dev), values.to(dev)
+        k, v = k_in.to(dt), v_in.to(dt)
+        state: dict[str, Any] = {}
+
+        def encode(plan: AppendPlan, groups: tuple[Tensor, Tensor] | None) -> EncodedGroups | None:
+            enc, ok = (None, None) if groups is None else self._encode(plan, *groups, state)
+            ok_kv = (
+                torch.isfinite(self._real(k, plan)).all()
+                & torch.isfinite(self._real(v, plan)).all()
+            )
+            ok = ok_kv if ok is None else ok & ok_kv
+            if checks == "eager":
+                if not bool(ok):
+                    self._raise_input_error(k_in, v_in, plan)
+                    raise ValueError(
+                        storage_range_message("a stored key scalar (a Phase–Norm pair norm)", dt)
+                    )
+            else:
+                self._pending_ok = ok if self._pending_ok is None else self._pending_ok & ok
+            return enc
+
+        if k.shape[2] == 0:
+            return
+        self._store.append(k, v, lengths, encode=encode)
+        if "mask_rows" in state:
+            rows, bits = state["mask_rows"], state["mask_bits"]
+            self._store.write_mask(rows, bits)
+            self._mask_bool[
+                torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)
+            ] = bits
+            self._saliency_computations += 1
+            self._active_pairs_valid = False
+            if checks == "eager":
+                host = np.asarray(bits.tolist(), dtype=bool).reshape(rows.shape[0], -1)
+                self._mask_host[rows[:, 0], rows[:, 1]] = host
+            else:
+                self._mask_host_known[rows[:, 0], rows[:, 1]] = False
+
+    def _encode(
+        self, plan: AppendPlan, gk: Tensor, gv: Tensor, state: dict[str, Any]
+    ) -> tuple[EncodedGroups, Tensor]:
+        """Code the flushed groups (one codec call); returns them and a device flag that every
+        key scalar is finite. Mix masks of rows flushing their first group go to ``state``."""
+        cfg = self._config
+        dt = cfg.storage_dtype
+        n = plan.num_groups
+        rows = plan.group_rows
+        mask = None
+        if isinstance(self._codec, MixCodec):
+            mask_all = self._mask_bool
+            new = ~self._store.mask_rows[rows[:, 0], rows[:, 1]] & (
+                rows[:, 2] == self._store.group_counts[rows[:, 0], rows[:, 1]]
+            )
+            if new.any():
+                pick = np.flatnonzero(new)
+                pick_t = torch.from_numpy(pick).to(gk.device)
+                bits = self._codec.compute_mask(gk[pick_t], dt, self._layout)
+                new_rows = rows[pick, :2]
+                mask_all = mask_all.clone()
+                mask_all[
+                    torch.from_numpy(new_rows[:, 0]).to(gk.device),
+                    torch.from_numpy(new_rows[:, 1]).to(gk.device),
+                ] = bits
+                state["mask_rows"], state["mask_bits"] = new_rows, bits
+            if plan.uniform:
+                f = int(plan.flush[0, 0])
+                mask = mask_all.unsqueeze(2).expand(-1, -1, f, -1).reshape(n, -1)
+            else:
+                mask = mask_all[
+                    torch.from_numpy(rows[:, 0]).to(gk.device),
+                    torch.from_numpy(rows[:, 1]).to(gk.device),
+                ]
+        codes, scalars = self._codec.encode(gk, dt, self._layout, mask)
+        ok = torch.isfinite(scalars).all()
+        vq = minmax_quantize(gv, cfg.bits, -1, dt)
+        return EncodedGroups(
+            pack_codes(codes.reshape(n, -1), cfg.bits, check=False),
+            scalars,
+            pack_codes(vq.codes.reshape(n, -1), cfg.bits, check=False),
+            torch.cat([vq.scale, vq.zero], dim=-1),
+        ), ok
+
+    def check_values(self, *, assume_valid: bool = False) -> None:
+        """Raise if a ``checks="deferred"`` append stored non-finite or out-of-range values
+        (one device read, only when such appends happened since the last check); also brings
+        masks computed by deferred appends to the host.
+
+        Args:
+            assume_valid: the caller has read :meth:`pending_check` as True (e.g. batched with
+                other layers' flags): clear it without reading it again.
+
+        Raises:
+            ValueError: the offending values are stored (the cache should be reset).
+        """
+        pending, self._pending_ok = self._pending_ok, None
+        if assume_valid:
+            pending = None
+        if not self._mask_host_known.all():
+            rows = np.argwhere(~self._mask_host_known)
+            idx = [torch.from_numpy(rows[:, i]).to(self.device) for i in range(2)]
+            host = np.asarray(self._mask_bool[idx[0], idx[1]].tolist(), dtype=bool)
+            self._mask_host[rows[:, 0], rows[:, 1]] = host.reshape(rows.shape[0], -1)
+            self._mask_host_known[:] = True
+            self._active_pairs_valid = False
+        if pending is not None and not bool(pending):
+            raise ValueError(
+                "an append with deferred checks stored keys or values that are NaN, inf or "
+                "beyond the storage dtype's range (or a key scalar beyond it); the cache holds "
+                "them and should be reset. "
+                + storage_range_message("a value", self._config.storage_dtype)
+            )
+
+    def pending_check(self) -> Tensor | None:
+        """The device flag of appends not yet checked (True = all valid), or ``None``."""
+        return self._pending_ok
 
     # ------------------------------------------------------------------ reading
+    def decode_groups(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Float32 keys ``[B, H_kv, (stop - start) * T, D]`` and values ``[..., Dv]`` of group
+        slots ``start .. stop - 1`` of every row, decoded exactly as :meth:`dequantize` does
+        (slots beyond a row's count decode whatever they hold)."""
+        s, g = self._store, self._geometry
+        b, h, t = g.batch_size, g.num_key_value_heads, g.group_tokens
+        n = stop - start
+        kc = unpack_codes(s.key_codes[:, :, start:stop], g.bits, t * g.head_dim)
+        mask = self.codec_mask()
+        if mask is not None:
+            mask = mask.unsqueeze(2).expand(-1, -1, n, -1).reshape(b * h * n, mask.shape[-1])
+        keys = self._codec.decode(
+            kc.reshape(b * h * n, t, g.head_dim),
+            s.key_scalars[:, :, start:stop].reshape(b * h * n, g.key_scalar_count),
+            self._layout,
+            mask,
+        )
+        vc = unpack_codes(s.value_codes[:, :, start:stop], g.bits, t * g.value_head_dim)
+        vs = s.value_scalars[:, :, start:stop]
+        values = minmax_dequantize(
+            vc.reshape(b, h, n, t, g.value_head_dim), vs[..., :t], vs[..., t:], -1
+        )
+        return keys.reshape(b, h, n * t, g.head_dim), values.reshape(b, h, n * t, g.value_head_dim)
+
     def dequantize(self) -> tuple[Tensor, Tensor]:
-        """The whole cache in float32, in sequence order (sinks, groups, residual).
+        """The whole cache in float32, each row in stream order (sinks, groups, residual).
 
         Reference/testing only (attention never calls it).
 
         Returns:
-            ``(keys [B, H_kv, seq_length, D], values [B, H_kv, seq_length, Dv])`` float32.
+            ``(keys [B, H_kv, L, D], values [B, H_kv, L, Dv])`` float32, ``L`` the longest
+            row; shorter rows are followed by zeros.
         """
-        s = self._state
-        cfg = self._config
-        keys = [s.sink_k.float()]
-        values = [s.sink_v.float()]
-        pn_pairs = self._phase_norm_pairs_of(s.mask_packed) if s.groups else None
-        for g in s.groups:
-            codes = g.key_code_matrix()
-            if cfg.key_coding == "per_token":
-                keys.append(minmax_dequantize(codes, g.key_scale, g.key_zero, -1))
-            else:
-                assert pn_pairs is not None
-                keys.append(
-                    dequantize_keys_channelwise(
-                        codes,
-                        g.key_scale,
-                        g.key_zero,
-                        cfg.bits,
-                        self._first,
-                        self._second,
-                        pn_pairs,
-                    )
-                )
-            values.append(minmax_dequantize(g.value_code_matrix(), g.value_scale, g.value_zero, -1))
-        keys.append(s.res_k.float())
-        values.append(s.res_v.float())
-        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        s, g = self._store, self._geometry
+        n_groups = int(s.group_counts.max(initial=0))
+        gk, gv = self.decode_groups(0, n_groups)
+        n_sink = int(s.sink_lengths.max(initial=0))
+        n_res = int(s.residual_lengths.max(initial=0))
+        keys = torch.cat(
+            [s.sink_keys[:, :, :n_sink].float(), gk, s.residual_keys[:, :, :n_res].float()], 2
+        )
+        values = torch.cat(
+            [s.sink_values[:, :, :n_sink].float(), gv, s.residual_values[:, :, :n_res].float()], 2
+        )
+        if s.is_uniform():
+            return keys, values
+        # compact each row: its sinks, its groups, its residual, then zeros
+        lengths = s.seq_lengths
+        width = int(lengths.max(initial=0))
+        t = g.group_tokens
+        pos = np.arange(width)[None, None, :]
+        sl, gc = s.sink_lengths[..., None], s.group_counts[..., None]
+        idx = np.where(
+            pos < sl,
+            pos,
+            np.where(
+                pos < sl + gc * t, n_sink + pos - sl, n_sink + n_groups * t + pos - sl - gc * t
+            ),
+        )
+        valid = torch.from_numpy(pos < lengths[..., None]).to(self.device)
+        idx_t = torch.from_numpy(np.where(pos < lengths[..., None], idx, 0)).to(self.device)
+        out = []
+        for x in (keys, values):
+            picked = torch.gather(x, 2, idx_t[..., None].expand(-1, -1, -1, x.shape[-1]))
+            out.append(torch.where(valid[..., None], picked, torch.zeros((), device=self.device)))
+        return out[0], out[1]
 
     def select_batch(self, index: Tensor) -> None:
         """Keep/reorder sequences (beam search): sequence ``i`` becomes old ``index[i]``.
 
-        Every buffer — exact tensors, packed codes, scalars and the packed mask — is
-        row-selected; nothing is re-quantized. ``index`` may repeat entries and change the
-        batch size.
+        Every buffer — exact tensors, packed codes, scalars and the packed mask — and every
+        host count is row-selected; nothing is re-quantized. ``index`` may repeat entries and
+        change the batch size. Reads ``index`` on the host (one device read when it lives on
+        an accelerator).
 
         Args:
             index: 1-D integer tensor (or sequence of ints) of length >= 1, entries in
@@ -650,28 +775,26 @@ class PNMixCache:
             raise ValueError(f"index must be a non-empty 1-D tensor, got shape {tuple(idx.shape)}")
         if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
             raise ValueError(f"index must have an integer dtype, got {idx.dtype}")
-        if int(idx.min()) < 0 or int(idx.max()) >= self._batch_size:
+        host = np.asarray(idx.tolist(), dtype=np.int64)
+        if host.min() < 0 or host.max() >= self.batch_size:
             raise ValueError(
-                f"index entries must lie in 0..{self._batch_size - 1}, got "
-                f"{int(idx.min())}..{int(idx.max())}"
+                f"index entries must lie in 0..{self.batch_size - 1}, got "
+                f"{host.min()}..{host.max()}"
             )
-        idx = idx.to(device=self.device, dtype=torch.long)
-        s = self._state
-        self._state = _State(
-            sink_k=s.sink_k.index_select(0, idx),
-            sink_v=s.sink_v.index_select(0, idx),
-            res_k=s.res_k.index_select(0, idx),
-            res_v=s.res_v.index_select(0, idx),
-            groups=[g._select(idx) for g in s.groups],
-            mask_packed=None if s.mask_packed is None else s.mask_packed.index_select(0, idx),
-        )
-        self._batch_size = idx.numel()
+        self._store.select_batch(host)
+        self._geometry = self._store.geometry
+        dev_idx = torch.from_numpy(host).to(self.device)
+        self._mask_bool = self._mask_bool.index_select(0, dev_idx)
+        self._mask_host = self._mask_host[host].copy()
+        self._mask_host_known = self._mask_host_known[host].copy()
+        self._active_pairs_valid = False
 
     def __repr__(self) -> str:
         c = self._config
+        lengths = self._store.seq_lengths
         return (
-            f"PNMixCache(B={self._batch_size}, H_kv={self._num_heads}, D={self._head_dim}, "
-            f"Dv={self._value_head_dim}, bits={c.bits}, key_coding={c.key_coding!r}, "
-            f"seq_length={self.seq_length}, sinks={self.sink_length}, "
-            f"quantized={self.quantized_tokens}, residual={self.residual_length})"
+            f"PNMixCache(B={self.batch_size}, H_kv={self._num_heads}, D={self._head_dim}, "
+            f"Dv={self._value_head_dim}, bits={c.bits}, key_coding={str(c.key_coding)!r}, "
+            f"seq_lengths={int(lengths.min())}..{int(lengths.max(initial=0))}, "
+            f"groups={int(self._store.group_counts.max(initial=0))})"
         )

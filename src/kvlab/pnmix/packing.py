@@ -1,13 +1,13 @@
 """Little-endian bitstream packing of small unsigned integer codes.
 
-Layout (SPEC §3): the codes along the last dimension form one little-endian bitstream per
-row. Code ``i`` occupies stream bits ``[i * bits, (i + 1) * bits)`` and stream bit ``k``
-is bit ``k % 8`` (least significant first) of byte ``k // 8``. For ``bits = 2`` this is
-"four codes per byte, code i of a byte in bits 2i..2i+1"; for ``bits = 3`` a code may
-straddle two bytes. A row of ``n`` codes takes exactly ``ceil(n * bits / 8)`` bytes; the
-unused high bits of the last byte are zero. Rows are packed independently, so selecting
-or reordering leading indices (e.g. sequences of a batch) of a packed tensor equals packing
-the selected codes.
+Layout (docs/design.md, "Storage format"): the codes along the last dimension form one
+little-endian bitstream per row. Code ``i`` occupies stream bits ``[i * bits, (i + 1) * bits)``
+and stream bit ``k`` is bit ``k % 8`` (least significant first) of byte ``k // 8``. For ``bits
+= 2`` this is "four codes per byte, code i of a byte in bits 2i..2i+1"; for ``bits = 3`` a code
+may straddle two bytes. A row of ``n`` codes takes exactly ``ceil(n * bits / 8)`` bytes; the
+unused high bits of the last byte are zero. Rows are packed independently, so selecting or
+reordering leading indices (e.g. sequences of a batch) of a packed tensor equals packing the
+selected codes.
 """
 
 from __future__ import annotations
@@ -35,12 +35,16 @@ def packed_length(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
 
-def pack_codes(codes: Tensor, bits: int) -> Tensor:
+def pack_codes(codes: Tensor, bits: int, *, check: bool = True) -> Tensor:
     """Pack ``bits``-bit codes along the last dimension into a little-endian bitstream.
 
     Args:
         codes: uint8 tensor ``[..., N]`` (at least 1-D), every entry ``< 2 ** bits``.
         bits: code width in bits, 1..8.
+        check: verify that every code is ``< 2 ** bits`` (reads a maximum back from the
+            device: a host sync). ``False`` is the internal fast path for codes that are in
+            range by construction (codecs clamp them); out-of-range codes then corrupt their
+            neighbours' bits.
 
     Returns:
         uint8 tensor ``[..., ceil(N * bits / 8)]`` on the same device (see module docstring
@@ -56,7 +60,7 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
         raise ValueError(f"codes must be a torch.uint8 tensor, got {got}")
     if codes.dim() == 0:
         raise ValueError("codes must have at least one dimension (the code axis)")
-    if codes.numel() > 0 and int(codes.max()) >= 1 << bits:
+    if check and codes.numel() > 0 and int(codes.max()) >= 1 << bits:
         raise ValueError(
             f"codes must be < 2**bits = {1 << bits} for bits={bits}, got max {int(codes.max())}"
         )

@@ -18,13 +18,13 @@ for KV Cache"): ``zero = min``, ``scale = (max - min) / L``,
 of zero stores ``scale = 0`` and codes 0, so a constant reconstructs exactly (its zero point is
 the storage-rounded value itself).
 
-Phase–Norm coding of a rotary pair ``(a, b)`` (kvlab SPEC §3): the norm ``r = sqrt(a² + b²)``
-is min-max coded as above; the phase ``phi = atan2(b, a)`` is coded uniformly over the
-*shortest arc* that covers the group's phases (so phases on both sides of ±π do not inflate
-it), stored as ``offset`` (the arc's start, radians in (-π, π]) and ``span`` (its length,
-radians in [0, 2π)). Level ``c`` is ``offset + c * (span / L)``: both arc endpoints are
-levels, like the min-max scheme. The pair reconstructs as ``r_hat * (cos phi_hat,
-sin phi_hat)``.
+Phase–Norm coding of a rotary pair ``(a, b)`` (docs/design.md, "Key codecs"): the norm ``r =
+sqrt(a² + b²)`` is min-max coded as above; the phase ``phi = atan2(b, a)`` is coded uniformly
+over the *shortest arc* that covers the group's phases (so phases on both sides of ±π do not
+inflate it), stored as ``offset`` (the arc's start, radians in (-π, π]) and ``span`` (its
+length, radians in [0, 2π)). Level ``c`` is ``offset + c * (span / L)``: both arc endpoints are
+levels, like the min-max scheme. The pair reconstructs as ``r_hat * (cos phi_hat, sin
+phi_hat)``.
 
 Key layout in channel space ("pair-slot convention"): a key group is ``codes [..., T, D]``
 plus ``scale [..., D]`` and ``zero [..., D]``. For a Cartesian channel these are that
@@ -62,6 +62,7 @@ __all__ = [
     "rotary_pair_indices",
     "round_to_storage",
     "shortest_arc",
+    "storage_range_message",
 ]
 
 STORAGE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
@@ -81,7 +82,9 @@ def _check_storage_dtype(storage_dtype: torch.dtype) -> None:
         )
 
 
-def _range_message(what: str, storage_dtype: torch.dtype) -> str:
+def storage_range_message(what: str, storage_dtype: torch.dtype) -> str:
+    """The error text for a value beyond the storage dtype's finite range (for float16 it names
+    bfloat16 storage as the way out)."""
     if storage_dtype == torch.float16:
         return (
             f"{what} exceeds the finite range of float16 storage (max 65504); use bfloat16 "
@@ -92,7 +95,7 @@ def _range_message(what: str, storage_dtype: torch.dtype) -> str:
 
 
 def rotary_pair_indices(rotary_dim: int, layout: str = "half") -> tuple[Tensor, Tensor]:
-    """Channel indices of the rotary pairs (SPEC §1).
+    """Channel indices of the rotary pairs (docs/design.md, "Rotary pairs").
 
     Args:
         rotary_dim: number of rotary channels, a positive even int.
@@ -133,7 +136,7 @@ def round_to_storage(x: Tensor, storage_dtype: torch.dtype, *, name: str = "inpu
         raise ValueError(f"{name} contains non-finite values (NaN or inf)")
     rounded = x.to(storage_dtype)
     if not torch.isfinite(rounded).all():
-        raise ValueError(_range_message(f"{name} has values whose magnitude", storage_dtype))
+        raise ValueError(storage_range_message(f"{name} has values whose magnitude", storage_dtype))
     return rounded
 
 
@@ -141,7 +144,7 @@ def check_storage_scalars(scalars: Tensor, storage_dtype: torch.dtype, *, what: 
     """Raise ``ValueError`` if a stored scalar is not finite (for float16 storage the message
     names bfloat16 storage as the way out)."""
     if not torch.isfinite(scalars).all():
-        raise ValueError(_range_message(what, storage_dtype))
+        raise ValueError(storage_range_message(what, storage_dtype))
 
 
 class MinMaxCodes(NamedTuple):
@@ -253,7 +256,8 @@ class PhaseNormCodes(NamedTuple):
 def phase_norm_quantize(
     a: Tensor, b: Tensor, bits: int, dim: int, storage_dtype: torch.dtype = torch.float16
 ) -> PhaseNormCodes:
-    """Phase–Norm coding of pairs ``(a, b)`` over the tokens along ``dim`` (SPEC §3).
+    """Phase–Norm coding of pairs ``(a, b)`` over the tokens along ``dim`` (docs/design.md,
+    "Key codecs").
 
     Args:
         a, b: the pair's first and second channels, same shape (storage-rounded).

@@ -1,0 +1,440 @@
+"""The model matrix: every supported transformers family, each kvlab cache, exact or refused.
+
+For each family (a tiny random-initialized config built here, no downloads):
+
+* with a NON-compressing kvlab cache, the ``"kvlab"`` attention reproduces the model's own
+  ``sdpa`` (or ``eager``, where the family has no SDPA path) logits in float32 to 1e-5, in a
+  forward (prefill, then a multi-token chunk) and in ``generate`` (greedy tokens identical,
+  per-step logits to 1e-5). PN-Mix stores its exact tokens in float16 (``storage_dtype``), so
+  its reference after the prefill is the model's own attention over a cache that rounds
+  stored keys/values the same way (the prefill itself is exact);
+* with compression the cache runs (full-attention layers compressed, window layers holding
+  exactly ``window - 1`` tokens), or refuses at construction, before any layer stores
+  anything, with one line naming the unsupported feature;
+* each family's special feature (window, soft-capping, sinks) changes the reference logits,
+  so these tests fail if the feature is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvlab.integrations import KVLAB_ATTENTION, EvictionConfig, RelayModelCache, use_attention
+from kvlab.integrations.model_support import WindowLayer, plan_model
+from kvlab.integrations.pnmix_cache import PNMixLayer, PNMixModelCache
+from kvlab.integrations.relay_cache import RelayLayer
+from kvlab.pnmix import PNMixConfig
+
+VOCAB = 96
+WINDOW = 6  # sliding window (tokens) of every windowed family: far below the prompt
+PROMPT = 20
+CHUNK = 5
+NEW_TOKENS = 6
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A tiny config of one transformers family and what the matrix expects of it."""
+
+    model_class: str
+    config_class: str
+    settings: dict[str, Any]
+    #: config overrides that switch the family's special attention feature off (the
+    #: sensitivity check: the reference logits must change)
+    feature_off: dict[str, Any] = field(default_factory=dict)
+    #: caches that must refuse the compressing configuration, with a phrase of the message
+    refused: dict[str, str] = field(default_factory=dict)
+    #: set learned sinks (GPT-OSS s_aux) to N(0, 1) so they matter
+    sinks: bool = False
+
+    def build(self, seed: int = 0, **overrides: Any) -> Any:
+        config = getattr(transformers, self.config_class)(
+            **{**COMMON, **self.settings, **overrides}
+        )
+        torch.manual_seed(seed)
+        model = getattr(transformers, self.model_class)(config).eval()
+        if self.sinks:
+            gen = torch.Generator().manual_seed(seed + 1)
+            for layer in model.model.layers:
+                sinks = layer.self_attn.sinks
+                sinks.data.copy_(torch.randn(sinks.shape, generator=gen))
+        model.generation_config.eos_token_id = None  # always generate NEW_TOKENS
+        model.set_attn_implementation(reference_attention(model))
+        return model
+
+
+def reference_attention(model: Any) -> str:
+    """The model's own attention: SDPA where the family supports it, else eager."""
+    return "sdpa" if type(model)._supports_sdpa else "eager"
+
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM", "LlamaConfig", dict(num_hidden_layers=2, head_dim=16)),
+    # sliding_window and no layer_types: every layer is a window layer
+    "mistral": Family(
+        "MistralForCausalLM",
+        "MistralConfig",
+        dict(num_hidden_layers=2, head_dim=16, sliding_window=WINDOW),
+        feature_off=dict(sliding_window=None),
+    ),
+    # use_sliding_window: layers >= max_window_layers slide
+    "qwen2": Family(
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(
+            num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+        ),
+        feature_off=dict(use_sliding_window=False),
+    ),
+    "qwen3": Family("Qwen3ForCausalLM", "Qwen3Config", dict(num_hidden_layers=2, head_dim=16)),
+    # attention-logit soft-capping + alternating sliding layers; no SDPA path (eager reference)
+    "gemma2": Family(
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=0.05,  # below the logits' scale: it matters
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=16,
+        ),
+        feature_off=dict(attn_logit_softcapping=None),
+    ),
+    # per-layer-type RoPE (nested rope_parameters), q/k norm, sliding then full layer
+    "gemma3": Family(
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=[SLIDING, FULL, SLIDING],
+            query_pre_attn_scalar=16,
+        ),
+        feature_off=dict(sliding_window=512),
+    ),
+    # partial rotary (rotate_half on the first rotary_dim channels)
+    "phi": Family(
+        "PhiForCausalLM", "PhiConfig", dict(num_hidden_layers=2, partial_rotary_factor=0.5)
+    ),
+    "stablelm": Family(
+        "StableLmForCausalLM",
+        "StableLmConfig",
+        dict(num_hidden_layers=2, partial_rotary_factor=0.25),
+    ),
+    "gpt_neox": Family(
+        "GPTNeoXForCausalLM",
+        "GPTNeoXConfig",
+        dict(num_hidden_layers=2, partial_rotary_factor=0.25, num_key_value_heads=4),
+    ),
+    # fused qkv projection, sliding_window without layer_types
+    "phi3": Family(
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        dict(num_hidden_layers=2, sliding_window=WINDOW),
+        feature_off=dict(sliding_window=None),
+    ),
+    # interleaved rotary pairs (2i, 2i+1)
+    "cohere": Family("CohereForCausalLM", "CohereConfig", dict(num_hidden_layers=2)),
+    # sliding layers with interleaved RoPE, full-attention layers without RoPE
+    "cohere2": Family(
+        "Cohere2ForCausalLM",
+        "Cohere2Config",
+        dict(num_hidden_layers=2, sliding_window=WINDOW, layer_types=[SLIDING, FULL]),
+        feature_off=dict(sliding_window=512),
+        refused={"relay": "apply no RoPE"},
+    ),
+    # NoPE layers by no_rope_layers
+    "smollm3": Family(
+        "SmolLM3ForCausalLM",
+        "SmolLM3Config",
+        dict(num_hidden_layers=2, no_rope_layers=[1, 0]),
+        refused={"relay": "apply no RoPE"},
+    ),
+    # chunked attention layers (a window of attention_chunk_size), a NoPE full-attention layer
+    # with attention temperature tuning, MoE
+    "llama4": Family(
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size_mlp=128,
+            attention_chunk_size=WINDOW,
+            num_local_experts=2,
+        ),
+        feature_off=dict(attention_chunk_size=512),
+        refused={"relay": "apply no RoPE"},
+    ),
+    # learned attention sinks (s_aux), alternating sliding layers, yarn RoPE, MoE; eager only
+    "gpt_oss": Family(
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=[SLIDING, FULL],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        sinks=True,
+    ),
+}
+
+# Families refused by every kvlab cache at construction (config only; no model is built).
+REFUSED: dict[str, tuple[Callable[[], Any], str]] = {
+    "qwen3_next (linear attention)": (
+        lambda: transformers.Qwen3NextConfig(**COMMON, num_hidden_layers=4, head_dim=16),
+        "linear_attention",
+    ),
+    "deepseek_v3 (latent attention)": (
+        lambda: transformers.DeepseekV3Config(**COMMON, num_hidden_layers=2),
+        "latent attention",
+    ),
+    "gemma3n (KV sharing)": (
+        lambda: transformers.Gemma3nTextConfig(**COMMON, num_hidden_layers=4, head_dim=16),
+        "layer types",
+    ),
+}
+
+# Non-compressing configurations: everything stays exact.
+EXACT_PNMIX = PNMixConfig(sink_tokens=64, residual_tokens=8, group_tokens=8)
+EXACT_RELAY = EvictionConfig(ratio=0.0, scorer="keynorm", sink_tokens=2, window_tokens=4)
+# Compressing configurations.
+SMALL_PNMIX = PNMixConfig(sink_tokens=2, residual_tokens=4, group_tokens=4)
+SMALL_RELAY = EvictionConfig(ratio=0.5, scorer="snapkv", sink_tokens=2, window_tokens=4)
+
+
+class StorageRoundedLayer(DynamicLayer):
+    """A full-attention reference layer that stores keys/values rounded to float16, as PN-Mix
+    stores its exact tokens: the first forward attends to its own unrounded keys (PN-Mix's
+    exact prefill), every later one to the rounded storage."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        first = not self.is_initialized or self.keys.numel() == 0
+        keys, values = super().update(
+            key_states.half().to(key_states.dtype), value_states.half().to(value_states.dtype)
+        )
+        if first:
+            return key_states, value_states
+        return keys, values
+
+
+def reference_cache(model: Any, cache_kind: str) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    if cache_kind == "pnmix":
+        cache.layers = [
+            StorageRoundedLayer() if type(layer) is DynamicLayer else layer
+            for layer in cache.layers
+        ]
+    return cache
+
+
+def make_cache(model: Any, cache_kind: str, *, compress: bool) -> Any:
+    if cache_kind == "pnmix":
+        return PNMixModelCache(model.config, SMALL_PNMIX if compress else EXACT_PNMIX)
+    return RelayModelCache(model.config, SMALL_RELAY if compress else EXACT_RELAY)
+
+
+def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def two_forwards(model: Any, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+    """Logits of a prefill of all but the last CHUNK tokens, then of a CHUNK-token forward."""
+    first = model(ids[:, :-CHUNK], cache=cache).logits
+    second = model(ids[:, -CHUNK:], cache=cache).logits
+    return torch.cat([first, second], 1)
+
+
+def check_window_layers(model: Any, cache: Any, seen: int) -> None:
+    """Every window layer holds exactly its last window - 1 tokens (real memory saved)."""
+    plan = plan_model(model.config)
+    for i in plan.window_layers:
+        layer = cache.layers[i]
+        window = plan.layers[i].window
+        assert isinstance(layer, WindowLayer)
+        kept = min(seen, window - 1)
+        assert layer.keys.shape[-2] == kept
+        assert layer.get_seq_length() == seen
+        assert layer.nbytes() == layer.keys.numel() * 4 + layer.values.numel() * 4
+    for i in plan.full_layers:
+        assert isinstance(cache.layers[i], (PNMixLayer, RelayLayer))
+
+
+def cases(kinds=("pnmix", "relay"), *, skip_refused: bool) -> list[Any]:
+    out = []
+    for name, family in FAMILIES.items():
+        for kind in kinds:
+            if skip_refused and kind in family.refused:
+                continue
+            out.append(pytest.param(name, kind, id=f"{name}-{kind}"))
+    return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_kvlab_attention_with_dynamic_cache_equals_own_attention(name):
+    """Plain tensors (transformers' own DynamicCache, window layers included)."""
+    model = FAMILIES[name].build(seed=9)
+    ids = prompt(2, PROMPT, seed=10)
+    with torch.no_grad():
+        reference = two_forwards(model, ids, DynamicCache(config=model.config))
+        with use_attention(model, KVLAB_ATTENTION):
+            out = two_forwards(model, ids, DynamicCache(config=model.config))
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("name", "cache_kind"), cases(skip_refused=False))
+def test_forward_equals_own_attention_with_non_compressing_cache(name, cache_kind):
+    family = FAMILIES[name]
+    model = family.build(seed=1)
+    ids = prompt(2, PROMPT, seed=2)
+    relay_exact = EvictionConfig(
+        ratio=0.0, scorer="keynorm", sink_tokens=2, window_tokens=4, relay=False
+    )
+    with torch.no_grad():
+        reference = two_forwards(model, ids, reference_cache(model, cache_kind))
+        with use_attention(model, KVLAB_ATTENTION):
+            if cache_kind == "relay" and "relay" in family.refused:
+                cache = RelayModelCache(model.config, relay_exact)  # relay=False is accepted
+            else:
+                cache = make_cache(model, cache_kind, compress=False)
+            out = two_forwards(model, ids, cache)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
+    check_window_layers(model, cache, PROMPT)
+    if cache_kind == "pnmix":
+        for i in cache.plan.full_layers:
+            assert cache.layers[i].store.quantized_tokens == 0
+    else:
+        for layer in cache._relay_layers():
+            assert layer.tokens_per_head() == [PROMPT] * len(layer.tokens_per_head())
+
+
+@pytest.mark.parametrize(("name", "cache_kind"), cases(skip_refused=True))
+def test_generate_equals_own_attention_with_non_compressing_cache(name, cache_kind):
+    model = FAMILIES[name].build(seed=3)
+    ids = prompt(1, PROMPT, seed=4)
+    settings = dict(
+        max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True, output_logits=True
+    )
+    with torch.no_grad():
+        reference = model.generate(ids, cache=reference_cache(model, cache_kind), **settings)
+        plain = model.generate(ids, **settings)
+        with use_attention(model, KVLAB_ATTENTION):
+            cache = make_cache(model, cache_kind, compress=False)
+            out = model.generate(ids, cache=cache, **settings)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert torch.equal(out.sequences, plain.sequences)  # float16 storage flips no greedy token
+    torch.testing.assert_close(
+        torch.stack(out.logits), torch.stack(reference.logits), atol=1e-5, rtol=0
+    )
+    check_window_layers(model, cache, PROMPT + NEW_TOKENS - 1)
+
+
+@pytest.mark.parametrize(("name", "cache_kind"), cases(skip_refused=False))
+def test_compressing_cache_runs_or_refuses_at_construction(name, cache_kind):
+    family = FAMILIES[name]
+    model = family.build(seed=5)
+    if cache_kind in family.refused:
+        with pytest.raises(ValueError, match=family.refused[cache_kind]) as err:
+            make_cache(model, cache_kind, compress=True)
+        assert "\n" not in str(err.value)
+        return
+    ids = prompt(1, PROMPT, seed=6)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        cache = make_cache(model, cache_kind, compress=True)
+        tokens = model.generate(ids, cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert tokens.shape == (1, PROMPT + NEW_TOKENS)
+    seen = PROMPT + NEW_TOKENS - 1
+    check_window_layers(model, cache, seen)
+    plan = cache.plan
+    if cache_kind == "pnmix":
+        for i in plan.full_layers:
+            assert cache.layers[i].store.quantized_tokens > 0
+    else:
+        for layer in cache._relay_layers():
+            assert max(layer.tokens_per_head()) < seen  # evicted
+            assert len(layer.events) == 1
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.feature_off])
+def test_family_feature_changes_the_reference(name):
+    """The special feature matters at this size, so dropping it fails the exactness tests."""
+    family = FAMILIES[name]
+    ids = prompt(1, PROMPT, seed=7)
+    with torch.no_grad():
+        on = family.build(seed=8)(ids).logits
+        off = family.build(seed=8, **family.feature_off)(ids).logits
+    assert (on - off).abs().max() > 1e-3
+
+
+def test_gpt_oss_sinks_change_the_reference():
+    family = FAMILIES["gpt_oss"]
+    ids = prompt(1, PROMPT, seed=7)
+    model = family.build(seed=8)
+    with torch.no_grad():
+        on = model(ids).logits
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data.fill_(-1e4)  # sinks that take no mass
+        off = model(ids).logits
+    assert (on - off).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+@pytest.mark.parametrize("cache_kind", ["pnmix", "relay"])
+def test_unsupported_families_are_refused_at_construction(name, cache_kind):
+    config_factory, phrase = REFUSED[name]
+    config = config_factory()
+    with pytest.raises(ValueError, match=phrase) as err:
+        if cache_kind == "pnmix":
+            PNMixModelCache(config, SMALL_PNMIX)
+        else:
+            RelayModelCache(config, SMALL_RELAY)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(("PNMixModelCache", "RelayModelCache"))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "mistral"])
+def test_training_gradients_equal_own_attention(name):
+    """Plain tensors in training mode (no cache): soft-capping, sinks and windows keep their
+    gradients — the learned sinks included."""
+    family = FAMILIES[name]
+    ids = prompt(2, PROMPT, seed=11)
+    grads = []
+    for implementation in (None, KVLAB_ATTENTION):
+        model = family.build(seed=12).train()
+        if implementation is not None:
+            model.set_attn_implementation(implementation)  # registered by conftest
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    if family.sinks:
+        assert any("sinks" in n for n in grads[1])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)
