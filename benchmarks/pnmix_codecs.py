@@ -127,8 +127,10 @@ class CartesianKeys(Codec):
         self.prerope, self.outliers, self.clip = prerope, outliers, clip
         self.outlier_weighting = outlier_weighting
         tag = "pre" if prerope else "rot"
-        self.name = f"cart-{tag}" + (f"+out{outliers:g}" if outliers else "") + (
-            f"+clip{clip}" if clip else ""
+        self.name = (
+            f"cart-{tag}"
+            + (f"+out{outliers:g}" if outliers else "")
+            + (f"+clip{clip}" if clip else "")
         )
 
     def count(self, tokens: int, dim: int) -> int:
@@ -200,8 +202,14 @@ def _phase_norm_unequal(a: Tensor, b: Tensor, nb: int, pb: int) -> tuple[Tensor,
     pn = phase_norm_quantize(a, b, pb, -2, STORAGE)
     one = torch.ones_like(pn.norm_zero)
     ca, cb = phase_norm_dequantize(
-        torch.zeros_like(pn.norm_codes), pn.phase_codes, torch.zeros_like(one), one,
-        pn.phase_span, pn.phase_offset, pb, -2,
+        torch.zeros_like(pn.norm_codes),
+        pn.phase_codes,
+        torch.zeros_like(one),
+        one,
+        pn.phase_span,
+        pn.phase_offset,
+        pb,
+        -2,
     )
     return r * ca, r * cb
 
@@ -234,9 +242,7 @@ class MixKeys(Codec):
             keys, pos = keys[:, :, :g], pos[:g]
             groups = [(keys, pos)]
         else:
-            groups = [
-                (keys[:, :, j : j + g], pos[j : j + g]) for j in range(0, t_all, g)
-            ]
+            groups = [(keys[:, :, j : j + g], pos[j : j + g]) for j in range(0, t_all, g)]
         err_a = err_b = 0.0
         for kg, pg in groups:
             da = self.a.decode(kg, pg, ctx).double() - kg.double()
@@ -285,8 +291,10 @@ class TokenValues(Codec):
 
     def __init__(self, channels: int | None = None, outliers: float = 0.0, clip: int = 0):
         self.channels, self.outliers, self.clip = channels, outliers, clip
-        self.name = f"val{channels or 'all'}" + (f"+out{outliers:g}" if outliers else "") + (
-            f"+clip{clip}" if clip else ""
+        self.name = (
+            f"val{channels or 'all'}"
+            + (f"+out{outliers:g}" if outliers else "")
+            + (f"+clip{clip}" if clip else "")
         )
 
     def count(self, tokens: int, dim: int) -> int:
@@ -349,9 +357,7 @@ def _decode_bits(y: Tensor, bits: Tensor, dim: int) -> Tensor:
     return out
 
 
-def rotated_pair_error(
-    e: Tensor, positions: Tensor, ctx: LayerContext, prerope: bool
-) -> Tensor:
+def rotated_pair_error(e: Tensor, positions: Tensor, ctx: LayerContext, prerope: bool) -> Tensor:
     """Query-weighted squared logit error per (batch, kv head, rotary pair), summed over the
     tokens: ``Σ_i (R_i e_i)_pair^T C_pair (R_i e_i)_pair`` with ``C`` the second moment of the
     rotated prefill queries (``ctx.query_cov``); ``e [B, H, T, D]`` in the codec's frame."""
@@ -391,9 +397,8 @@ class BitAllocKeys(Codec):
         self.prerope, self.avg_bits, self.max_bits = prerope, avg_bits, max_bits
         self.outliers, self.criterion, self.min_bits = outliers, criterion, min_bits
         self.allow_1bit = allow_1bit
-        self.name = (
-            f"alloc{min_bits}-{max_bits}-{'pre' if prerope else 'rot'}-{criterion}"
-            + (f"+out{outliers:g}" if outliers else "")
+        self.name = f"alloc{min_bits}-{max_bits}-{'pre' if prerope else 'rot'}-{criterion}" + (
+            f"+out{outliers:g}" if outliers else ""
         )
 
     def count(self, tokens: int, dim: int) -> int:

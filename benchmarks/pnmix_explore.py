@@ -100,13 +100,15 @@ def _real_check(model, windows, prefill, score, reference) -> list[dict]:
             caches.append(cache)
         nll = torch.cat(nlls)
         ref_nll = torch.cat([r.nll for r in reference])
-        rows.append({
-            "method": name,
-            "kl": float(torch.cat(kls).mean()),
-            "dppl": 100 * (float(nll.mean().exp() / ref_nll.mean().exp()) - 1),
-            "bytes": caches[0].nbytes(),
-            "caches": caches,
-        })
+        rows.append(
+            {
+                "method": name,
+                "kl": float(torch.cat(kls).mean()),
+                "dppl": 100 * (float(nll.mean().exp() / ref_nll.mean().exp()) - 1),
+                "bytes": caches[0].nbytes(),
+                "caches": caches,
+            }
+        )
     return rows
 
 
@@ -135,10 +137,10 @@ def _same_input_check(model, window, prefill, score) -> str:
     cache's quantized-token count after every append equals the simulation's flush rule."""
     import dataclasses
 
+    from pnmix_sim import SINKS, LayerContext, capture_qkv, flushed_groups, rotary_of, round16
+
     from kvlab.integrations.pnmix_cache import pnmix_config_for_model
     from kvlab.pnmix import PNMixCache, PNMixConfig
-    from pnmix_sim import SINKS, capture_qkv, flushed_groups, round16, rotary_of
-    from pnmix_sim import LayerContext
 
     n = prefill + score - 1
     captured = capture_qkv(model, window[:n])
@@ -151,8 +153,9 @@ def _same_input_check(model, window, prefill, score) -> str:
         )
         plan = configs()[name]()[0]
         for idx, (_q, k, v) in enumerate(captured):
-            store = PNMixCache(cfg, batch_size=1, num_key_value_heads=k.shape[1],
-                               head_dim=k.shape[3])
+            store = PNMixCache(
+                cfg, batch_size=1, num_key_value_heads=k.shape[1], head_dim=k.shape[3]
+            )
             store.append(k[:, :, :prefill], v[:, :, :prefill])
             for t in range(prefill, n):
                 store.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
@@ -161,8 +164,12 @@ def _same_input_check(model, window, prefill, score) -> str:
             rk, rv = store.dequantize()
             kr, vr = round16(k), round16(v)
             g_pre = flushed_groups(prefill, 32)
-            ctx = LayerContext(idx, rotary, prefill_keys=kr[:, :, SINKS : SINKS + 32 * g_pre],
-                               prefill_positions=torch.arange(SINKS, SINKS + 32 * g_pre))
+            ctx = LayerContext(
+                idx,
+                rotary,
+                prefill_keys=kr[:, :, SINKS : SINKS + 32 * g_pre],
+                prefill_positions=torch.arange(SINKS, SINKS + 32 * g_pre),
+            )
             ctx.state["group_tokens"] = 32
             plan.key.prepare(ctx)
             sk, sv = kr.clone(), vr.clone()
@@ -172,9 +179,11 @@ def _same_input_check(model, window, prefill, score) -> str:
                 sk[:, :, sl] = plan.key.decode(kr[:, :, sl], pos, ctx)
                 sv[:, :, sl] = plan.value.decode(vr[:, :, sl], pos, ctx)
             same += int(torch.equal(rk, sk) and torch.equal(rv, sv))
-    return (f"identical inputs: {same}/{2 * len(captured)} layer caches bit-identical "
-            f"(kivi-2bit and pn-mix-uniform); flush schedule matches at every length: "
-            f"{schedule_ok}")
+    return (
+        f"identical inputs: {same}/{2 * len(captured)} layer caches bit-identical "
+        f"(kivi-2bit and pn-mix-uniform); flush schedule matches at every length: "
+        f"{schedule_ok}"
+    )
 
 
 def main() -> None:
@@ -220,8 +229,13 @@ def main() -> None:
         s = summarize(res, reference)
         b = plan_bytes(plans, final_len, HEADS, DIM)
         row = {
-            "config": name, "bytes": b, **s, "windows": args.windows, "score": args.score,
-            "text": args.text, "seconds": timer(),
+            "config": name,
+            "bytes": b,
+            **s,
+            "windows": args.windows,
+            "score": args.score,
+            "text": args.text,
+            "seconds": timer(),
         }
         print(
             f"| {name} | {b:,} | {s['kl']:.5f} | {s['dppl']:+.2f} | {s['kl_windows']} |",

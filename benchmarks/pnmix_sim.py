@@ -89,7 +89,7 @@ class _CaptureView(CacheView):
     def __init__(self, sink: list, layer_idx: int, keys: Tensor, values: Tensor) -> None:
         self.sink, self.layer_idx, self.keys, self.values = sink, layer_idx, keys, values
 
-    def attend(self, module, query, *, scaling, attention_mask, kwargs):  # noqa: ANN001
+    def attend(self, module, query, *, scaling, attention_mask, kwargs):
         self.sink.append((self.layer_idx, query.detach(), self.keys, self.values))
         return dense_causal_attention(query, self.keys, self.values, scaling=scaling)
 
@@ -105,7 +105,7 @@ class _CaptureLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001
+    def update(self, key_states, value_states, *args, **kwargs):
         view = _CaptureView(self.sink, self.layer_idx, key_states, value_states)
         self.n = key_states.shape[2]
         return view, view
@@ -225,7 +225,7 @@ class _SimView(CacheView):
     def __init__(self, layer: _SimLayer, keys: Tensor, values: Tensor) -> None:
         self.layer, self.keys, self.values = layer, keys, values
 
-    def attend(self, module, query, *, scaling, attention_mask, kwargs):  # noqa: ANN001
+    def attend(self, module, query, *, scaling, attention_mask, kwargs):
         return self.layer.attend(query, self.keys, self.values, scaling)
 
 
@@ -240,7 +240,7 @@ class _SimLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001
+    def update(self, key_states, value_states, *args, **kwargs):
         self.n = key_states.shape[2]
         view = _SimView(self, key_states, value_states)
         return view, view
@@ -345,12 +345,15 @@ class SimCache(Cache):
         kx = k.repeat_interleave(rep, 1)
         vx = v.repeat_interleave(rep, 1)
         # prefill rows: exact
-        out[:, :, :p_len] = torch.softmax(
-            (q[:, :, :p_len] @ kx.transpose(-1, -2)[..., :, :]).mul(scaling).masked_fill(
-                ~causal[:p_len], -math.inf
-            ),
-            dim=-1,
-        ) @ vx
+        out[:, :, :p_len] = (
+            torch.softmax(
+                (q[:, :, :p_len] @ kx.transpose(-1, -2)[..., :, :])
+                .mul(scaling)
+                .masked_fill(~causal[:p_len], -math.inf),
+                dim=-1,
+            )
+            @ vx
+        )
         qd = q[:, :, p_len:]
         if qd.shape[2]:
             krx, khx = kr.repeat_interleave(rep, 1), k_hat.repeat_interleave(rep, 1)
