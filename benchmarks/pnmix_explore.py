@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 
 import torch
-from pnmix_codecs import CartesianKeys, MixKeys, PhaseNormKeys, TokenValues
+from pnmix_codecs import BitAllocKeys, CartesianKeys, MixKeys, PhaseNormKeys, TokenValues
 from pnmix_sim import (
     LayerPlan,
     Timer,
@@ -68,6 +68,10 @@ def configs() -> dict[str, Callable[[], list[LayerPlan]]]:
         "pre+mixq": uniform(lambda: MixKeys(pre(), PhaseNormKeys(prerope=True), "query"), val),
         "pre+out1%": uniform(lambda: pre(outliers=0.01), val),
         "pre+clip": uniform(lambda: pre(clip=7), val),
+        "pre+alloc": uniform(BitAllocKeys, val),
+        "rot+alloc": uniform(lambda: BitAllocKeys(prerope=False), val),
+        "pre+alloc+out1%": uniform(lambda: BitAllocKeys(outliers=0.01), val),
+        "pre+alloc-keyerr": uniform(lambda: BitAllocKeys(criterion="key"), val),
     }
     return c
 
