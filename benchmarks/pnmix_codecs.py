@@ -285,22 +285,46 @@ class MixKeys(Codec):
 # ----------------------------------------------------------------------------- value codecs
 
 
+def hadamard(n: int) -> Tensor:
+    """The package's orthonormal Hadamard matrix (:func:`kvlab.pnmix.hadamard.hadamard_matrix`)."""
+    from kvlab.pnmix.hadamard import hadamard_matrix
+
+    return hadamard_matrix(n)
+
+
 class TokenValues(Codec):
     """Per-token min-max over groups of ``channels`` value channels (KIVI values), with an
-    optional fraction of exact sparse outliers per group."""
+    optional fraction of exact sparse outliers per group; ``hadamard=True`` codes ``v H``
+    (a fixed orthonormal Hadamard rotation of the channels, as QuaRot, Ashkboos et al. 2024,
+    arXiv:2404.00456, rotates activations) and decodes ``(v H)_hat H^T``: zero extra bytes."""
 
-    def __init__(self, channels: int | None = None, outliers: float = 0.0, clip: int = 0):
+    def __init__(
+        self,
+        channels: int | None = None,
+        outliers: float = 0.0,
+        clip: int = 0,
+        hadamard: bool = False,
+    ):
         self.channels, self.outliers, self.clip = channels, outliers, clip
+        self.hadamard = hadamard
         self.name = (
             f"val{channels or 'all'}"
             + (f"+out{outliers:g}" if outliers else "")
             + (f"+clip{clip}" if clip else "")
+            + ("+had" if hadamard else "")
         )
 
     def count(self, tokens: int, dim: int) -> int:
         return round(self.outliers * tokens * dim)
 
     def decode(self, x: Tensor, positions: Tensor, ctx: LayerContext) -> Tensor:
+        if self.hadamard:
+            rot = hadamard(x.shape[-1])
+            y = (x @ rot).to(STORAGE).float()
+            return self._decode(y) @ rot.T
+        return self._decode(x)
+
+    def _decode(self, x: Tensor) -> Tensor:
         b, h, t, d = x.shape
         c = self.channels or d
         y = x.reshape(b, h, t, d // c, c)
@@ -480,3 +504,101 @@ class BitAllocKeys(Codec):
 
     def layer_bytes(self, heads: int, dim: int) -> int:
         return math.ceil(heads * (dim // 2) * 3 / 8)
+
+
+class PackageBitAllocKeys(BitAllocKeys):
+    """:class:`BitAllocKeys` computed with the package's tested functions
+    (:mod:`kvlab.pnmix.bitalloc`, :mod:`kvlab.pnmix.prerope`, :mod:`kvlab.pnmix.outliers`):
+    the configuration the recommendation names. Same algorithm; outlier ties are broken by the
+    package's stable float64 order."""
+
+    def __init__(
+        self,
+        outliers: float = 0.0,
+        widths: tuple[int, ...] = (0, 2, 3, 4),
+        per_group: bool = False,
+        moments: Tensor | None = None,
+    ) -> None:
+        super().__init__(prerope=True, outliers=outliers)
+        self.widths = widths
+        self.per_group = per_group
+        self.moments = moments  # [L, H_kv, D, D] static query second moments, or None
+        self.name = (
+            "pkg-"
+            + self.name
+            + ("-pergroup" if per_group else "")
+            + ("-static" if moments is not None else "")
+        )
+
+    def _frame(self, x: Tensor, positions: Tensor, ctx: LayerContext) -> Tensor:
+        from kvlab.pnmix.prerope import to_prerope
+
+        return to_prerope(x, positions, ctx.rotary, STORAGE).float()
+
+    def _decode_frame(self, y: Tensor, bits: Tensor) -> Tensor:
+        from kvlab.pnmix.bitalloc import mixed_bits_quantize
+        from kvlab.pnmix.outliers import sparse_minmax_dequantize, sparse_minmax_quantize
+
+        n_out = self.count(y.shape[-2], y.shape[-1])
+        if not n_out:
+            return minmax_dequantize(*mixed_bits_quantize(y, bits, -2, STORAGE), dim=-2)
+        out = torch.empty_like(y)
+        for b in bits.unique().tolist():
+            sel = (bits == b).unsqueeze(-2)
+            if b == 0:
+                sp = sparse_minmax_quantize(y, 1, n_out, STORAGE)
+                mask = torch.zeros_like(y, dtype=torch.bool).flatten(-2)
+                mask.scatter_(-1, sp.outlier_index.long(), True)
+                mean = y.double().mean(-2, keepdim=True).to(STORAGE).float()
+                dec = torch.where(mask.view_as(y), y, mean)
+            else:
+                dec = sparse_minmax_dequantize(sparse_minmax_quantize(y, int(b), n_out, STORAGE))
+            out = torch.where(sel, dec, out)
+        return out
+
+    def _allocate(self, groups, ctx: LayerContext) -> Tensor:
+        """Per-channel widths ``[B, H, D]`` from the groups ``[(frame keys, positions)]``."""
+        from kvlab.pnmix.bitalloc import allocate_pair_bits, pair_logit_error
+        from kvlab.pnmix.prerope import from_prerope
+
+        b_, h, _, d = groups[0][0].shape
+        first, second = _pairs(ctx)
+        dist = torch.zeros(len(self.widths), b_, h, d // 2, dtype=torch.float64)
+        for y, pg in groups:
+            for li, w in enumerate(self.widths):
+                e = self._decode_frame(y, torch.full((b_, h, d), w)) - y
+                rotated = from_prerope(e.double(), pg, ctx.rotary).double()
+                moment = ctx.query_cov if self.moments is None else self.moments[ctx.layer_idx]
+                dist[li] += pair_logit_error(rotated, moment, first, second)
+        bits = allocate_pair_bits(dist, self.widths, self.avg_bits)
+        per_channel = torch.empty(b_, h, d, dtype=torch.long)
+        per_channel[..., first] = bits
+        per_channel[..., second] = bits
+        hist = torch.bincount(bits.flatten(), minlength=self.max_bits + 1)
+        ctx.state.setdefault("bit_hist", []).append(hist.tolist())
+        return per_channel
+
+    def prepare(self, ctx: LayerContext) -> None:
+        if self.per_group:
+            return
+        keys, pos = ctx.prefill_keys, ctx.prefill_positions
+        g = ctx.state["group_tokens"]
+        groups = [
+            (self._frame(keys[:, :, j : j + g], pos[j : j + g], ctx), pos[j : j + g])
+            for j in range(0, keys.shape[2], g)
+        ]
+        ctx.state[id(self)] = self._allocate(groups, ctx)
+
+    def decode(self, x: Tensor, positions: Tensor, ctx: LayerContext) -> Tensor:
+        from kvlab.pnmix.prerope import from_prerope
+
+        y = self._frame(x, positions, ctx)
+        bits = self._allocate([(y, positions)], ctx) if self.per_group else ctx.state[id(self)]
+        return from_prerope(self._decode_frame(y, bits), positions, ctx.rotary)
+
+    def group_bytes(self, tokens: int, heads: int, dim: int) -> int:
+        table = math.ceil(heads * (dim // 2) * 2 / 8) if self.per_group else 0
+        return super().group_bytes(tokens, heads, dim) + table
+
+    def layer_bytes(self, heads: int, dim: int) -> int:
+        return 0 if self.per_group else math.ceil(heads * (dim // 2) * 2 / 8)

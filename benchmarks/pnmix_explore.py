@@ -21,7 +21,14 @@ import sys
 from collections.abc import Callable
 
 import torch
-from pnmix_codecs import BitAllocKeys, CartesianKeys, MixKeys, PhaseNormKeys, TokenValues
+from pnmix_codecs import (
+    BitAllocKeys,
+    CartesianKeys,
+    MixKeys,
+    PackageBitAllocKeys,
+    PhaseNormKeys,
+    TokenValues,
+)
 from pnmix_sim import (
     LayerPlan,
     Timer,
@@ -42,6 +49,15 @@ PNMIX_GROUPS = (128, 32, 32, 64, 64, 128, 64, 64, 64, 64, 64, 32, 16, 128, 32, 3
                 8, 64, 32, 16, 32, 32, 64, 128, 128, 128)  # fmt: skip
 
 ALLOCATIONS: dict[str, tuple[int, ...]] = {"pnmix": PNMIX_GROUPS}
+
+
+MOMENTS = "/tmp/pnmix-research/moments_kjv.pt"
+
+
+def _static_moments():
+    """Query second moments calibrated on the King James text (``pnmix_calibrate.py
+    moments``), float64 ``[L, H_kv, D, D]``."""
+    return torch.load(MOMENTS)
 
 
 def uniform(key: Callable[[], object], value: Callable[[], object], g: int = 32):
@@ -72,8 +88,57 @@ def configs() -> dict[str, Callable[[], list[LayerPlan]]]:
         "rot+alloc": uniform(lambda: BitAllocKeys(prerope=False), val),
         "pre+alloc+out1%": uniform(lambda: BitAllocKeys(outliers=0.01), val),
         "pre+alloc-keyerr": uniform(lambda: BitAllocKeys(criterion="key"), val),
+        "pre+alloc+valhad": uniform(BitAllocKeys, lambda: TokenValues(hadamard=True)),
+        "pre+alloc+out1%+valhad": uniform(
+            lambda: BitAllocKeys(outliers=0.01), lambda: TokenValues(hadamard=True)
+        ),
+        "kivi+valhad": uniform(CartesianKeys, lambda: TokenValues(hadamard=True)),
+        "pkg-pre+alloc": uniform(PackageBitAllocKeys, val),
+        "pkg-pre+alloc+out1%": uniform(lambda: PackageBitAllocKeys(outliers=0.01), val),
+        "pkg-pre+alloc+out1%+valhad": uniform(
+            lambda: PackageBitAllocKeys(outliers=0.01), lambda: TokenValues(hadamard=True)
+        ),
+        "pkg-pre+alloc+valhad": uniform(PackageBitAllocKeys, lambda: TokenValues(hadamard=True)),
+        "pkg-pre+alloc-pergroup": uniform(lambda: PackageBitAllocKeys(per_group=True), val),
+        "pkg-pre+alloc-pergroup-static": uniform(
+            lambda: PackageBitAllocKeys(per_group=True, moments=_static_moments()), val
+        ),
+        "pkg-pre+alloc-static": uniform(
+            lambda: PackageBitAllocKeys(moments=_static_moments()), val
+        ),
+        "pkg-pre+alloc-pergroup+out1%": uniform(
+            lambda: PackageBitAllocKeys(per_group=True, outliers=0.01), val
+        ),
     }
     return c
+
+
+#: key codec factories (outlier fraction -> codec) for allocations read from a JSON file
+KEY_FACTORIES: dict[str, Callable[[float], object]] = {
+    "cart-rot": lambda f: CartesianKeys(outliers=f),
+    "pre": lambda f: CartesianKeys(prerope=True, outliers=f),
+    "pre+alloc": lambda f: BitAllocKeys(outliers=f),
+    "pkg-pre+alloc": lambda f: PackageBitAllocKeys(outliers=f),
+}
+VALUE_FACTORIES: dict[str, Callable[[], object]] = {
+    "val": TokenValues,
+    "valhad": lambda: TokenValues(hadamard=True),
+}
+
+
+def from_file(spec: str) -> Callable[[], list[LayerPlan]]:
+    """``KEYS[+VALUES]@FILE``: per-layer groups (``layer_group_tokens``) and outlier fractions
+    (``layer_outliers``, default 0) from a JSON file (``pnmix_calibrate.py``)."""
+    name, path = spec.split("@", 1)
+    keys, _, values = name.partition(",")
+    with open(path) as fh:
+        alloc = json.load(fh)
+    groups = alloc["layer_group_tokens"]
+    fracs = alloc.get("layer_outliers", [0.0] * len(groups))
+    vf = VALUE_FACTORIES[values or "val"]
+    return lambda: [
+        LayerPlan(g, KEY_FACTORIES[keys](f), vf()) for g, f in zip(groups, fracs, strict=True)
+    ]
 
 
 @torch.no_grad()
@@ -199,6 +264,8 @@ def main() -> None:
     ap.add_argument("--score", type=int, default=128)
     ap.add_argument("--config", action="append", default=[])
     ap.add_argument("--log", default="/tmp/pnmix-research/explore.jsonl")
+    ap.add_argument("--keys-only", action="store_true", help="values stay exact (float16)")
+    ap.add_argument("--values-only", action="store_true", help="keys stay exact (float16)")
     args = ap.parse_args()
     table = configs()
     if args.command == "list":
@@ -227,9 +294,13 @@ def main() -> None:
                 flush=True,
             )
         return
+    flags = {"quantize_keys": not args.values_only, "quantize_values": not args.keys_only}
     for name in args.config:
-        plans = table[name]()
-        res = simulate(model, windows, args.prefill, plans, reference)
+        plans = (from_file(name) if "@" in name else table[name])()
+        caches: list = []
+        res = simulate(model, windows, args.prefill, plans, reference, caches=caches, **flags)
+        shares = [x for c in caches for ctx in c.contexts for x in ctx.state.get("mix_share", [])]
+        hists = [h for c in caches for ctx in c.contexts for h in ctx.state.get("bit_hist", [])]
         s = summarize(res, reference)
         b = plan_bytes(plans, final_len, HEADS, DIM)
         row = {
@@ -240,11 +311,27 @@ def main() -> None:
             "score": args.score,
             "text": args.text,
             "seconds": timer(),
+            "keys_only": args.keys_only,
+            "values_only": args.values_only,
+            "mix_share_b": sum(shares) / len(shares) if shares else None,
+            "pair_width_hist_0_4": torch.tensor(hists).sum(0).tolist() if hists else None,
         }
+        extra = ""
+        if row["mix_share_b"] is not None:
+            extra += f" mix: codec b in {100 * row['mix_share_b']:.1f} % of pairs;"
+        if row["pair_width_hist_0_4"] is not None:
+            extra += f" pairs at 0..4 bits (all windows): {row['pair_width_hist_0_4']}"
         print(
-            f"| {name} | {b:,} | {s['kl']:.5f} | {s['dppl']:+.2f} | {s['kl_windows']} |",
+            f"| {name} | {b:,} | {s['kl']:.5f} | {s['dppl']:+.2f} | {s['kl_windows']} |{extra}",
             flush=True,
         )
+        per_layer: dict[int, list[int]] = {}
+        for c in caches:
+            for ctx in c.contexts:
+                for h in ctx.state.get("bit_hist", []):
+                    acc = per_layer.setdefault(ctx.layer_idx, [0] * len(h))
+                    per_layer[ctx.layer_idx] = [a + x for a, x in zip(acc, h, strict=True)]
+        row["pair_width_hist_per_layer"] = [per_layer[i] for i in sorted(per_layer)] or None
         with open(args.log, "a") as f:
             f.write(json.dumps(row) + "\n")
 
