@@ -60,11 +60,12 @@ def cost_per_token(g: int, f: float) -> float:
 
 
 def knapsack(sens: list[dict], budget: float, unit: float = 0.12) -> list:
-    """One candidate per layer minimizing Σ sensitivity with Σ cost <= budget (exact DP on
-    costs in units of ``unit`` bytes per token; ties: cheaper)."""
+    """One candidate per layer minimizing Σ sensitivity with Σ_layers cost <= L * budget
+    (``budget``: bytes per quantized token of one layer; exact DP on costs in units of
+    ``unit`` bytes per token; ties: cheaper)."""
     cands = list(sens[0])
     costs = {c: round(cost_per_token(*c) / unit) for c in cands}
-    cap = math.floor(budget / unit + 1e-9)
+    cap = math.floor(len(sens) * budget / unit + 1e-9)
     best = {0: (0.0, [])}
     for s in sens:
         nxt: dict = {}
@@ -126,6 +127,9 @@ def proxy(args) -> None:
                 row[(g, f)] = attention_kl(q, k, coded, n - p)
         sens.append(row)
         print(f"layer {idx}: " + ", ".join(f"{c}: {v:.4f}" for c, v in row.items()), flush=True)
+    if args.out:
+        with open(args.out + ".sens.json", "w") as fh:
+            json.dump([{f"{g}/{f}": v for (g, f), v in s.items()} for s in sens], fh)
     budget = cost_per_token(args.budget_group, args.budget_outliers)
     alloc = knapsack(sens, budget)
     result = {
