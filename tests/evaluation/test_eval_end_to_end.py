@@ -16,6 +16,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 METHODS = [
     "full",
     "pn-mix",
+    "pn-mix-v1",
     "pn-mix-uniform",
     "kivi-2bit",
     "int4",
@@ -86,7 +87,7 @@ def test_cli_eval_writes_table_artifact_and_plot(tiny_model_dir, tiny_text, tmp_
         assert summaries[name]["kl_mean"] > 0.0
         assert summaries[name]["kv_bytes_16bit"] < full["kv_bytes_16bit"]
     # per-layer groups were calibrated before the windows and recorded with the method
-    pnmix = artifact["configuration"]["methods"]["pn-mix"]
+    pnmix = artifact["configuration"]["methods"]["pn-mix-v1"]
     assert len(pnmix["layer_group_tokens"]) == 2
     assert sum(1 / g for g in pnmix["layer_group_tokens"]) <= 2 / 32
     assert pnmix["group_allocation"]["calibration_text"]["id"] != artifact["dataset"]["id"]

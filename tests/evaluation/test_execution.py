@@ -89,7 +89,7 @@ def test_calibration_is_cached_on_disk_and_recorded(tiny_model_dir, tiny_text, t
             tiny_model_dir,
             tiny_text,
             tmp_path / "a",
-            methods=["pn-mix"],
+            methods=["pn-mix-v1"],
             windows=1,
             prefill=192,
             calibration_cache=cache,
@@ -97,7 +97,7 @@ def test_calibration_is_cached_on_disk_and_recorded(tiny_model_dir, tiny_text, t
     )
     entries = list(cache.glob("*.json"))
     assert len(entries) == 1
-    record = first.artifact["configuration"]["methods"]["pn-mix"]
+    record = first.artifact["configuration"]["methods"]["pn-mix-v1"]
     assert record["calibration_cache"] == {"status": "computed", "key": entries[0].stem}
     assert len(record["layer_group_tokens"]) == 2
     second = run_eval(
@@ -105,13 +105,13 @@ def test_calibration_is_cached_on_disk_and_recorded(tiny_model_dir, tiny_text, t
             tiny_model_dir,
             tiny_text,
             tmp_path / "b",
-            methods=["pn-mix"],
+            methods=["pn-mix-v1"],
             windows=1,
             prefill=192,
             calibration_cache=cache,
         )
     )
-    again = second.artifact["configuration"]["methods"]["pn-mix"]
+    again = second.artifact["configuration"]["methods"]["pn-mix-v1"]
     assert again["calibration_cache"] == {"status": "reused", "key": entries[0].stem}
     assert again["layer_group_tokens"] == record["layer_group_tokens"]
 
@@ -125,7 +125,7 @@ def test_calibration_key_covers_model_settings_text_and_code(monkeypatch):
     from kvlab.evaluation import calibration
     from kvlab.evaluation.methods import parse_method
 
-    pnmix, kivi = parse_method("pn-mix"), parse_method("kivi-2bit-calibrated")
+    pnmix, kivi = parse_method("pn-mix-v1"), parse_method("kivi-2bit-calibrated")
     base = dict(checkpoint_sha256="a" * 64, text_sha256="b" * 64, dtype="float32", device="cpu")
     fields, key = calibration.calibration_key(pnmix, **base)
     assert set(fields) >= {"params", "checkpoint_sha256", "text_sha256", "code_sha256"}

@@ -39,13 +39,42 @@ CONFIG = tiny_llama_config()
 
 def test_method_names_resolve_to_their_caches():
     assert isinstance(parse_method("full").make_cache(CONFIG), DynamicCache)
-    pnmix = parse_method("pn-mix")
-    assert pnmix.settings["bits"] == 2 and pnmix.settings["key_coding"] == "mix"
-    assert pnmix.preparation is not None  # per-layer groups: calibrated before the first cache
+    v1 = parse_method("pn-mix-v1")
+    assert v1.settings["bits"] == 2 and v1.settings["key_coding"] == "mix"
+    assert v1.preparation is not None  # per-layer groups: calibrated before the first cache
     with pytest.raises(RuntimeError, match="must be prepared"):
-        pnmix.make_cache(CONFIG)
-    calibrated = pnmix.make_cache(CONFIG, {"layer_group_tokens": [8, 64]})
+        v1.make_cache(CONFIG)
+    calibrated = v1.make_cache(CONFIG, {"layer_group_tokens": [8, 64]})
     assert calibrated.layer_group_tokens == (8, 64)
+    pnmix = parse_method("pn-mix")  # the issue-8 coding: no calibration
+    assert pnmix.preparation is None
+    assert pnmix.settings == {
+        "bits": 2,
+        "key_coding": "bit_alloc",
+        "sink_tokens": 32,
+        "residual_tokens": 32,
+        "group_tokens": 32,
+        "storage_dtype": "float16",
+        "key_outlier_fraction": 0.01,
+        "value_coding": "hadamard",
+    }
+    cache = pnmix.make_cache(CONFIG)
+    assert cache.pnmix_config.key_codec.position_aware
+    assert str(cache.pnmix_config.value_codec) == "hadamard"
+    assert parse_method("pn-mix-seed").settings["group_tokens"] == 128
+    for name, coding in [
+        ("pn-mix-prerope", "prerope_cartesian"),
+        ("pn-mix-prerope-qmix", "prerope_qmix"),
+        ("pn-mix-alloc", "bit_alloc"),
+        ("pn-mix-alloc-outliers", "bit_alloc"),
+        ("kivi-2bit-hadamard", "cartesian"),
+    ]:
+        method = parse_method(name)
+        assert method.settings["key_coding"] == coding and method.preparation is None
+        assert isinstance(method.make_cache(CONFIG), PNMixModelCache)
+    # the older rows record exactly what they recorded before (their task hashes stay)
+    assert "value_coding" not in parse_method("kivi-2bit").settings
+    assert "key_outlier_fraction" not in parse_method("pn-mix-uniform").settings
     uniform = parse_method("pn-mix-uniform")
     assert uniform.preparation is None and uniform.settings["group_tokens"] == 32
     assert isinstance(uniform.make_cache(CONFIG), PNMixModelCache)

@@ -80,13 +80,13 @@ def test_task_keys_are_content_hashes():
 
 def test_calibrated_methods_depend_on_one_preparation():
     plan = _plan(
-        ["pn-mix", "kivi-2bit-calibrated"], list(range(300)), windows=2, prefill=64, score=16
+        ["pn-mix-v1", "kivi-2bit-calibrated"], list(range(300)), windows=2, prefill=64, score=16
     )
     assert len(plan.preparations) == 2
     assert all(isinstance(p, PrepTask) for p in plan.preparations)
     by_name = {t.method.name: t for t in plan.tasks}
     keys = {p.method.name: p.key for p in plan.preparations}
-    assert by_name["pn-mix"].preparation == keys["pn-mix"]
+    assert by_name["pn-mix-v1"].preparation == keys["pn-mix-v1"]
     assert by_name["full"].preparation is None
 
 

@@ -4,16 +4,27 @@ Names (``--method``, repeatable):
 
 * ``full`` — ``transformers.DynamicCache``, exact (the reference), SDPA attention.
 * ``pn-mix`` — :class:`~kvlab.integrations.PNMixModelCache`, 2-bit, 32 sinks, 32 residual,
-  float16 storage, with one group size per layer chosen by
+  float16 storage, groups of 32 tokens in every layer (no calibration): the issue-8 coding
+  (docs/pnmix-key-coding-research.md) — pre-RoPE keys with a code width in {0, 2, 3, 4} bits
+  per (kv head, rotary pair) averaging 2, chosen once per row by the query-weighted logit error
+  (key coding ``bit_alloc``), 1 % of each group's key elements kept exact (dense-and-sparse
+  outliers), and per-token values of Hadamard-rotated channels.
+* Its ablation ladder (each row adds one component, groups of 32): ``pn-mix-prerope``
+  (pre-RoPE Cartesian keys), ``pn-mix-prerope-qmix`` (+ the query-aware 1-bit mix of
+  pre-RoPE Cartesian / Phase–Norm), ``pn-mix-alloc`` (pre-RoPE keys with query-aware per-pair
+  widths), ``pn-mix-alloc-outliers`` (+ 1 % exact key outliers); ``pn-mix`` adds Hadamard
+  values. ``kivi-2bit-hadamard``: KIVI keys with Hadamard values (values alone).
+* ``pn-mix-v1`` — the previous ``pn-mix``: Cartesian / Phase–Norm mix by first-group saliency,
+  one group size per layer chosen by
   :func:`~kvlab.integrations.pnmix_calibration.calibrate_group_tokens` on the package's own
   text (not the evaluation text) under the scalar-byte budget of uniform groups of 32 tokens.
   ``pn-mix-uniform``: the same with every layer at 32 tokens.
-* ``pn-mix-3bit`` / ``pn-mix-4bit`` — the default PN-Mix layout
-  (:class:`~kvlab.pnmix.PNMixConfig`'s, groups of 128) at 3 or 4 bits.
+* ``pn-mix-seed`` — the seed layout, :class:`~kvlab.pnmix.PNMixConfig` defaults (2-bit mix,
+  groups of 128). ``pn-mix-3bit`` / ``pn-mix-4bit`` — the same layout at 3 or 4 bits.
 * ``kivi-2bit`` / ``kivi-4bit`` — the same cache with every key channel Cartesian (per-channel
   min-max over a group of tokens: KIVI keys, Liu et al. 2024, arXiv:2402.02750), per-token
   values, same sinks and residual; ``kivi-2bit`` uses KIVI's groups of 32 tokens in every
-  layer, ``kivi-2bit-calibrated`` the allocation procedure of ``pn-mix`` (ablation: the
+  layer, ``kivi-2bit-calibrated`` the allocation procedure of ``pn-mix-v1`` (ablation: the
   allocation without Phase–Norm).
 * ``int4`` / ``int2`` — per-token min-max keys and values (groups of 128 tokens flushed as they
   fill, no sinks, no residual window beyond the filling group).
@@ -289,6 +300,11 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.pnmix.packing",
             "kvlab.pnmix.quantizers",
             "kvlab.pnmix.store",
+            "kvlab.pnmix.bitalloc",
+            "kvlab.pnmix.hadamard",
+            "kvlab.pnmix.outliers",
+            "kvlab.pnmix.values",
+            "kvlab.pnmix.width_codec",
             "kvlab.integrations.model_support",
             "kvlab.rope",
             "kvlab.data",
@@ -302,7 +318,24 @@ PREPARATIONS: dict[str, Preparation] = {
 
 #: PN-Mix family methods: ``PNMixConfig`` keyword arguments (``calibrated``: per-layer groups).
 PNMIX_METHODS: dict[str, dict[str, Any]] = {
-    "pn-mix": dict(bits=2, key_coding="mix", group_tokens=32, calibrated=True),
+    "pn-mix": dict(
+        bits=2,
+        key_coding="bit_alloc",
+        group_tokens=32,
+        key_outlier_fraction=0.01,
+        value_coding="hadamard",
+    ),
+    "pn-mix-prerope": dict(bits=2, key_coding="prerope_cartesian", group_tokens=32),
+    "pn-mix-prerope-qmix": dict(bits=2, key_coding="prerope_qmix", group_tokens=32),
+    "pn-mix-alloc": dict(bits=2, key_coding="bit_alloc", group_tokens=32),
+    "pn-mix-alloc-outliers": dict(
+        bits=2, key_coding="bit_alloc", group_tokens=32, key_outlier_fraction=0.01
+    ),
+    "kivi-2bit-hadamard": dict(
+        bits=2, key_coding="cartesian", group_tokens=32, value_coding="hadamard"
+    ),
+    "pn-mix-seed": dict(),
+    "pn-mix-v1": dict(bits=2, key_coding="mix", group_tokens=32, calibrated=True),
     "pn-mix-uniform": dict(bits=2, key_coding="mix", group_tokens=32),
     "pn-mix-3bit": dict(bits=3, key_coding="mix"),
     "pn-mix-4bit": dict(bits=4, key_coding="mix"),
@@ -381,7 +414,16 @@ def _pnmix(name: str, context: MethodContext) -> Method:
         "group_tokens": "per layer (calibrated)" if calibrated else config.group_tokens,
         "storage_dtype": str(config.storage_dtype).removeprefix("torch."),
     }
+    # recorded only when not the default, so that the older rows keep their task hashes
+    if config.key_outlier_fraction:
+        settings["key_outlier_fraction"] = config.key_outlier_fraction
+    if config.value_coding != "per_token":
+        settings["value_coding"] = str(config.value_coding)
     description = f"kvlab PN-Mix cache, {config.bits}-bit, key coding {config.key_coding}"
+    if config.key_outlier_fraction:
+        description += f" with {config.key_outlier_fraction:.0%} exact key outliers"
+    if config.value_coding != "per_token":
+        description += f", {config.value_coding} values"
     if calibrated:
         description += (
             f", per-layer groups calibrated within the bytes of groups of {config.group_tokens}"

@@ -38,9 +38,11 @@ from kvlab.pnmix.quantizers import STORAGE_DTYPES, MinMaxCodes, minmax_quantize
 __all__ = [
     "DEFAULT_PAIR_WIDTHS",
     "allocate_pair_bits",
+    "greedy_pair_bits",
     "mixed_bits_code_bytes",
     "mixed_bits_quantize",
     "pair_logit_error",
+    "pair_logit_error_unchecked",
     "query_second_moment",
 ]
 
@@ -116,12 +118,23 @@ def pair_logit_error(errors: Tensor, moment: Tensor, first: Tensor, second: Tens
     if moment.shape[-2:] != (d, d):
         raise ValueError(f"moment must end in [{d}, {d}], got shape {tuple(moment.shape)}")
     _check_pairs(first, second, d)
+    return pair_logit_error_unchecked(errors, moment, first, second)
+
+
+def pair_logit_error_unchecked(
+    errors: Tensor, moment: Tensor | None, first: Tensor, second: Tensor
+) -> Tensor:
+    """:func:`pair_logit_error` without input checks and without any device-to-host read (the
+    cache's decode path, docs/design.md "Host syncs"); ``moment=None`` is the identity (the
+    pair's plain squared key error ``Σ_t e_a² + e_b²``)."""
     first, second = first.to(errors.device), second.to(errors.device)
+    ea, eb = errors[..., first].double(), errors[..., second].double()
+    if moment is None:
+        return (ea * ea + eb * eb).sum(-2)
     m = moment.double().to(errors.device)
     maa = m[..., first, first].unsqueeze(-2)
     mbb = m[..., second, second].unsqueeze(-2)
     mab = m[..., first, second].unsqueeze(-2)
-    ea, eb = errors[..., first].double(), errors[..., second].double()
     return (maa * ea * ea + mbb * eb * eb + 2.0 * mab * ea * eb).sum(-2)
 
 
@@ -167,30 +180,51 @@ def allocate_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: 
         )
     if not torch.isfinite(distortion).all():
         raise ValueError("distortion must be finite")
-    lv = torch.tensor(w, dtype=torch.int64)
-    step = (lv[1:] - lv[:-1]).double()
+    return greedy_pair_bits(distortion, w, average_bits)
+
+
+def greedy_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: int) -> Tensor:
+    """The greedy of :func:`allocate_pair_bits` without input checks, on the distortion's
+    device and without any device-to-host read (a fixed number of vectorized steps; the
+    cache's decode path, docs/design.md "Host syncs"). Same result as
+    :func:`allocate_pair_bits` for valid input; a non-finite distortion gives some valid
+    allocation (callers flag such input separately).
+
+    Args:
+        distortion: float ``[len(widths), B, H_kv, P]``.
+        widths: strictly increasing widths (bits).
+        average_bits: the average width, ``widths[0] <= average_bits <= widths[-1]``.
+
+    Returns:
+        int64 ``[B, H_kv, P]`` widths, on the distortion's device.
+    """
+    w = list(widths)
+    dev = distortion.device
+    lv = torch.tensor(w, dtype=torch.int64, device=dev)
     top = len(w) - 1
     _, batch, heads, pairs = distortion.shape
-    index = torch.zeros(batch, heads * pairs, dtype=torch.int64)
-    if top == 0:
+    index = torch.zeros(batch, heads * pairs, dtype=torch.int64, device=dev)
+    if top == 0 or heads * pairs == 0:
         return lv[index].reshape(batch, heads, pairs)
-    d = distortion.double().cpu().reshape(len(w), batch, heads * pairs)
+    step = (lv[1:] - lv[:-1]).double()
+    d = distortion.double().reshape(len(w), batch, heads * pairs)
     gain = (d[:-1] - d[1:]) / step[:, None, None]  # [top, B, HP]
-    for bi in range(batch):
-        a = index[bi]
-        left = float((average_bits - w[0]) * heads * pairs)
-        while left > 0:
-            nxt = a.clamp(max=top - 1)
-            cost = step[nxt]
-            ok = (a < top) & (cost <= left)
-            if not bool(ok.any()):
-                break
-            cur = gain[:, bi].gather(0, nxt.unsqueeze(0))[0]
-            cur = torch.where(ok, cur, torch.full_like(cur, -math.inf))
-            flat = int(cur.argmax())
-            left -= float(cost[flat])
-            a[flat] += 1
-    return lv[index].reshape(batch, heads, pairs).to(distortion.device)
+    left = torch.full((batch,), float((average_bits - w[0]) * heads * pairs), device=dev)
+    left = left.double()
+    rows = torch.arange(batch, device=dev)
+    # every step raises one pair by one width: at most top * H * P steps; a step with no
+    # affordable pair changes nothing (same result as stopping there)
+    for _ in range(top * heads * pairs):
+        nxt = index.clamp(max=top - 1)
+        cost = step[nxt]  # [B, HP]
+        ok = (index < top) & (cost <= left[:, None])
+        cur = torch.gather(gain.permute(1, 2, 0), 2, nxt.unsqueeze(-1)).squeeze(-1)  # [B, HP]
+        cur = torch.where(ok, cur, torch.full_like(cur, -math.inf))
+        flat = cur.argmax(dim=-1)  # ties: the lowest flat index
+        take = ok.any(dim=-1)
+        index[rows, flat] += take.long()
+        left = left - torch.where(take, cost[rows, flat], torch.zeros_like(left))
+    return lv[index].reshape(batch, heads, pairs)
 
 
 def mixed_bits_quantize(

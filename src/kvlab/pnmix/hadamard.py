@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["hadamard_matrix"]
+__all__ = ["hadamard_matrix", "hadamard_signs"]
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -32,11 +32,21 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32) -> Tensor:
     Raises:
         ValueError: ``n`` not a positive power of two, or ``dtype`` not floating.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
-        raise ValueError(f"n must be a positive power of two, got {n!r}")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be floating, got {dtype}")
+    return (hadamard_signs(n) / math.sqrt(n)).to(dtype)
+
+
+def hadamard_signs(n: int) -> Tensor:
+    """The unnormalized Sylvester–Hadamard matrix of order ``n``: float64 ``[n, n]`` of exact
+    ``±1`` (``(-1)^popcount(i & j)``); ``hadamard_matrix(n) = hadamard_signs(n) / sqrt(n)``.
+
+    Raises:
+        ValueError: ``n`` not a positive power of two.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+        raise ValueError(f"n must be a positive power of two, got {n!r}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(n)).to(dtype)
+    return h

@@ -20,10 +20,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kvlab.pnmix.quantizers import STORAGE_DTYPES
+from kvlab.pnmix.quantizers import STORAGE_DTYPES, MinMaxCodes
 
 __all__ = [
     "SparseMinMaxCodes",
+    "minmax_excluding",
     "outlier_count",
     "select_outliers",
     "sparse_minmax_dequantize",
@@ -127,32 +128,56 @@ def sparse_minmax_quantize(
     stored = x.to(storage_dtype)
     if not torch.isfinite(stored).all():
         raise ValueError("x has values that are not finite in the storage dtype")
+    index = select_outliers(stored, count)
+    mask = torch.zeros_like(stored, dtype=torch.bool).flatten(-2)
+    mask = mask.scatter_(-1, index, True).view_as(stored)
+    dense = minmax_excluding(stored, mask, bits, storage_dtype)
+    values = torch.gather(stored.flatten(-2), -1, index)
+    return SparseMinMaxCodes(
+        codes=dense.codes,
+        scale=dense.scale,
+        zero=dense.zero,
+        outlier_values=values,
+        outlier_index=index.to(_INDEX_DTYPE),
+    )
+
+
+def minmax_excluding(
+    x: Tensor, exclude: Tensor, bits: int, storage_dtype: torch.dtype = torch.float16
+) -> MinMaxCodes:
+    """Per-channel min-max codes of ``x [..., T, D]`` along the tokens with the ``exclude``d
+    elements left out of each channel's min and max (their codes are 0): the dense part of
+    :func:`sparse_minmax_quantize`, without input checks and without any device-to-host read
+    (the cache's decode path, docs/design.md "Host syncs").
+
+    Args:
+        x: storage-rounded ``[..., T, D]``.
+        exclude: bool, ``x``'s shape.
+        bits: code width, 1..8.
+        storage_dtype: dtype of the stored scale and zero point.
+
+    Returns:
+        :class:`~kvlab.pnmix.quantizers.MinMaxCodes` (scale/zero ``[..., D]``). A channel
+        whose every element is excluded stores scale 0 and zero 0; a channel with nothing
+        excluded gets exactly :func:`~kvlab.pnmix.quantizers.minmax_quantize`'s codes and
+        scalars (when those are finite).
+    """
     levels = (1 << bits) - 1
-    x64 = stored.double()
-    index = select_outliers(x64, count)
-    flat = x64.flatten(-2)
-    mask = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, index, True).view_as(x64)
+    x64 = x.double()
     inf = torch.full_like(x64, torch.inf)
-    lo = torch.where(mask, inf, x64).amin(-2, keepdim=True)
-    hi = torch.where(mask, -inf, x64).amax(-2, keepdim=True)
-    empty = lo > hi  # every element of the channel is an outlier
+    lo = torch.where(exclude, inf, x64).amin(-2, keepdim=True)
+    hi = torch.where(exclude, -inf, x64).amax(-2, keepdim=True)
+    empty = lo > hi  # every element of the channel is excluded
     lo = torch.where(empty, torch.zeros_like(lo), lo)
     hi = torch.where(empty, torch.zeros_like(hi), hi)
     zero = lo.to(storage_dtype)
     scale = ((hi - lo) / levels).to(storage_dtype)
     z64, s64 = zero.double(), scale.double()
-    valid = s64 > 0
+    valid = (s64 > 0) & torch.isfinite(s64) & torch.isfinite(z64)
     ratio = (x64 - z64) / torch.where(valid, s64, torch.ones_like(s64))
     codes = torch.where(valid, torch.round(ratio).clamp(0, levels), torch.zeros_like(ratio))
-    codes = torch.where(mask, torch.zeros_like(codes), codes)
-    values = torch.gather(stored.flatten(-2), -1, index)
-    return SparseMinMaxCodes(
-        codes=codes.to(torch.uint8),
-        scale=scale.squeeze(-2),
-        zero=zero.squeeze(-2),
-        outlier_values=values,
-        outlier_index=index.to(_INDEX_DTYPE),
-    )
+    codes = torch.where(exclude, torch.zeros_like(codes), codes)
+    return MinMaxCodes(codes.to(torch.uint8), scale.squeeze(-2), zero.squeeze(-2))
 
 
 def sparse_minmax_dequantize(codes: SparseMinMaxCodes) -> Tensor:
