@@ -304,9 +304,11 @@ class TokenValues(Codec):
         outliers: float = 0.0,
         clip: int = 0,
         hadamard: bool = False,
+        exact: bool = False,
     ):
         self.channels, self.outliers, self.clip = channels, outliers, clip
         self.hadamard = hadamard
+        self.exact = exact
         self.name = (
             f"val{channels or 'all'}"
             + (f"+out{outliers:g}" if outliers else "")
@@ -320,7 +322,12 @@ class TokenValues(Codec):
     def decode(self, x: Tensor, positions: Tensor, ctx: LayerContext) -> Tensor:
         if self.hadamard:
             rot = hadamard(x.shape[-1])
-            y = (x @ rot).to(STORAGE).float()
+            if self.exact:  # the product's frame: exact ±1 sums in float64, then rounded
+                from kvlab.pnmix.values import HadamardValueCodec
+
+                y = HadamardValueCodec().frame(x, STORAGE).float()
+            else:
+                y = (x @ rot).to(STORAGE).float()
             return self._decode(y) @ rot.T
         return self._decode(x)
 
@@ -518,16 +525,22 @@ class PackageBitAllocKeys(BitAllocKeys):
         widths: tuple[int, ...] = (0, 2, 3, 4),
         per_group: bool = False,
         moments: Tensor | None = None,
+        per_head: bool = False,
+        exact: bool = False,
     ) -> None:
         super().__init__(prerope=True, outliers=outliers)
         self.widths = widths
         self.per_group = per_group
+        self.per_head = per_head
+        self.exact = exact
         self.moments = moments  # [L, H_kv, D, D] static query second moments, or None
         self.name = (
             "pkg-"
             + self.name
             + ("-pergroup" if per_group else "")
             + ("-static" if moments is not None else "")
+            + ("-perhead" if per_head else "")
+            + ("-exact" if exact else "")
         )
 
     def _frame(self, x: Tensor, positions: Tensor, ctx: LayerContext) -> Tensor:
@@ -549,7 +562,12 @@ class PackageBitAllocKeys(BitAllocKeys):
                 sp = sparse_minmax_quantize(y, 1, n_out, STORAGE)
                 mask = torch.zeros_like(y, dtype=torch.bool).flatten(-2)
                 mask.scatter_(-1, sp.outlier_index.long(), True)
-                mean = y.double().mean(-2, keepdim=True).to(STORAGE).float()
+                if self.exact:  # the product: the mean of the tokens that are not outliers
+                    kept = (~mask.view_as(y)).double()
+                    total = (y.double() * kept).sum(-2, keepdim=True)
+                    mean = (total / kept.sum(-2, keepdim=True).clamp(min=1.0)).to(STORAGE).float()
+                else:
+                    mean = y.double().mean(-2, keepdim=True).to(STORAGE).float()
                 dec = torch.where(mask.view_as(y), y, mean)
             else:
                 dec = sparse_minmax_dequantize(sparse_minmax_quantize(y, int(b), n_out, STORAGE))
@@ -567,10 +585,17 @@ class PackageBitAllocKeys(BitAllocKeys):
         for y, pg in groups:
             for li, w in enumerate(self.widths):
                 e = self._decode_frame(y, torch.full((b_, h, d), w)) - y
-                rotated = from_prerope(e.double(), pg, ctx.rotary).double()
+                if self.exact:  # the product's arithmetic: the error rotated in float64
+                    rotated = rotate_by_delta(e.double(), pg.to(e.device), ctx.rotary)
+                else:
+                    rotated = from_prerope(e.double(), pg, ctx.rotary).double()
                 moment = ctx.query_cov if self.moments is None else self.moments[ctx.layer_idx]
                 dist[li] += pair_logit_error(rotated, moment, first, second)
-        bits = allocate_pair_bits(dist, self.widths, self.avg_bits)
+        if self.per_head:  # one budget per kv head, as the product's BitAllocCodec
+            flat = dist.reshape(len(self.widths), b_ * h, 1, d // 2)
+            bits = allocate_pair_bits(flat, self.widths, self.avg_bits).reshape(b_, h, d // 2)
+        else:
+            bits = allocate_pair_bits(dist, self.widths, self.avg_bits)
         per_channel = torch.empty(b_, h, d, dtype=torch.long)
         per_channel[..., first] = bits
         per_channel[..., second] = bits

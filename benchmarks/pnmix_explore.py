@@ -109,8 +109,34 @@ def configs() -> dict[str, Callable[[], list[LayerPlan]]]:
         "pkg-pre+alloc-pergroup+out1%": uniform(
             lambda: PackageBitAllocKeys(per_group=True, outliers=0.01), val
         ),
+        # one width budget per kv head (the product's BitAllocCodec layout)
+        "pkg-pre+alloc-perhead": uniform(lambda: PackageBitAllocKeys(per_head=True), val),
+        "pkg-pre+alloc+out1%-perhead": uniform(
+            lambda: PackageBitAllocKeys(outliers=0.01, per_head=True), val
+        ),
+        "pkg-pre+alloc+out1%+valhad-perhead": uniform(
+            lambda: PackageBitAllocKeys(outliers=0.01, per_head=True),
+            lambda: TokenValues(hadamard=True),
+        ),
+        # the same with the product's arithmetic (float64 error rotation, exact Hadamard frame)
+        "pkg-pre+alloc+out1%+valhad-perhead-exact": uniform(
+            lambda: PackageBitAllocKeys(outliers=0.01, per_head=True, exact=True),
+            lambda: TokenValues(hadamard=True, exact=True),
+        ),
     }
     return c
+
+
+#: ``kvlab eval`` methods and the simulated configuration that codes like them (``check``).
+METHOD_SIM: dict[str, str] = {
+    "kivi-2bit": "kivi-2bit",
+    "pn-mix-uniform": "pn-mix-uniform",
+    "pn-mix-prerope": "pre",
+    "pn-mix-alloc": "pkg-pre+alloc-perhead",
+    "pn-mix-alloc-outliers": "pkg-pre+alloc+out1%-perhead",
+    "pn-mix": "pkg-pre+alloc+out1%+valhad-perhead-exact",
+    "kivi-2bit-hadamard": "kivi+valhad",
+}
 
 
 #: key codec factories (outlier fraction -> codec) for allocations read from a JSON file
@@ -142,7 +168,7 @@ def from_file(spec: str) -> Callable[[], list[LayerPlan]]:
 
 
 @torch.no_grad()
-def _real_check(model, windows, prefill, score, reference) -> list[dict]:
+def _real_check(model, windows, prefill, score, reference, methods) -> list[dict]:
     """Each check method through the real cache, one token at a time (as
     ``kvlab.evaluation.protocols.score_window``), keeping the cache to compare its stored
     keys/values with the simulation's."""
@@ -150,7 +176,7 @@ def _real_check(model, windows, prefill, score, reference) -> list[dict]:
     from kvlab.integrations.attention import use_attention
 
     rows = []
-    for name in ("kivi-2bit", "pn-mix-uniform"):
+    for name in methods:
         method = parse_method(name)
         kls, nlls, caches = [], [], []
         for w, ref in zip(windows, reference, strict=True):
@@ -199,33 +225,37 @@ def _compare_storage(real_cache, sim_cache) -> str:
 
 
 @torch.no_grad()
-def _same_input_check(model, window, prefill, score) -> str:
-    """Identical inputs: every layer's captured keys/values appended to a real ``PNMixCache``
-    (prefill at once, then one token at a time) and decoded by the simulation's codecs.
-    Returns how many layers store bit-identical decoded keys/values, and whether the real
-    cache's quantized-token count after every append equals the simulation's flush rule."""
-    import dataclasses
-
+def _same_input_check(model, window, prefill, score, methods) -> str:
+    """Identical inputs: every layer's captured queries/keys/values appended to a real
+    ``PNMixCache`` configured as ``kvlab eval``'s method (prefill at once, with its queries,
+    then one token at a time) and decoded by the simulation's codecs. Returns how many layers
+    store bit-identical decoded keys/values, and whether the real cache's quantized-token
+    count after every append equals the simulation's flush rule."""
     from pnmix_sim import SINKS, LayerContext, capture_qkv, flushed_groups, rotary_of, round16
 
+    from kvlab.evaluation.methods import _pnmix_config, parse_method
+    from kvlab.integrations.model_support import layer_rotary
     from kvlab.integrations.pnmix_cache import pnmix_config_for_model
-    from kvlab.pnmix import PNMixCache, PNMixConfig
+    from kvlab.pnmix import PNMixCache
 
     n = prefill + score - 1
     captured = capture_qkv(model, window[:n])
     rotary = rotary_of(model)
-    same, schedule_ok = 0, True
-    for name in ("kivi-2bit", "pn-mix-uniform"):
-        coding = "cartesian" if name == "kivi-2bit" else "mix"
-        cfg = pnmix_config_for_model(
-            model.config, dataclasses.replace(PNMixConfig(), group_tokens=32, key_coding=coding)
-        )
-        plan = configs()[name]()[0]
-        for idx, (_q, k, v) in enumerate(captured):
+    lines = []
+    for name in methods:
+        cfg = pnmix_config_for_model(model.config, _pnmix_config(parse_method(name).params))
+        layer_rope = layer_rotary(model.config) if cfg.key_codec.position_aware else None
+        plan = configs()[METHOD_SIM[name]]()[0]
+        same, schedule_ok = 0, True
+        for idx, (q, k, v) in enumerate(captured):
             store = PNMixCache(
-                cfg, batch_size=1, num_key_value_heads=k.shape[1], head_dim=k.shape[3]
+                cfg,
+                batch_size=1,
+                num_key_value_heads=k.shape[1],
+                head_dim=k.shape[3],
+                rotary=layer_rope,
             )
-            store.append(k[:, :, :prefill], v[:, :, :prefill])
+            store.append(k[:, :, :prefill], v[:, :, :prefill], queries=q[:, :, :prefill])
             for t in range(prefill, n):
                 store.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
                 if store.quantized_tokens != flushed_groups(t + 1, 32) * 32:
@@ -233,9 +263,13 @@ def _same_input_check(model, window, prefill, score) -> str:
             rk, rv = store.dequantize()
             kr, vr = round16(k), round16(v)
             g_pre = flushed_groups(prefill, 32)
+            hkv, rep = k.shape[1], q.shape[1] // k.shape[1]
+            qp = q[:, :, :prefill].double().reshape(1, hkv, rep, prefill, -1)
+            cov = torch.einsum("bhrtd,bhrte->hde", qp, qp) / (rep * prefill)
             ctx = LayerContext(
                 idx,
                 rotary,
+                query_cov=cov,
                 prefill_keys=kr[:, :, SINKS : SINKS + 32 * g_pre],
                 prefill_positions=torch.arange(SINKS, SINKS + 32 * g_pre),
             )
@@ -248,11 +282,11 @@ def _same_input_check(model, window, prefill, score) -> str:
                 sk[:, :, sl] = plan.key.decode(kr[:, :, sl], pos, ctx)
                 sv[:, :, sl] = plan.value.decode(vr[:, :, sl], pos, ctx)
             same += int(torch.equal(rk, sk) and torch.equal(rv, sv))
-    return (
-        f"identical inputs: {same}/{2 * len(captured)} layer caches bit-identical "
-        f"(kivi-2bit and pn-mix-uniform); flush schedule matches at every length: "
-        f"{schedule_ok}"
-    )
+        lines.append(
+            f"identical inputs, {name}: {same}/{len(captured)} layer caches bit-identical; "
+            f"flush schedule matches at every length: {schedule_ok}"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -266,6 +300,14 @@ def main() -> None:
     ap.add_argument("--log", default="/tmp/pnmix-research/explore.jsonl")
     ap.add_argument("--keys-only", action="store_true", help="values stay exact (float16)")
     ap.add_argument("--values-only", action="store_true", help="keys stay exact (float16)")
+    ap.add_argument(
+        "--methods",
+        default="kivi-2bit,pn-mix-uniform",
+        help=f"check: kvlab methods compared with their simulation ({', '.join(METHOD_SIM)})",
+    )
+    ap.add_argument(
+        "--skip-same-input", action="store_true", help="check: skip the identical-input check"
+    )
     args = ap.parse_args()
     table = configs()
     if args.command == "list":
@@ -278,14 +320,20 @@ def main() -> None:
     timer = Timer()
     reference = full_reference(model, windows, args.prefill)
     if args.command == "check":
-        print(_same_input_check(model, windows[0], args.prefill, args.score), flush=True)
-        real = _real_check(model, windows, args.prefill, args.score, reference)
+        if not args.skip_same_input:
+            methods = args.methods.split(",")
+            print(
+                _same_input_check(model, windows[0], args.prefill, args.score, methods),
+                flush=True,
+            )
+        methods = args.methods.split(",")
+        real = _real_check(model, windows, args.prefill, args.score, reference, methods)
         for row in real:
             sim_caches: list = []
-            plans = table[row["method"]]()
+            plans = table[METHOD_SIM[row["method"]]]()
             sim = simulate(model, windows, args.prefill, plans, reference, caches=sim_caches)
             s = summarize(sim, reference)
-            b = plan_bytes(table[row["method"]](), final_len, HEADS, DIM)
+            b = plan_bytes(table[METHOD_SIM[row["method"]]](), final_len, HEADS, DIM)
             print(
                 f"{row['method']}: real KL {row['kl']:.7f} ΔPPL {row['dppl']:+.4f}% bytes "
                 f"{row['bytes']} | sim KL {s['kl']:.7f} ΔPPL {s['dppl']:+.4f}% bytes {b} | "

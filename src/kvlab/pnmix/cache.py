@@ -819,9 +819,9 @@ class PNMixCache:
         picked = q[rb, rh]  # [n, rep, T, D]
         real = plan.lengths[rows[:, 0], rows[:, 1]]  # host [n]
         first = torch.from_numpy(t - real).to(dev)
-        weight = (torch.arange(t, device=dev)[None, :] >= first[:, None]).double()
-        weighted = picked * weight[:, None, :, None]
-        total = torch.einsum("nrtd,nrte->nde", weighted, picked)
+        real_q = torch.arange(t, device=dev)[None, :] >= first[:, None]  # [n, T]
+        picked = torch.where(real_q[:, None, :, None], picked, torch.zeros_like(picked))
+        total = torch.einsum("nrtd,nrte->nde", picked, picked)
         count = torch.from_numpy(np.maximum(real, 1) * rep).to(dev).double()
         return total / count[:, None, None]
 

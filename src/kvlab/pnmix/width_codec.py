@@ -10,7 +10,7 @@ stores the same code bytes. The widths are the row's per-pair table, computed on
 (:func:`kvlab.pnmix.bitalloc.greedy_pair_bits`) of the expected squared logit error over the
 queries of the commit that computes it (:meth:`kvlab.pnmix.codecs.TableStatistics.logit_error`)
 and stored as a packed width index. A 0-bit channel stores no codes; its zero point holds the
-channel's group mean (its scale slot holds 0). Channels beyond ``rotary_dim`` always get
+mean of the channel's group tokens that are not outliers (its scale slot holds 0). Channels beyond ``rotary_dim`` always get
 ``bits``.
 
 Optionally a fixed count of the group's elements per (sequence, kv head) — those farthest from
@@ -251,8 +251,12 @@ class BitAllocCodec(KeyCodec):
         no = torch.zeros_like(x64, dtype=torch.bool) if exclude is None else exclude
         codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
         scale = torch.zeros(x.shape[:-2] + x.shape[-1:], dtype=storage_dtype, device=x.device)
-        # a 0-bit channel: the group mean over all T tokens (float64), scale 0, codes 0
-        zero = x64.mean(dim=-2).to(storage_dtype)
+        # a 0-bit channel: the mean of its group tokens that are not outliers (float64; the
+        # constant closest to them in squared error), scale 0, codes 0
+        kept = (~no).double()
+        count = kept.sum(dim=-2)
+        mean = (x64 * kept).sum(dim=-2) / count.clamp(min=1.0)
+        zero = torch.where(count > 0, mean, torch.zeros_like(mean)).to(storage_dtype)
         for b in sorted(set(self.widths) | {self.bits}):
             if b == 0:
                 continue
