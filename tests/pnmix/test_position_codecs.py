@@ -553,7 +553,8 @@ def test_a_relay_changes_positions_only(coding, fraction) -> None:
     delta = np.array([[5, -3], [100, 0]])
     cache.set_position_offsets(delta)
     assert cache.position_offsets.tolist() == delta.tolist()
-    for old, new in zip(frozen, (s.key_codes, s.key_scalars, s.key_payload, s.value_codes)):
+    now = (s.key_codes, s.key_scalars, s.key_payload, s.value_codes)
+    for old, new in zip(frozen, now, strict=True):
         assert torch.equal(old, new)
     assert table is None or torch.equal(table, cache.mask_packed)
     keys, values = cache.dequantize()

@@ -10,8 +10,8 @@ stores the same code bytes. The widths are the row's per-pair table, computed on
 (:func:`kvlab.pnmix.bitalloc.greedy_pair_bits`) of the expected squared logit error over the
 queries of the commit that computes it (:meth:`kvlab.pnmix.codecs.TableStatistics.logit_error`)
 and stored as a packed width index. A 0-bit channel stores no codes; its zero point holds the
-mean of the channel's group tokens that are not outliers (its scale slot holds 0). Channels beyond ``rotary_dim`` always get
-``bits``.
+mean of the channel's group tokens that are not outliers (its scale slot holds 0). Channels
+beyond ``rotary_dim`` always get ``bits``.
 
 Optionally a fixed count of the group's elements per (sequence, kv head) — those farthest from
 their channel's median (KVQuant §3.3, :func:`kvlab.pnmix.outliers.select_outliers`) — is kept
