@@ -4,9 +4,10 @@ Per row ``(b, h)`` (sequence ``b`` of the batch, kv head ``h``) the cache holds,
 
 1. **Sinks** — the first ``sink_tokens`` tokens, exact in the storage dtype.
 2. **Quantized groups** — blocks of ``group_tokens`` consecutive tokens coded by the key codec
-   (:mod:`kvlab.pnmix.codecs`; Cartesian per channel, Phase–Norm, per token, or a mix of two
-   pair codecs) and, for values, per token over the head's channels (KIVI, Liu et al. 2024:
-   per-channel keys, per-token values), packed ``bits``-bit codes plus per-group scalars.
+   (:mod:`kvlab.pnmix.codecs`; Cartesian per channel, Phase–Norm, per token, a mix of two
+   pair codecs, per-pair widths with exact outliers — rotated or pre-RoPE) and, for values,
+   per token over the head's channels by the value codec (KIVI, Liu et al. 2024: per-channel
+   keys, per-token values), packed ``bits``-bit codes plus per-group scalars (and payload).
 3. **Residual** — the most recent tokens, exact. When it reaches
    ``residual_tokens + group_tokens`` tokens the oldest ``group_tokens`` are quantized as one
    group. Which tokens form which group depends on the row's total length only, each group is
@@ -17,13 +18,20 @@ Storage is a :class:`~kvlab.pnmix.store.PackedStore` (contiguous buffers
 ``[B, H_kv, groups, ...]``, per-row counts on the host). Rows may hold different numbers of
 tokens (padded batches: :meth:`PNMixCache.append` takes per-row ``lengths``).
 
-The mix mask (``key_coding="mix"``) holds one bit per (kv head, rotary pair) per sequence:
-True = the mix's second codec (Phase–Norm). It is computed once per row, by the codec's
-saliency rule (default: reconstruction error on the row's **first quantized group**, tokens
-``sink_tokens .. sink_tokens + group_tokens - 1``, ties to Cartesian) when that group is
-flushed, and frozen. Any prefill of at least ``sink_tokens + residual_tokens + group_tokens``
-tokens flushes that group, so the mask comes from prefill keys; like every other stored byte
-it does not depend on how the tokens arrived (docs/design.md, "The mix mask").
+Per-pair tables: a key codec may keep one table per row — a mix's mask (one bit per rotary
+pair: True = the mix's second codec, Phase–Norm) or per-pair code widths (``"bit_alloc"``). A
+row's table is computed once, in the append that flushes its first group, from every group the
+row flushes there and that append's queries (``append(..., queries=...)``), and frozen
+(docs/design.md, "Per-pair tables"). The default mix rule reads only the row's **first
+quantized group**, so its mask does not depend on how tokens arrived; the query-aware rules do
+(the queries of the append that flushes first), and :meth:`PNMixCache.set_pair_table` replays a
+table. Every other stored byte depends on the tokens only.
+
+Positions: a position-aware (pre-RoPE) key codec codes keys rotated back to position 0; the
+token at stream index ``i`` of a row sits at the row's position offset plus ``i``, and
+:meth:`PNMixCache.set_position_offsets` moves a row's tokens without re-quantizing
+(docs/design.md, "Positions"). Values go through the value codec (per token, or per token of
+Hadamard-rotated channels).
 
 Host syncs: an append checks its inputs (finite, within the storage range; key scalars
 finite) with one device-to-host read (``checks="eager"``, the default), or, with
