@@ -46,6 +46,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlab.integrations.attention import CacheView
 from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 from kvlab.relay.core import relay
+from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
 from kvlab.relay.scorers import ScoreInputs, Scorer, get_scorer
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
@@ -71,6 +72,14 @@ class EvictionConfig:
         window_tokens: most recent tokens always kept; also SnapKV's observation window.
         max_head_tokens: per-head cap (the relay's slots; ``E = slots - 1``). Default: the tokens
             a head holds at eviction (ratio) or ``2 * capacity`` (capacity).
+        observation_tokens: queries of the observation window the attention scorers read
+            (SnapKV), or ``None`` for ``window_tokens`` (the protected window is then also the
+            observation window). A scorer may fix its own (TOVA reads the last query only).
+        layer_budget: how the model's budget is split across layers (``ratio`` only):
+            ``"uniform"`` (every layer ``(1 - ratio) * n``), ``"pyramid"`` (PyramidKV, see
+            :mod:`kvlab.relay.layer_budgets`), or one positive weight per layer (budgets
+            proportional to them, e.g. from a calibration); always the same total.
+        pyramid_beta: PyramidKV's steepness ``beta`` (``k_min = k / beta``), >= 1.
     """
 
     ratio: float | None = None
@@ -81,6 +90,9 @@ class EvictionConfig:
     sink_tokens: int = 4
     window_tokens: int = 32
     max_head_tokens: int | None = None
+    observation_tokens: int | None = None
+    layer_budget: str | tuple[float, ...] = "uniform"
+    pyramid_beta: float = 20.0
 
     def __post_init__(self) -> None:
         if (self.ratio is None) == (self.capacity is None):
@@ -100,6 +112,23 @@ class EvictionConfig:
             raise ValueError(f"allocation must be uniform, adaptive or None, got {self.allocation}")
         if self.max_head_tokens is not None and self.max_head_tokens < 1:
             raise ValueError("max_head_tokens must be >= 1")
+        if self.observation_tokens is not None and self.observation_tokens < 1:
+            raise ValueError(f"observation_tokens must be >= 1, got {self.observation_tokens}")
+        if isinstance(self.layer_budget, str):
+            if self.layer_budget not in ("uniform", "pyramid"):
+                raise ValueError(
+                    "layer_budget must be 'uniform', 'pyramid' or per-layer weights, got "
+                    f"{self.layer_budget!r}"
+                )
+        else:
+            weights = tuple(float(w) for w in self.layer_budget)
+            if not weights or any(not w > 0 for w in weights):
+                raise ValueError(f"layer_budget weights must be > 0, got {self.layer_budget}")
+            object.__setattr__(self, "layer_budget", weights)
+        if self.layer_budget != "uniform" and self.capacity is not None:
+            raise ValueError("layer_budget other than 'uniform' needs ratio (prefill eviction)")
+        if self.pyramid_beta < 1:
+            raise ValueError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
         get_scorer(self.scorer)  # validates the name
 
     def head_slots(self, tokens_per_head: int) -> int:
@@ -219,6 +248,7 @@ class RelayLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.scorer = get_scorer(config.scorer)
         self.allocation = config.allocation or self.scorer.default_allocation
+        self.num_layers = 1  # set by RelayModelCache (per-layer budgets need it)
         self._clear()
 
     def _clear(self) -> None:
@@ -385,16 +415,26 @@ class RelayLayer(CacheLayerMixin):
             torch.stack(rot, 1),
         )
 
+    # ---- scoring inputs (issue 9: observation window size and per-query-head probabilities)
+    def _observation_tokens(self) -> int:
+        """Queries in the observation window: the scorer's own, else ``observation_tokens``,
+        else ``window_tokens``."""
+        cfg = self.eviction
+        if self.scorer.observation_tokens is not None:
+            return self.scorer.observation_tokens
+        return cfg.observation_tokens if cfg.observation_tokens is not None else cfg.window_tokens
+
     def _window_attention(
-        self, query: Tensor, scaling: float, keys: Tensor, valid: Tensor
+        self, query: Tensor, scaling: float, keys: Tensor, valid: Tensor, window: int
     ) -> Tensor:
-        """Softmax attention mass ``[B, H, S]`` that the last ``window_tokens`` queries pay to
-        each slot of the padded ``keys`` (summed over those queries and the GQA group); the
-        queries are the newest tokens of every head, rotated at cache positions."""
+        """Softmax probabilities ``[B, H, G, w, S]`` (float32) of the last ``w = window``
+        queries (at most the forward's) over the padded ``keys``, per query head ``g`` of each
+        GQA group; the queries are the newest tokens of every head, rotated at cache
+        positions, and see the slots up to their own (causal)."""
         batch, hq, q_len, dim = query.shape
         heads = keys.shape[1]
         group = hq // heads
-        w = max(1, min(self.eviction.window_tokens, q_len))
+        w = max(1, min(window, q_len))
         q = query[:, :, q_len - w :].float().reshape(batch, heads, group * w, dim)
         logits = q @ keys.float().transpose(-1, -2) * scaling  # [B, H, G*w, S]
         counts = valid[0].sum(-1)  # [H]
@@ -405,7 +445,38 @@ class RelayLayer(CacheLayerMixin):
         allowed = slot.view(1, 1, -1) <= limit.unsqueeze(-1)  # [H, G*w, S]
         allowed = allowed.unsqueeze(0) & valid.unsqueeze(2)
         probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-        return probs.sum(2)
+        return probs.reshape(batch, heads, group, w, keys.shape[2])
+
+    def _layer_tokens_per_head(self, tokens: int, slots: int) -> int:
+        """This layer's budget in tokens per kv head for a ratio eviction of heads holding
+        ``tokens`` (``EvictionConfig.layer_budget``; the sum over layers is the same for every
+        setting: ``L * max(1, round((1 - ratio) * tokens))``)."""
+        cfg = self.eviction
+        assert cfg.ratio is not None
+        mean = max(1, round((1.0 - cfg.ratio) * tokens))
+        if cfg.layer_budget == "uniform" or self.num_layers == 1:
+            return mean
+        top = min(slots, tokens)
+        floor = min(top, cfg.sink_tokens + cfg.window_tokens)
+        if cfg.layer_budget == "pyramid":
+            weights = pyramid_layer_budgets(
+                mean, self.num_layers, beta=cfg.pyramid_beta, max_tokens=top
+            )
+        else:
+            weights = list(cfg.layer_budget)
+            if len(weights) != self.num_layers:
+                raise ValueError(
+                    f"layer_budget has {len(weights)} weights for {self.num_layers} layers"
+                )
+        budgets = split_layer_budget(
+            mean * self.num_layers,
+            weights,
+            low=[floor] * self.num_layers,
+            high=[top] * self.num_layers,
+        )
+        return budgets[self.layer_idx]
+
+    # ---- end of scoring inputs
 
     def evict(self, query: Tensor, scaling: float) -> EvictionEvent:
         """Score, allocate, select, relay (or not) and physically rebuild the storage.
@@ -418,9 +489,11 @@ class RelayLayer(CacheLayerMixin):
         before = self.tokens_per_head()
         heads = len(before)
         keys, values, valid, orig, rot = self._padded()
-        window = None
+        window = probs = None
         if self.scorer.needs_window_attention:
-            window = self._window_attention(query, scaling, keys, valid)
+            probs = self._window_attention(query, scaling, keys, valid, self._observation_tokens())
+            window = probs.sum((2, 3))
+        q_len = query.shape[2]
         scores = self.scorer.score(
             ScoreInputs(
                 keys=keys,
@@ -428,6 +501,13 @@ class RelayLayer(CacheLayerMixin):
                 valid=valid,
                 original_positions=orig,
                 window_attention=window,
+                window_probs=probs,
+                queries=query if self.scorer.needs_queries else None,
+                query_positions=torch.arange(
+                    self.next_position - q_len, self.next_position, device=query.device
+                ),
+                rotary=self.rotary,
+                next_position=self.next_position,
             )
         )
         protected = protected_mask(
@@ -437,12 +517,12 @@ class RelayLayer(CacheLayerMixin):
             sink_tokens=cfg.sink_tokens,
             window_tokens=cfg.window_tokens,
         )
+        slots = cfg.head_slots(max(before))
         if cfg.ratio is not None:
-            per_head = max(1, round((1.0 - cfg.ratio) * max(before)))
+            per_head = self._layer_tokens_per_head(max(before), slots)
         else:
             assert cfg.capacity is not None
             per_head = cfg.capacity
-        slots = cfg.head_slots(max(before))
         counts = allocate_counts(
             scores,
             valid,
@@ -525,6 +605,8 @@ class RelayModelCache(Cache):
                 RelayLayer(config, self.rotary, i) for i in range(text_config.num_hidden_layers)
             ]
         )
+        for layer in self.layers:
+            layer.num_layers = text_config.num_hidden_layers
 
     def nbytes(self) -> int:
         """Bytes of every layer's stored key and value tensors."""
