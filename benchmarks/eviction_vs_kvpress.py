@@ -32,7 +32,11 @@ can show the two venvs' references agree.
 ``--chunked`` scores the ``S`` tokens in one forward instead of one at a time. For methods that
 evict once after the prefill and never again (every row here) the cache is the same during the
 ``S`` tokens either way and attention over it is causal, so the logits agree up to float
-rounding; it is a fast screening mode (about 100x fewer forwards), never the reported protocol.
+rounding (checked: kvlab's ``relay:snapkv@0.5`` gives the per-window KL and ΔPPL of the
+one-token-at-a-time ``kvlab eval`` run in docs/results.md to 4 digits). It saves the per-call
+overhead of 511 forwards, not the arithmetic. kvpress presses that leave layers of different
+lengths (PyramidKV) are always scored one token at a time: transformers 5.2 builds one mask for
+all layers of a multi-token forward.
 
 kvlab policies beyond the method names: ``--policy NAME=JSON`` builds a
 :class:`kvlab.integrations.EvictionConfig` from ``{"ratio": 0.5, ...}`` (any field; a
@@ -58,6 +62,7 @@ import torch
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RATIO = 0.5
+ONE_TOKEN_AT_A_TIME = ("pyramidkv",)
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -124,7 +129,12 @@ def run_window(
     rows = []
     with torch.no_grad():
         with prefill_context():
-            out = model(input_ids=ids[:prefill].view(1, -1), past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=ids[:prefill].view(1, -1),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         rows.append(out.logits[0, -1:].float())
         with decode_context():
             steps = [(j, j + 1) for j in range(prefill, prefill + score - 1)]
@@ -302,17 +312,23 @@ def side_kvpress(args: argparse.Namespace) -> None:
 
     methods: list[Any] = [("full", {"cache": "DynamicCache"}, full)]
     for name, press in kvpress_presses(args.press):
+        # presses leaving layers of different lengths break transformers 5.2's mask for a
+        # multi-token forward (one mask for all layers): score those one token at a time
+        chunked = args.chunked and name not in ONE_TOKEN_AT_A_TIME
 
-        def fn(ids: torch.Tensor, press: Any = press, name: str = name) -> torch.Tensor:
+        def fn(
+            ids: torch.Tensor, press: Any = press, name: str = name, chunked: bool = chunked
+        ) -> torch.Tensor:
             guard = _kvzip_tokenizer(tokenizer) if name == "kvzip" else null()
             with guard:
                 return run_window(
                     model, ids, prefill=args.prefill, score=args.score, cache=DynamicCache(),
                     prefill_context=lambda: press(model), decode_context=null,
-                    original_positions=True, chunked=args.chunked,
+                    original_positions=True, chunked=chunked,
                 )  # fmt: skip
 
-        methods.append((f"kvpress:{name}@{RATIO}", {"press": repr(press)}, fn))
+        settings = {"press": repr(press), "chunked": chunked}
+        methods.append((f"kvpress:{name}@{RATIO}", settings, fn))
     runner.run(methods)
 
 
@@ -476,9 +492,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.side == "kvpress":
         args.press = args.press or [
-            "snapkv", "streaming_llm", "knorm", "expected_attention", "tova", "pyramidkv",
-            "adakv_snapkv", "adakv_expected_attention", "criticaladakv_expected_attention",
-            "kvzip",
+            "snapkv", "streaming_llm", "knorm", "expected_attention", "tova", "adakv_snapkv",
+            "adakv_expected_attention", "criticaladakv_expected_attention", "kvzip", "pyramidkv",
         ]  # fmt: skip
         side_kvpress(args)
     elif args.side == "kvlab":

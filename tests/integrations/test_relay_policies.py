@@ -203,3 +203,56 @@ def test_default_relay_selection_is_unchanged_by_the_new_fields(make_llama):
     for la, lb in zip(a.layers, b.layers, strict=True):
         for pa, pb in zip(la.original_positions, lb.original_positions, strict=True):
             assert torch.equal(pa, pb)
+
+
+def test_calibration_replays_one_layer_eviction_exactly(make_llama):
+    from kvlab.integrations.relay_cache import RelayLayer
+    from kvlab.integrations.relay_calibration import layer_eviction_sensitivity
+
+    model = make_llama(seed=45)
+    ids = _ids(56, seed=46)
+    prefill = 40
+    config = EvictionConfig(ratio=0.5, relay=False, sink_tokens=2, window_tokens=8)
+    sens = layer_eviction_sensitivity(model, ids, config, prefill=prefill, fractions=(0.5, 1.0))
+    assert len(sens) == model.config.num_hidden_layers
+    with torch.no_grad():
+        exact = torch.log_softmax(model(ids).logits[0, prefill:].double(), -1)
+        for layer_idx, row in enumerate(sens):
+            assert row[1.0] < 1e-9
+            cache = RelayModelCache(model.config, config)
+            for i in range(len(cache.layers)):
+                if i != layer_idx:
+                    cache.layers[i] = RelayLayer(
+                        EvictionConfig(ratio=0.0, relay=False), cache.rotary, i
+                    )
+            with use_attention(model, KVLAB_ATTENTION):
+                model(ids[:, :prefill], cache=cache)
+                logits = model(ids[:, prefill:], cache=cache).logits[0]
+            approx = torch.log_softmax(logits.double(), -1)
+            direct = float((exact.exp() * (exact - approx)).sum(-1).clamp_min(0).mean())
+            assert row[0.5] > 0
+            assert abs(row[0.5] - direct) < 1e-5 * max(1.0, direct)
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "adaptive"])
+def test_window_fraction_protects_that_share_of_each_layers_budget(make_llama, allocation):
+    model = make_llama(seed=47, num_hidden_layers=3)
+    prefill = 64
+    probe = _WindowProbe()
+    config = EvictionConfig(
+        ratio=0.5,
+        scorer=probe,
+        allocation=allocation,
+        window_fraction=0.5,
+        layer_budget=(2.0, 1.0, 1.0),
+        sink_tokens=2,
+    )
+    cache = _prefill(model, config, _ids(prefill, seed=48))
+    budgets = split_layer_budget(96, [2.0, 1.0, 1.0], low=[3] * 3, high=[64] * 3)
+    for layer, budget, shape in zip(cache.layers, budgets, probe.shapes, strict=True):
+        recent = round(0.5 * budget)
+        assert shape[3] == recent  # the observation window follows the protected window
+        for orig in layer.original_positions:
+            assert set(range(prefill - recent, prefill)) | {0, 1} <= set(orig[0].tolist())
+    with pytest.raises(ValueError, match="window_fraction"):
+        EvictionConfig(ratio=0.5, window_fraction=1.0)

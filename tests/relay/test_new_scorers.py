@@ -12,7 +12,11 @@ from hypothesis import strategies as st
 
 from kvlab.relay import SCORERS, get_scorer
 from kvlab.relay.expected_attention import ExpectedAttentionScorer, average_rotation
-from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
+from kvlab.relay.layer_budgets import (
+    allocate_layer_fractions,
+    pyramid_layer_budgets,
+    split_layer_budget,
+)
 from kvlab.relay.scorers import ScoreInputs, SnapKVScorer, pool_scores
 from kvlab.relay.tova import TOVAScorer
 from kvlab.rope import RotaryConfig, apply_rotary
@@ -280,3 +284,36 @@ def test_split_layer_budget_is_proportional_when_bounds_do_not_bind():
         split_layer_budget(5, [0.0, 0.0], low=[0, 0], high=[9, 9])
     with pytest.raises(ValueError, match="one entry"):
         split_layer_budget(5, [1.0], low=[0, 0], high=[9, 9])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 5),
+    mean=st.sampled_from([0.25, 0.5, 0.75]),
+    seed=st.integers(0, 10_000),
+)
+def test_allocate_layer_fractions_is_the_brute_force_optimum(layers, mean, seed):
+    gen = torch.Generator().manual_seed(seed)
+    fractions = (0.25, 0.5, 0.75)
+    sens = []
+    for _ in range(layers):
+        kl = sorted(torch.rand(3, generator=gen).tolist(), reverse=True)  # less kept, more KL
+        sens.append(dict(zip(fractions, kl, strict=True)))
+    got = allocate_layer_fractions(sens, mean, tokens=64)
+    assert sum(round(f * 64) for f in got) <= layers * round(mean * 64)
+    options = [[*fractions, 1.0]] * layers
+    best = min(
+        sum(sens[i].get(f, 0.0) for i, f in enumerate(combo))
+        for combo in itertools.product(*options)
+        if sum(round(f * 64) for f in combo) <= layers * round(mean * 64)
+    )
+    assert abs(sum(sens[i].get(f, 0.0) for i, f in enumerate(got)) - best) < 1e-12
+
+
+def test_allocate_layer_fractions_rejects_bad_input():
+    with pytest.raises(ValueError, match="no layers"):
+        allocate_layer_fractions([], 0.5, tokens=64)
+    with pytest.raises(ValueError, match="fractions"):
+        allocate_layer_fractions([{1.5: 0.1}], 0.5, tokens=64)
+    with pytest.raises(ValueError, match="fits"):
+        allocate_layer_fractions([{0.75: 0.1}], 0.25, tokens=64)

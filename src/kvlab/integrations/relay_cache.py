@@ -80,6 +80,9 @@ class EvictionConfig:
             :mod:`kvlab.relay.layer_budgets`), or one positive weight per layer (budgets
             proportional to them, e.g. from a calibration); always the same total.
         pyramid_beta: PyramidKV's steepness ``beta`` (``k_min = k / beta``), >= 1.
+        window_fraction: when set, the protected recent window of each eviction is this
+            fraction of the layer's per-head budget (``round(f * k)`` tokens, at most
+            ``k - sink_tokens``) instead of ``window_tokens``; in [0, 1).
     """
 
     ratio: float | None = None
@@ -93,6 +96,7 @@ class EvictionConfig:
     observation_tokens: int | None = None
     layer_budget: str | tuple[float, ...] = "uniform"
     pyramid_beta: float = 20.0
+    window_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if (self.ratio is None) == (self.capacity is None):
@@ -127,6 +131,8 @@ class EvictionConfig:
             object.__setattr__(self, "layer_budget", weights)
         if self.layer_budget != "uniform" and self.capacity is not None:
             raise ValueError("layer_budget other than 'uniform' needs ratio (prefill eviction)")
+        if self.window_fraction is not None and not 0.0 <= self.window_fraction < 1.0:
+            raise ValueError(f"window_fraction must lie in [0, 1), got {self.window_fraction}")
         if self.pyramid_beta < 1:
             raise ValueError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
         get_scorer(self.scorer)  # validates the name
@@ -416,13 +422,22 @@ class RelayLayer(CacheLayerMixin):
         )
 
     # ---- scoring inputs (issue 9: observation window size and per-query-head probabilities)
-    def _observation_tokens(self) -> int:
+    def _protected_window(self, per_head: int) -> int:
+        """The protected recent window (tokens) of an eviction to ``per_head`` tokens per head
+        (layer average): ``window_tokens``, or ``round(window_fraction * per_head)`` capped at
+        ``per_head - sink_tokens`` when ``window_fraction`` is set."""
+        cfg = self.eviction
+        if cfg.window_fraction is None:
+            return cfg.window_tokens
+        return max(0, min(round(cfg.window_fraction * per_head), per_head - cfg.sink_tokens))
+
+    def _observation_tokens(self, recent: int) -> int:
         """Queries in the observation window: the scorer's own, else ``observation_tokens``,
-        else ``window_tokens``."""
+        else the protected recent window ``recent``."""
         cfg = self.eviction
         if self.scorer.observation_tokens is not None:
             return self.scorer.observation_tokens
-        return cfg.observation_tokens if cfg.observation_tokens is not None else cfg.window_tokens
+        return cfg.observation_tokens if cfg.observation_tokens is not None else recent
 
     def _window_attention(
         self, query: Tensor, scaling: float, keys: Tensor, valid: Tensor, window: int
@@ -457,7 +472,8 @@ class RelayLayer(CacheLayerMixin):
         if cfg.layer_budget == "uniform" or self.num_layers == 1:
             return mean
         top = min(slots, tokens)
-        floor = min(top, cfg.sink_tokens + cfg.window_tokens)
+        recent = cfg.window_tokens if cfg.window_fraction is None else 1
+        floor = min(top, cfg.sink_tokens + recent)
         if cfg.layer_budget == "pyramid":
             weights = pyramid_layer_budgets(
                 mean, self.num_layers, beta=cfg.pyramid_beta, max_tokens=top
@@ -489,9 +505,18 @@ class RelayLayer(CacheLayerMixin):
         before = self.tokens_per_head()
         heads = len(before)
         keys, values, valid, orig, rot = self._padded()
+        slots = cfg.head_slots(max(before))
+        if cfg.ratio is not None:
+            per_head = self._layer_tokens_per_head(max(before), slots)
+        else:
+            assert cfg.capacity is not None
+            per_head = cfg.capacity
+        recent = self._protected_window(per_head)
         window = probs = None
         if self.scorer.needs_window_attention:
-            probs = self._window_attention(query, scaling, keys, valid, self._observation_tokens())
+            probs = self._window_attention(
+                query, scaling, keys, valid, self._observation_tokens(recent)
+            )
             window = probs.sum((2, 3))
         q_len = query.shape[2]
         scores = self.scorer.score(
@@ -515,14 +540,8 @@ class RelayLayer(CacheLayerMixin):
             valid,
             stream_length=self.stream_length,
             sink_tokens=cfg.sink_tokens,
-            window_tokens=cfg.window_tokens,
+            window_tokens=recent,
         )
-        slots = cfg.head_slots(max(before))
-        if cfg.ratio is not None:
-            per_head = self._layer_tokens_per_head(max(before), slots)
-        else:
-            assert cfg.capacity is not None
-            per_head = cfg.capacity
         counts = allocate_counts(
             scores,
             valid,

@@ -11,7 +11,9 @@ layer's kv heads.
   capped and ``k_min = 2 k - k_max``. This is the formula of the authors' KVCache-Factory code
   as NVIDIA kvpress 0.5.5 ports it (``PyramidKVPress.get_layer_budget``, ``beta`` 20), in
   tokens per kv head.
-* explicit per-layer weights (e.g. measured by a calibration on another text).
+* explicit per-layer weights, e.g. kept fractions chosen by :func:`allocate_layer_fractions`
+  from per-layer sensitivities measured on a calibration text
+  (:mod:`kvlab.integrations.relay_calibration`; the same recipe as PN-Mix's per-layer groups).
 
 :func:`split_layer_budget` turns real-valued budgets or weights into integers that sum exactly
 to the global budget and respect each layer's floor (its protected tokens) and ceiling.
@@ -20,9 +22,10 @@ to the global budget and respect each layer's floor (its protected tokens) and c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from functools import reduce
 
-__all__ = ["pyramid_layer_budgets", "split_layer_budget"]
+__all__ = ["allocate_layer_fractions", "pyramid_layer_budgets", "split_layer_budget"]
 
 
 def pyramid_layer_budgets(
@@ -122,3 +125,59 @@ def split_layer_budget(
             if counts[i] > low[i]:
                 counts[i] -= 1
     return counts
+
+
+def allocate_layer_fractions(
+    sensitivities: Sequence[Mapping[float, float]], mean_fraction: float, *, tokens: int
+) -> list[float]:
+    """One kept fraction per layer minimizing the summed KL under the uniform budget.
+
+    Each layer ``l`` may keep any fraction it was measured at (``sensitivities[l]``:
+    ``{fraction: KL}``) or everything (fraction 1.0, KL 0); the choice minimizes
+    ``sum_l KL_l(f_l)`` subject to ``sum_l round(f_l * tokens) <= L * round(mean_fraction *
+    tokens)`` (an exact knapsack by dynamic programming over token counts in units of their
+    greatest common divisor; ties go to the lower total, then to the lower layer's larger
+    fraction). The summed KL is an additive model of the layers' joint effect.
+
+    Args:
+        sensitivities: per layer, kept fraction in (0, 1] -> KL in nats (>= 0).
+        mean_fraction: the uniform kept fraction, in (0, 1].
+        tokens: the context the fractions apply to (tokens per kv head).
+
+    Returns:
+        ``L`` fractions (floats).
+
+    Raises:
+        ValueError: no layers, a fraction outside (0, 1], ``mean_fraction`` outside (0, 1], or
+            no choice within the budget (every layer's smallest fraction is too large).
+    """
+    if not sensitivities:
+        raise ValueError("no layers to allocate")
+    if not 0.0 < mean_fraction <= 1.0:
+        raise ValueError(f"mean_fraction must lie in (0, 1], got {mean_fraction}")
+    options: list[list[tuple[int, float, float]]] = []  # (tokens, kl, fraction)
+    for row in sensitivities:
+        if any(not 0.0 < f <= 1.0 for f in row):
+            raise ValueError(f"fractions must lie in (0, 1], got {sorted(row)}")
+        choice = {round(f * tokens): (float(kl), float(f)) for f, kl in row.items()}
+        choice.setdefault(tokens, (0.0, 1.0))
+        options.append(sorted((t, kl, f) for t, (kl, f) in choice.items()))
+    unit = reduce(math.gcd, [t for row in options for t, _, _ in row if t > 0], 0) or 1
+    budget = len(options) * round(mean_fraction * tokens) // unit
+    # best[u] = (cost, picks) using exactly u units so far
+    best: dict[int, tuple[float, list[int]]] = {0: (0.0, [])}
+    for row in options:
+        nxt: dict[int, tuple[float, list[int]]] = {}
+        for used, (cost, picks) in best.items():
+            for index, (t, kl, _) in enumerate(row):
+                total = used + t // unit
+                if total > budget:
+                    continue
+                candidate = (cost + kl, [*picks, index])
+                if total not in nxt or candidate[0] < nxt[total][0]:
+                    nxt[total] = candidate
+        best = nxt
+        if not best:
+            raise ValueError("no per-layer choice fits the budget")
+    _, (_, picks) = min(best.items(), key=lambda item: (item[1][0], item[0]))
+    return [options[layer][pick][2] for layer, pick in enumerate(picks)]
