@@ -20,9 +20,13 @@ Names (``--method``, repeatable):
   own ``QuantizedCache`` (peer rows; need ``optimum-quanto`` or ``hqq``): per-channel keys
   (quanto ``axis_key=-1``, hqq ``axis_key=0``), per-token values, groups of 64, residual 128.
 * ``relay@R`` / ``relay:SCORER@R`` — :class:`RelayModelCache`, RoPE-Relay after eviction;
-  ``SCORER`` is ``snapkv`` (default), ``keynorm`` or ``recency``.
+  ``SCORER`` is ``snapkv`` (default), ``keynorm``, ``recency``, ``expected-attention`` or
+  ``tova``, with the default policy of :func:`kvlab.relay.policies.default_policy` (chosen by
+  the search in docs/results.md).
 * ``evict-no-relay@R`` / ``evict-no-relay:SCORER@R`` — the same selection, keys left at their
   original positions.
+* ``relay-legacy:SCORER@R`` / ``evict-no-relay-legacy:SCORER@R`` — the policy before that
+  search (:func:`kvlab.relay.policies.legacy_policy`); reproduces the earlier rows.
 * ``streaming-llm@R`` — StreamingLLM (Xiao et al. 2023): 4 sinks + recent window, uniform per
   head, positions within the cache (i.e. relayed), as in the paper.
 
@@ -45,6 +49,8 @@ from kvlab.integrations.pnmix_cache import PNMixModelCache
 from kvlab.integrations.pnmix_calibration import GroupAllocation, calibrate_group_tokens
 from kvlab.integrations.relay_cache import EvictionConfig, RelayModelCache
 from kvlab.pnmix import PNMixConfig
+from kvlab.relay import get_scorer
+from kvlab.relay.policies import default_policy, legacy_policy
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -89,8 +95,10 @@ _HF_QUANTIZED = {
     "hf-hqq-4bit": ("hqq", 4, 0, 1),
 }
 _HF_BACKEND_MODULE = {"quanto": "optimum.quanto", "hqq": "hqq"}
+_SCORERS = ("snapkv", "keynorm", "recency", "expected-attention", "tova")
 _EVICTION = re.compile(
-    r"^(?P<kind>relay|evict-no-relay|streaming-llm)(?::(?P<scorer>[a-z]+))?@(?P<ratio>[0-9.]+)$"
+    r"^(?P<kind>relay-legacy|evict-no-relay-legacy|relay|evict-no-relay|streaming-llm)"
+    r"(?::(?P<scorer>[a-z-]+))?@(?P<ratio>[0-9.]+)$"
 )
 
 
@@ -137,8 +145,10 @@ def available_method_names() -> list[str]:
         "full",
         *_PNMIX,
         *_HF_QUANTIZED,
-        "relay[:snapkv|keynorm|recency]@R",
-        "evict-no-relay[:snapkv|keynorm|recency]@R",
+        f"relay[:{'|'.join(_SCORERS)}]@R",
+        f"evict-no-relay[:{'|'.join(_SCORERS)}]@R",
+        "relay-legacy:SCORER@R",
+        "evict-no-relay-legacy:SCORER@R",
         "streaming-llm@R",
     ]
 
@@ -237,23 +247,28 @@ def _eviction_method(
         if scorer not in (None, "recency"):
             raise ValueError(f"method {name!r}: streaming-llm always scores by recency")
         scorer, relay, allocation = "recency", True, "uniform"
+        policy: dict[str, Any] = {"scorer": scorer}
     else:
         scorer = scorer or "snapkv"
-        relay, allocation = kind == "relay", None
+        relay, allocation = kind.startswith("relay"), None
+        legacy = kind.endswith("-legacy")
+        policy = legacy_policy(scorer) if legacy else default_policy(scorer)
     if protocol == "stream":
         capacity = max(1, round((1.0 - ratio) * cache_slots))
-        config = EvictionConfig(
-            capacity=capacity, scorer=scorer, relay=relay, allocation=allocation
-        )
+        budget: dict[str, Any] = {"capacity": capacity}
     else:
-        config = EvictionConfig(ratio=ratio, scorer=scorer, relay=relay, allocation=allocation)
+        budget = {"ratio": ratio}
+    config = EvictionConfig(**budget, relay=relay, allocation=allocation, **policy)
     settings = {
         "evicted_fraction": ratio,
         "scorer": scorer,
+        "scorer_settings": repr(config.scorer),
         "relay": relay,
-        "allocation": allocation or ("uniform" if scorer == "recency" else "adaptive"),
+        "allocation": allocation or get_scorer(config.scorer).default_allocation,
         "sink_tokens": config.sink_tokens,
         "window_tokens": config.window_tokens,
+        "window_fraction": config.window_fraction,
+        "observation_tokens": config.observation_tokens,
     }
     if config.capacity is not None:
         settings["capacity_tokens_per_head"] = config.capacity
@@ -297,7 +312,7 @@ def parse_method(spec: str, *, protocol: str = "prefill-score", cache_slots: int
     match = _EVICTION.match(name)
     if match:
         scorer = match.group("scorer")
-        if scorer is not None and scorer not in ("snapkv", "keynorm", "recency"):
+        if scorer is not None and scorer not in _SCORERS:
             raise ValueError(f"method {name!r}: unknown scorer {scorer!r}")
         try:
             ratio = float(match.group("ratio"))
