@@ -371,6 +371,9 @@ def side_kvlab(args: argparse.Namespace) -> None:
             kwargs["layer_budget"] = tuple(kwargs["layer_budget"])
         if scorer_args is not None:
             kwargs["scorer"] = SCORERS[kwargs.get("scorer", "snapkv")](**scorer_args)
+        elif kwargs.get("scorer") == "combined" and "parts" in kwargs:
+            parts = kwargs.pop("parts")
+            kwargs["scorer"] = SCORERS["combined"](parts, kwargs.pop("weights", None))
         config = EvictionConfig(**kwargs)
 
         def make(model_config: Any, config: EvictionConfig = config) -> Any:

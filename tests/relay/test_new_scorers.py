@@ -317,3 +317,33 @@ def test_allocate_layer_fractions_rejects_bad_input():
         allocate_layer_fractions([{1.5: 0.1}], 0.5, tokens=64)
     with pytest.raises(ValueError, match="fits"):
         allocate_layer_fractions([{0.75: 0.1}], 0.25, tokens=64)
+
+
+def test_combined_scorer_sums_normalized_parts():
+    from kvlab.relay import CombinedScorer
+    from kvlab.relay.scorers import KeyNormScorer, RecencyScorer
+
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3, 10, 8, generator=gen, dtype=torch.float64)
+    counts = torch.tensor([10, 7, 9])
+    valid = (torch.arange(10).view(1, -1) < counts.view(-1, 1)).expand(2, -1, -1)
+    orig = torch.where(valid, torch.arange(10), -1)
+    inputs = ScoreInputs(keys=keys, values=keys, valid=valid, original_positions=orig)
+    scorer = CombinedScorer([RecencyScorer(), ("keynorm", {})], weights=[2.0, 0.5])
+    got = scorer.score(inputs).double()
+    parts = [
+        (2.0, orig.double().clamp_min(0)),
+        (0.5, KeyNormScorer().score(inputs).double().clamp_min(0)),
+    ]
+    expected = torch.zeros_like(got)
+    for w, s in parts:
+        s = s.masked_fill(~valid, 0.0)
+        expected += w * s / s.sum(-1, keepdim=True).clamp_min(1e-30)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    assert not scorer.needs_window_attention and not scorer.comparable_across_heads
+    default = CombinedScorer()
+    assert default.needs_queries and default.needs_window_attention
+    with pytest.raises(ValueError, match="weight"):
+        CombinedScorer(["recency"], weights=[-1.0])
+    with pytest.raises(ValueError, match="unknown scorer"):
+        CombinedScorer([("oracle", {})])

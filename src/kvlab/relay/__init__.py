@@ -16,10 +16,11 @@ The ``transformers`` cache that evicts inside a model's forward is
 from __future__ import annotations
 
 from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
-from kvlab.relay.core import EMPTY_POSITION, RelayedCache, relay, relay_attention, relay_logits
 
-# expected_attention and tova register their scorers in SCORERS on import; this package always
-# runs first, so SCORERS is complete wherever kvlab.relay.* is imported
+# combined, expected_attention and tova register their scorers in SCORERS on import; this
+# package always runs first, so SCORERS is complete wherever kvlab.relay.* is imported
+from kvlab.relay.combined import CombinedScorer
+from kvlab.relay.core import EMPTY_POSITION, RelayedCache, relay, relay_attention, relay_logits
 from kvlab.relay.expected_attention import ExpectedAttentionScorer
 from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
 from kvlab.relay.scorers import SCORERS, ScoreInputs, Scorer, get_scorer
@@ -28,6 +29,7 @@ from kvlab.relay.tova import TOVAScorer
 __all__ = [
     "EMPTY_POSITION",
     "SCORERS",
+    "CombinedScorer",
     "ExpectedAttentionScorer",
     "RelayedCache",
     "ScoreInputs",
