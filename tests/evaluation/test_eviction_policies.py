@@ -43,3 +43,10 @@ def test_new_scorers_have_method_names():
     assert stream.make_cache(CONFIG).eviction.capacity == 256
     with pytest.raises(ValueError, match="unknown scorer"):
         parse_method("relay:snap-kv@0.5")
+
+
+def test_expected_attention_default_is_kvpress_policy():
+    config = parse_method("evict-no-relay:expected-attention@0.5").make_cache(CONFIG).eviction
+    assert (config.window_tokens, config.sink_tokens, config.window_fraction) == (0, 4, None)
+    cache = parse_method("relay:expected-attention@0.5").make_cache(CONFIG)
+    assert cache.layers[0].allocation == "uniform"

@@ -17,9 +17,10 @@ The formula is kvpress 0.5.5's (``kvpress/presses/expected_attention_press.py``)
    when ``value_norm`` (kvpress ``use_vnorm``).
 
 Sink tokens get no score of their own here (kvpress pads them with the maximum); the cache
-protects ``EvictionConfig.sink_tokens`` anyway. Scores are probabilities on one scale across
-heads, so the adaptive allocation (Ada-KV) compares them directly, as kvpress's
-``AdaKVPress(ExpectedAttentionPress())`` does.
+protects ``EvictionConfig.sink_tokens`` anyway. The default allocation is uniform per head, as
+kvpress's ``ExpectedAttentionPress``; the adaptive one (Ada-KV) can compare the scores directly,
+as kvpress's ``AdaKVPress(ExpectedAttentionPress())`` does, but measured worse on SmolLM2 in
+both libraries (docs/results.md).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ class ExpectedAttentionScorer(Scorer):
 
     name = "expected-attention"
     needs_queries = True
+    # kvpress's uniform per-head budgets beat its AdaKV wrapper on this scorer (docs/results.md)
+    default_allocation = "uniform"
 
     def __init__(
         self,

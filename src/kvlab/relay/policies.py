@@ -8,6 +8,9 @@ search in docs/results.md ("Eviction policy search", issue 9) on SmolLM2-135M an
 * ``window_fraction`` 0.75 — three quarters of each layer's per-head budget is the protected
   recent window (with 4 sink tokens); the scorer fills the rest. It is also SnapKV's
   observation window. The pre-search policy protected 32 tokens.
+* ExpectedAttention keeps kvpress's policy (4 sinks, no protected window, uniform per-head
+  budgets): on the same windows it gives kvpress's KL to five digits, and neither a protected
+  window nor adaptive budgets improved it.
 * SnapKV scores are multiplied by the value norm (``SnapKVScorer(value_norm=True)``, the
   value-norm rescaling of ExpectedAttention and CriticalKV), max-pooled over 7 tokens and
   compared across heads (adaptive per-head budgets, Ada-KV).
@@ -31,6 +34,10 @@ def default_policy(scorer: str) -> dict[str, Any]:
     the window, so it keeps the plain settings."""
     if scorer == "recency":
         return {"scorer": "recency"}
+    if scorer == "expected-attention":
+        # kvpress's ExpectedAttentionPress policy: 4 sinks, no protected window, uniform budgets
+        # (the scorer's default allocation); a protected window measured worse
+        return {"scorer": "expected-attention", "window_tokens": 0}
     if scorer == "snapkv":
         return {
             "scorer": SnapKVScorer(7, pooling="max", value_norm=True),
