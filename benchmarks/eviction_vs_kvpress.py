@@ -361,7 +361,10 @@ def side_kvlab(args: argparse.Namespace) -> None:
     methods: list[Any] = [("full", {}, method_fn(full.make_cache, full.attention))]
     for spec in args.method:
         method = parse_method(spec)
-        methods.append((method.name, method.settings, method_fn(method.make_cache, "kvlab")))
+        settings = dict(method.settings)
+        if method.prepare is not None:  # e.g. the per-layer budget calibration (package text)
+            settings["prepared"] = method.prepare(model, tokenizer)
+        methods.append((method.name, settings, method_fn(method.make_cache, "kvlab")))
     for spec in args.policy:
         name, _, raw = spec.partition("=")
         fields = json.loads(raw)

@@ -23,15 +23,45 @@ def test_legacy_names_build_the_pre_search_config(kind):
 
 @pytest.mark.parametrize("kind", ["relay", "evict-no-relay"])
 def test_default_names_use_the_searched_policy(kind):
-    config = parse_method(f"{kind}:snapkv@0.5").make_cache(CONFIG).eviction
+    # stream protocol: no per-layer calibration (layer budgets need a prefill ratio)
+    method = parse_method(f"{kind}:snapkv@0.5", protocol="stream", cache_slots=512)
+    assert method.prepare is None
+    config = method.make_cache(CONFIG).eviction
     assert config.window_fraction == DEFAULT_WINDOW_FRACTION and config.relay is (kind == "relay")
     scorer = config.scorer
     assert isinstance(scorer, SnapKVScorer) and scorer.value_norm and scorer.kernel_size == 7
-    assert parse_method(f"{kind}@0.5").make_cache(CONFIG).eviction.window_fraction == 0.75
     # recency keeps sinks + the newest tokens whatever the window: plain settings
     assert parse_method(f"{kind}:recency@0.5").make_cache(CONFIG).eviction == EvictionConfig(
         ratio=0.5, scorer="recency", relay=kind == "relay"
     )
+
+
+def test_prefill_score_snapkv_calibrates_layer_budgets_once(monkeypatch):
+    from kvlab.evaluation import methods as methods_module
+    from kvlab.integrations.relay_calibration import LayerBudgetCalibration
+
+    calls = []
+
+    def fake(model, tokenizer, config):
+        calls.append(config)
+        fractions = (0.75, 0.25) * (CONFIG.num_hidden_layers // 2)
+        return LayerBudgetCalibration(fractions, (), "text", "sha", 0, 512, 128, 0.0)
+
+    monkeypatch.setattr(methods_module, "calibrate_layer_budgets", fake)
+    relay = parse_method("relay:snapkv@0.5")
+    plain = parse_method("evict-no-relay:snapkv@0.5")
+    with pytest.raises(RuntimeError, match="prepared"):
+        relay.make_cache(CONFIG)
+    model = object()
+    relay.prepare(model, None)
+    plain.prepare(model, None)
+    assert len(calls) == 1 and calls[0].relay is False  # shared by relay and no relay
+    assert calls[0].window_fraction == DEFAULT_WINDOW_FRACTION and calls[0].ratio == 0.5
+    for method, relayed in ((relay, True), (plain, False)):
+        config = method.make_cache(CONFIG).eviction
+        assert config.layer_budget == (0.75, 0.25) * (CONFIG.num_hidden_layers // 2)
+        assert config.relay is relayed
+    assert parse_method("relay:keynorm@0.5").prepare is None
 
 
 def test_new_scorers_have_method_names():

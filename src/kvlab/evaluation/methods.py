@@ -22,7 +22,9 @@ Names (``--method``, repeatable):
 * ``relay@R`` / ``relay:SCORER@R`` — :class:`RelayModelCache`, RoPE-Relay after eviction;
   ``SCORER`` is ``snapkv`` (default), ``keynorm``, ``recency``, ``expected-attention`` or
   ``tova``, with the default policy of :func:`kvlab.relay.policies.default_policy` (chosen by
-  the search in docs/results.md).
+  the search in docs/results.md). With SnapKV in the prefill-score protocol the budget is also
+  split across layers by a calibration on the package's own text before the run
+  (:func:`~kvlab.integrations.relay_calibration.calibrate_layer_budgets`, like ``pn-mix``).
 * ``evict-no-relay@R`` / ``evict-no-relay:SCORER@R`` — the same selection, keys left at their
   original positions.
 * ``relay-legacy:SCORER@R`` / ``evict-no-relay-legacy:SCORER@R`` — the policy before that
@@ -37,6 +39,7 @@ Protocol ``stream``: the cache keeps at most ``(1 - R) * cache_slots`` tokens pe
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 from collections.abc import Callable
@@ -48,6 +51,7 @@ from transformers import DynamicCache
 from kvlab.integrations.pnmix_cache import PNMixModelCache
 from kvlab.integrations.pnmix_calibration import GroupAllocation, calibrate_group_tokens
 from kvlab.integrations.relay_cache import EvictionConfig, RelayModelCache
+from kvlab.integrations.relay_calibration import LayerBudgetCalibration, calibrate_layer_budgets
 from kvlab.pnmix import PNMixConfig
 from kvlab.relay import get_scorer
 from kvlab.relay.policies import default_policy, legacy_policy
@@ -96,6 +100,8 @@ _HF_QUANTIZED = {
 }
 _HF_BACKEND_MODULE = {"quanto": "optimum.quanto", "hqq": "hqq"}
 _SCORERS = ("snapkv", "keynorm", "recency", "expected-attention", "tova")
+#: per-layer budget calibrations, per model object and policy (several methods share one)
+_LAYER_CALIBRATIONS: dict[int, dict[tuple[float, str], LayerBudgetCalibration]] = {}
 _EVICTION = re.compile(
     r"^(?P<kind>relay-legacy|evict-no-relay-legacy|relay|evict-no-relay|streaming-llm)"
     r"(?::(?P<scorer>[a-z-]+))?@(?P<ratio>[0-9.]+)$"
@@ -253,6 +259,10 @@ def _eviction_method(
         relay, allocation = kind.startswith("relay"), None
         legacy = kind.endswith("-legacy")
         policy = legacy_policy(scorer) if legacy else default_policy(scorer)
+    # the default SnapKV policy splits the budget across layers by a calibration on the
+    # package's own text (docs/results.md, section 4); budgets per layer need a prefill ratio
+    calibrated = kind in ("relay", "evict-no-relay") and scorer == "snapkv"
+    calibrated = calibrated and protocol != "stream"
     if protocol == "stream":
         capacity = max(1, round((1.0 - ratio) * cache_slots))
         budget: dict[str, Any] = {"capacity": capacity}
@@ -273,13 +283,47 @@ def _eviction_method(
     if config.capacity is not None:
         settings["capacity_tokens_per_head"] = config.capacity
     what = "RoPE-Relay" if relay else "no relay (original positions)"
+    description = f"evict {ratio:.0%} by {scorer}, {what}"
+    if not calibrated:
+        return Method(
+            name=name,
+            family="eviction",
+            attention="kvlab",
+            description=description,
+            settings=settings,
+            make_cache=lambda model_config: RelayModelCache(model_config, config),
+        )
+    settings["layer_budget"] = "per layer (calibrated)"
+    # the calibration measures without relay; relay and no relay share it
+    key = (ratio, repr(dataclasses.replace(config, relay=False)))
+
+    def prepare(model: Any, tokenizer: Any) -> dict[str, Any]:
+        memo = _LAYER_CALIBRATIONS.setdefault(id(model), {})
+        if key not in memo:
+            memo[key] = calibrate_layer_budgets(
+                model, tokenizer, dataclasses.replace(config, relay=False)
+            )
+        chosen.append(memo[key])
+        return memo[key].settings()
+
+    chosen: list[LayerBudgetCalibration] = []
+
+    def make(model_config: Any) -> Any:
+        if not chosen:
+            raise RuntimeError(f"method {name!r} must be prepared (calibrated) before use")
+        fractions = chosen[-1].layer_fractions
+        return RelayModelCache(model_config, dataclasses.replace(config, layer_budget=fractions))
+
     return Method(
         name=name,
         family="eviction",
         attention="kvlab",
-        description=f"evict {ratio:.0%} by {scorer}, {what}",
+        description=f"{description}, per-layer budgets calibrated on the package text",
         settings=settings,
-        make_cache=lambda model_config: RelayModelCache(model_config, config),
+        make_cache=make,
+        prepare=prepare,
+        prepare_note="calibrating per-layer eviction budgets on the package text: one forward "
+        "of 128 tokens per layer and kept fraction",
     )
 
 
