@@ -45,7 +45,8 @@ def test_method_names_resolve_to_their_caches():
     assert (int4["bits"], int4["key_coding"], int4["sink_tokens"]) == (4, "per_token", 0)
     relay = parse_method("relay@0.5")
     assert relay.settings["scorer"] == "snapkv" and relay.settings["relay"] is True
-    cache = relay.make_cache(CONFIG)
+    assert relay.prepare is not None  # per-layer budgets calibrated before the run
+    cache = parse_method("relay-legacy@0.5").make_cache(CONFIG)
     assert isinstance(cache, RelayModelCache) and cache.eviction.ratio == 0.5
     baseline = parse_method("evict-no-relay:keynorm@0.25")
     assert baseline.settings["relay"] is False and baseline.settings["scorer"] == "keynorm"

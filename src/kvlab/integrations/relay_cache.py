@@ -10,7 +10,8 @@ layer's attention over the current tokens (the prefill, or a streaming chunk), w
 due: once after the prefill (``EvictionConfig.ratio``) or whenever it holds more than
 ``capacity`` tokens per head on average (``EvictionConfig.capacity``). Then:
 
-1. a scorer (:mod:`kvlab.relay.scorers`: recency, key norm, SnapKV) scores every token
+1. a scorer (:mod:`kvlab.relay.scorers`: recency, key norm, SnapKV, ExpectedAttention, TOVA,
+   combinations) scores every token
    of every head — SnapKV from the attention of the current forward's last ``window_tokens``
    queries, which the attention function has at hand;
 2. the layer budget (``capacity`` or ``(1 - ratio) * tokens`` per head, times the kv heads; the
@@ -64,12 +65,15 @@ class EvictionConfig:
             of a layer): each layer keeps ``round((1 - ratio) * n) * H_kv`` tokens. In [0, 1).
         capacity: tokens per kv head (layer average) kept after every forward that leaves the
             layer above it (streaming).
-        scorer: ``"recency"``, ``"keynorm"``, ``"snapkv"`` or a :class:`Scorer`.
+        scorer: a name of :data:`kvlab.relay.SCORERS` (``"recency"``, ``"keynorm"``,
+            ``"snapkv"``, ``"expected-attention"``, ``"tova"``, ``"combined"``) or a
+            :class:`Scorer`.
         allocation: ``"adaptive"`` (heterogeneous per-head budgets), ``"uniform"``, or ``None``
             for the scorer's default (uniform for recency, adaptive otherwise).
         relay: RoPE-Relay the kept keys (True) or leave them at their original positions.
         sink_tokens: first stream tokens always kept (attention sinks).
-        window_tokens: most recent tokens always kept; also SnapKV's observation window.
+        window_tokens: most recent tokens always kept; also SnapKV's observation window
+            (unless ``observation_tokens`` is set; ``window_fraction`` replaces it).
         max_head_tokens: per-head cap (the relay's slots; ``E = slots - 1``). Default: the tokens
             a head holds at eviction (ratio) or ``2 * capacity`` (capacity).
         observation_tokens: queries of the observation window the attention scorers read
