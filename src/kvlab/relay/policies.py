@@ -11,6 +11,10 @@ search in docs/results.md ("Eviction policy search", issue 9) on SmolLM2-135M an
 * ExpectedAttention keeps kvpress's policy (4 sinks, no protected window, uniform per-head
   budgets): on the same windows it gives kvpress's KL to five digits, and neither a protected
   window nor adaptive budgets improved it.
+* per-layer budgets for SnapKV: ``kvlab eval``'s ``relay:snapkv`` / ``evict-no-relay:snapkv``
+  (prefill-score) calibrate them on the package's own text before the run
+  (:func:`kvlab.integrations.relay_calibration.calibrate_layer_budgets`) and pass the kept
+  fractions as ``EvictionConfig.layer_budget``; this module's dicts hold the rest.
 * SnapKV scores are multiplied by the value norm (``SnapKVScorer(value_norm=True)``, the
   value-norm rescaling of ExpectedAttention and CriticalKV), max-pooled over 7 tokens and
   compared across heads (adaptive per-head budgets, Ada-KV).
