@@ -767,11 +767,12 @@ class RelayLayer(CacheLayerMixin):
 
     # ---------------------------------------------------------------- eviction
     def evict(self, query: Tensor, scaling: float, row: int = 0) -> EvictionEvent:
-        """Evict in sequence ``row``: score, allocate, select, relay (or not), compact.
+        """Evict in sequence ``row``: budget and protected window, score, allocate, select,
+        relay (or not), compact (docs/design.md, "RoPE-Relay: Eviction policy").
 
         Args:
             query: that row's real queries of the current forward ``[1, H_q, Q, D]`` at cache
-                positions.
+                positions (the scorers' observation window and ExpectedAttention's queries).
             scaling: the model's softmax scale.
             row: the sequence.
         """
