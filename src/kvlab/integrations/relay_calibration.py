@@ -9,8 +9,10 @@ with the same total as a uniform budget, minimizing the summed KL; the fractions
 ``EvictionConfig.layer_budget`` as weights. The calibration text defaults to the package's
 public-domain text (:func:`kvlab.data.default_text`), never the evaluation text.
 
-Cost: one exact prefill forward, then ``1 + L * len(fractions)`` forwards of ``score`` tokens
-(one layer's eviction is replayed on the recorded prefill keys, values and queries).
+Cost: two exact prefill forwards (kvlab attention recording the queries, SDPA recording the
+keys and values), then ``1 + L * len(fractions)`` forwards of ``score`` tokens (one layer's
+eviction is replayed on the recorded prefill keys, values and queries, which also recomputes
+that layer's prefill attention once and discards it).
 """
 
 from __future__ import annotations
