@@ -85,7 +85,8 @@ def test_method_names_resolve_to_their_caches():
     assert (int4["bits"], int4["key_coding"], int4["sink_tokens"]) == (4, "per_token", 0)
     relay = parse_method("relay@0.5")
     assert relay.settings["scorer"] == "snapkv" and relay.settings["relay"] is True
-    cache = relay.make_cache(CONFIG)
+    assert relay.preparation is not None  # per-layer budgets calibrated before the run
+    cache = parse_method("relay-legacy@0.5").make_cache(CONFIG)
     assert isinstance(cache, RelayModelCache) and cache.eviction.ratio == 0.5
     baseline = parse_method("evict-no-relay:keynorm@0.25")
     assert baseline.settings["relay"] is False and baseline.settings["scorer"] == "keynorm"
@@ -105,14 +106,25 @@ def test_methods_are_plain_data_that_pickle_and_rebuild_the_same_cache():
         clone = pickle.loads(pickle.dumps(method))
         assert clone == method and clone.record() == method.record()
         assert method.factory in CACHE_FACTORIES
-        prepared = {"layer_group_tokens": [32, 32]} if method.preparation else None
+        # a prepared state for either preparation (PN-Mix groups, eviction layer budgets)
+        state = {"layer_group_tokens": [32, 32], "layer_fractions": [0.5, 0.5]}
+        prepared = state if method.preparation else None
         assert type(clone.make_cache(CONFIG, prepared)) is type(method.make_cache(CONFIG, prepared))
-    # the recorded settings of existing names are unchanged (artifacts compare across runs)
-    assert parse_method("evict-no-relay:keynorm@0.5").settings == {
+    # the recorded settings of existing names are unchanged (artifacts compare across runs);
+    # issue 9 gave evict-no-relay:keynorm a new default policy, its old rows are the legacy name
+    assert parse_method("evict-no-relay-legacy:keynorm@0.5").settings == {
         "evicted_fraction": 0.5,
         "scorer": "keynorm",
         "relay": False,
         "allocation": "adaptive",
+        "sink_tokens": 4,
+        "window_tokens": 32,
+    }
+    assert parse_method("evict-no-relay:recency@0.5").settings == {
+        "evicted_fraction": 0.5,
+        "scorer": "recency",
+        "relay": False,
+        "allocation": "uniform",
         "sink_tokens": 4,
         "window_tokens": 32,
     }

@@ -51,7 +51,7 @@ def test_smollm2_loads_offline_and_scores_tokens():
     pnmix = Method(
         "pn-mix-small", "quantized", "kvlab", "PN-Mix 2-bit, small groups", small, "pnmix", small
     )
-    relay = parse_method("relay:snapkv@0.25")
+    relay = parse_method("relay-legacy:snapkv@0.25")  # relay:snapkv needs a calibration
     for method in (pnmix, relay):
         result = score_window(
             model,

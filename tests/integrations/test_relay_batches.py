@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.integrations import KVLAB_ATTENTION, EvictionConfig, RelayModelCache, use_attention
+from kvlab.relay.scorers import SnapKVScorer
 
 ROW_LENGTHS = [37, 52, 44]
 SEED = 48
@@ -22,6 +23,24 @@ CONFIGS = {
     ),
     "capacity-recency-norelay": EvictionConfig(
         capacity=20, scorer="recency", relay=False, sink_tokens=2, window_tokens=8
+    ),
+    # issue 9's scorers and policy settings, per row like the others
+    "ratio-expected-attention-norelay": EvictionConfig(
+        ratio=0.5, scorer="expected-attention", relay=False, sink_tokens=2, window_tokens=8
+    ),
+    "capacity-expected-attention-relay": EvictionConfig(
+        capacity=20, scorer="expected-attention", sink_tokens=2, window_tokens=8
+    ),
+    "ratio-tova-relay": EvictionConfig(ratio=0.5, scorer="tova", sink_tokens=2, window_tokens=8),
+    "capacity-tova-norelay": EvictionConfig(
+        capacity=20, scorer="tova", relay=False, sink_tokens=2, window_tokens=8
+    ),
+    "ratio-snapkv-policy-relay": EvictionConfig(
+        ratio=0.5,
+        scorer=SnapKVScorer(7, value_norm=True),
+        window_fraction=0.75,
+        layer_budget=(3.0, 1.0),
+        sink_tokens=2,
     ),
 }
 

@@ -54,7 +54,7 @@ def _forwards(mode: str, ids: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
-@pytest.mark.parametrize("scorer", ["recency", "keynorm", "snapkv"])
+@pytest.mark.parametrize("scorer", ["recency", "keynorm", "snapkv", "expected-attention", "tova"])
 @pytest.mark.parametrize("mode", ["ratio", "capacity"])
 def test_evict_no_relay_equals_full_attention_with_evicted_tokens_masked(make_llama, scorer, mode):
     AttentionInterface.register(REFERENCE, masked_eager_attention)

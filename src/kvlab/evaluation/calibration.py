@@ -6,7 +6,9 @@ the calibration cache folder — ``--calibration-cache``, else ``$KVLAB_CALIBRAT
 ``<user cache>/calibration`` (:func:`kvlab.cachedir.user_cache_dir`) — as ``<key>.json``, where
 the key is the sha256 of:
 
-* the preparation's name and the method's ``params`` (its settings);
+* the preparation's name and the method's ``params`` (its settings; only the part that
+  decides the result when the preparation says so, ``Preparation.key_params``: e.g. relay and
+  no relay share one per-layer eviction budget calibration);
 * the model checkpoint's sha256 (:func:`kvlab.models.checkpoint_sha256`), weight dtype and
   device type;
 * the calibration text's sha256;
@@ -65,9 +67,12 @@ def calibration_key(
     if method.preparation is None:
         raise ValueError(f"method {method.name!r} has no preparation")
     preparation = PREPARATIONS[method.preparation]
+    params = (
+        method.params if preparation.key_params is None else preparation.key_params(method.params)
+    )
     fields = {
         "preparation": method.preparation,
-        "params": dict(method.params),
+        "params": dict(params),
         "checkpoint_sha256": checkpoint_sha256,
         "dtype": dtype,
         "device": device,

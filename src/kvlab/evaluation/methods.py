@@ -33,9 +33,17 @@ Names (``--method``, repeatable):
   (quanto ``axis_key=-1``, hqq ``axis_key=0``), per-token values, groups of 64, residual 128.
 * ``relay@R`` / ``relay:SCORER@R`` — :class:`~kvlab.integrations.RelayModelCache`, RoPE-Relay
   after eviction; ``SCORER`` is any name in :data:`kvlab.relay.scorers.SCORERS` (``snapkv``,
-  the default, ``keynorm``, ``recency``).
+  the default, ``keynorm``, ``recency``, ``expected-attention``, ``tova``, ``combined``), with
+  the default policy of :func:`kvlab.relay.policies.default_policy` (chosen by the search in
+  docs/results.md). With SnapKV in the prefill-score protocol the budget is also split across
+  layers by a calibration on the package's own text before the run (the preparation
+  ``"relay-layer-budgets"``,
+  :func:`~kvlab.integrations.relay_calibration.calibrate_layer_budgets`, like ``pn-mix``; relay
+  and no relay share it).
 * ``evict-no-relay@R`` / ``evict-no-relay:SCORER@R`` — the same selection, keys left at their
   original positions.
+* ``relay-legacy:SCORER@R`` / ``evict-no-relay-legacy:SCORER@R`` — the policy before that
+  search (:func:`kvlab.relay.policies.legacy_policy`); reproduces the earlier rows.
 * ``streaming-llm@R`` — StreamingLLM (Xiao et al. 2023): 4 sinks + recent window, uniform per
   head, positions within the cache (i.e. relayed), as in the paper.
 
@@ -63,7 +71,10 @@ One registry entry, no other file:
   (``"calibrated": True`` adds the per-layer group calibration), e.g.
   ``"pn-mix-lattice": dict(bits=2, key_coding="lattice", group_tokens=32)``.
 * **A new eviction scorer**: add it to :data:`kvlab.relay.scorers.SCORERS`; ``relay:NAME@R``
-  and ``evict-no-relay:NAME@R`` then work as they are.
+  and ``evict-no-relay:NAME@R`` then work as they are, with the default policy's protected
+  window (a scorer-specific default policy: one branch in
+  :func:`kvlab.relay.policies.default_policy_settings`), and ``relay-legacy:NAME@R`` with
+  ``EvictionConfig``'s plain settings.
 * **A new kind of cache** (e.g. eviction composed with PN-Mix): write a module-level factory
   ``def _my_cache(params, model_config, prepared): ...`` (import heavy modules inside it),
   add it to :data:`CACHE_FACTORIES`, and register the name with :func:`register_method`
@@ -75,7 +86,9 @@ One registry entry, no other file:
   :mod:`kvlab.evaluation.calibration`).
 
 Existing names and their numbers must stay unchanged: a method's name, ``params`` and
-``settings`` are part of the task hash (:mod:`kvlab.evaluation.plan`).
+``settings`` are part of the task hash (:mod:`kvlab.evaluation.plan`). (Issue 9 changed the
+eviction defaults once, with new settings recorded; the ``-legacy`` names keep the earlier
+rows and settings.)
 """
 
 from __future__ import annotations
@@ -220,10 +233,27 @@ def _hf_quantized_cache(params: Mapping[str, Any], model_config: Any, prepared: 
     return QuantizedCache(config=model_config, **params)
 
 
+def _eviction_kwargs(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``EvictionConfig`` keyword arguments from an eviction method's ``params`` (the policy's
+    JSON-ready settings, :func:`kvlab.relay.policies.policy_kwargs`; ``calibrated`` dropped)."""
+    from kvlab.relay.policies import policy_kwargs
+
+    return policy_kwargs({k: v for k, v in params.items() if k != "calibrated"})
+
+
 def _eviction_cache(params: Mapping[str, Any], model_config: Any, prepared: Any) -> Any:
     from kvlab.integrations.relay_cache import EvictionConfig, RelayModelCache
 
-    return RelayModelCache(model_config, EvictionConfig(**params))
+    kwargs = _eviction_kwargs(params)
+    if params.get("calibrated"):
+        fractions = prepared.get("layer_fractions") if prepared else None
+        if not fractions:
+            raise RuntimeError(
+                "a calibrated eviction method needs the layer_fractions of its preparation "
+                "'relay-layer-budgets'"
+            )
+        kwargs["layer_budget"] = tuple(fractions)
+    return RelayModelCache(model_config, EvictionConfig(**kwargs))
 
 
 #: Cache factories by key: ``factory(params, model_config, prepared) -> cache``.
@@ -249,12 +279,16 @@ class Preparation:
         text: ``text()`` returns the calibration text (its sha256 keys the cache).
         modules: modules whose source decides the result (their code hash keys the cache).
         note: what it does, in a few words (shown while it runs).
+        key_params: ``key_params(params)`` — the part of a method's ``params`` that decides the
+            result (keys the cache; methods that agree on it share one preparation), or
+            ``None`` for all of them.
     """
 
     run: Callable[..., dict[str, Any]]
     text: Callable[[], Any]
     modules: tuple[str, ...]
     note: str
+    key_params: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 
 
 def _calibration_text() -> Any:
@@ -281,6 +315,26 @@ def _calibrate_groups(
         with count_forwards(model, config, progress):
             allocation = calibrate_group_tokens(model, tokenizer, config, **kwargs)
     return allocation.settings()
+
+
+def _layer_budget_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The calibration measures without relay: relay and no relay share it."""
+    return {**params, "relay": False}
+
+
+def _calibrate_layer_budgets(
+    params: Mapping[str, Any],
+    model: Any,
+    tokenizer: Any,
+    text: Any,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    from kvlab.integrations.relay_cache import EvictionConfig
+    from kvlab.integrations.relay_calibration import calibrate_layer_budgets
+
+    config = EvictionConfig(**_eviction_kwargs(_layer_budget_params(params)))
+    calibration = calibrate_layer_budgets(model, tokenizer, config, text=text, progress=progress)
+    return calibration.settings()
 
 
 #: One-time preparations by key.
@@ -310,6 +364,32 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.data",
         ),
         note="calibrating per-layer key groups on the package text",
+    ),
+    "relay-layer-budgets": Preparation(
+        run=_calibrate_layer_budgets,
+        text=_calibration_text,
+        modules=(
+            "kvlab.integrations.relay_calibration",
+            "kvlab.integrations.relay_cache",
+            "kvlab.integrations.attention",
+            "kvlab.integrations.model_support",
+            "kvlab.integrations.pnmix_calibration",  # its calibration window (CALIBRATION_START)
+            "kvlab.relay.attention",
+            "kvlab.relay.budgets",
+            "kvlab.relay.combined",
+            "kvlab.relay.core",
+            "kvlab.relay.expected_attention",
+            "kvlab.relay.layer_budgets",
+            "kvlab.relay.policies",
+            "kvlab.relay.scorers",
+            "kvlab.relay.storage",
+            "kvlab.relay.tova",
+            "kvlab.rope",
+            "kvlab.data",
+        ),
+        note="calibrating per-layer eviction budgets on the package text: one forward of 128 "
+        "tokens per layer and kept fraction",
+        key_params=_layer_budget_params,
     ),
 }
 
@@ -469,7 +549,8 @@ def _hf_quantized(name: str, context: MethodContext) -> Method:
 
 def _eviction(match: re.Match[str], context: MethodContext) -> Method:
     from kvlab.integrations.relay_cache import EvictionConfig
-    from kvlab.relay.scorers import SCORERS
+    from kvlab.relay.policies import default_policy_settings, legacy_policy, policy_kwargs
+    from kvlab.relay.scorers import SCORERS, get_scorer
 
     name, kind, scorer = match.group(0), match.group("kind"), match.group("scorer")
     if scorer is not None and scorer not in SCORERS:
@@ -480,38 +561,62 @@ def _eviction(match: re.Match[str], context: MethodContext) -> Method:
         raise ValueError(f"method {name!r}: R is not a number") from exc
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"method {name!r}: R must lie in [0, 1), got {ratio}")
+    legacy = kind.endswith("-legacy")
     if kind == "streaming-llm":
         if scorer not in (None, "recency"):
             raise ValueError(f"method {name!r}: streaming-llm always scores by recency")
         scorer, relay, allocation = "recency", True, "uniform"
+        policy: dict[str, Any] = {"scorer": scorer}
     else:
         scorer = scorer or "snapkv"
-        relay, allocation = kind == "relay", None
-    params: dict[str, Any] = {"scorer": scorer, "relay": relay, "allocation": allocation}
+        relay, allocation = kind.startswith("relay"), None
+        policy = legacy_policy(scorer) if legacy else default_policy_settings(scorer)
+    params: dict[str, Any] = {**policy, "relay": relay, "allocation": allocation}
     if context.protocol in ("stream", "needle"):
         params["capacity"] = max(1, round((1.0 - ratio) * context.cache_slots))
     else:
         params["ratio"] = ratio
-    config = EvictionConfig(**params)  # validates
+    # the default SnapKV policy splits the budget across layers by a calibration on the
+    # package's own text (docs/results.md, section 6, "Policy search"); per-layer budgets need a
+    # prefill ratio, so the stream and needle protocols keep uniform layers
+    calibrated = not legacy and kind != "streaming-llm" and scorer == "snapkv"
+    calibrated = calibrated and "ratio" in params
+    if calibrated:
+        params["calibrated"] = True
+    config = EvictionConfig(**_eviction_kwargs(params))  # validates
     settings: dict[str, Any] = {
         "evicted_fraction": ratio,
         "scorer": scorer,
         "relay": relay,
-        "allocation": allocation or ("uniform" if scorer == "recency" else "adaptive"),
+        "allocation": allocation or get_scorer(config.scorer).default_allocation,
         "sink_tokens": config.sink_tokens,
         "window_tokens": config.window_tokens,
     }
+    # what the default policy changed; absent at the pre-search values, so the recorded
+    # settings (and task hashes) of names whose behaviour did not change stay the same
+    if "scorer_options" in policy:
+        settings["scorer_settings"] = repr(policy_kwargs(policy)["scorer"])
+    for key in ("window_fraction", "observation_tokens"):
+        if getattr(config, key) is not None:
+            settings[key] = getattr(config, key)
     if "capacity" in params:
         settings["capacity_tokens_per_head"] = params["capacity"]
     what = "RoPE-Relay" if relay else "no relay (original positions)"
+    description = f"evict {ratio:.0%} by {scorer}, {what}"
+    if legacy:
+        description += ", pre-search policy"
+    if calibrated:
+        settings["layer_budget"] = "per layer (calibrated)"
+        description += ", per-layer budgets calibrated on the package text"
     return Method(
         name=name,
         family="eviction",
         attention="kvlab",
-        description=f"evict {ratio:.0%} by {scorer}, {what}",
+        description=description,
         settings=settings,
         factory="eviction",
         params=params,
+        preparation="relay-layer-budgets" if calibrated else None,
     )
 
 
@@ -529,6 +634,16 @@ register_pattern(
     r"(?P<kind>evict-no-relay)(?::(?P<scorer>[a-z0-9_-]+))?@(?P<ratio>[0-9.]+)",
     _eviction,
     "evict-no-relay[:SCORER]@R",
+)
+register_pattern(
+    r"(?P<kind>relay-legacy)(?::(?P<scorer>[a-z0-9_-]+))?@(?P<ratio>[0-9.]+)",
+    _eviction,
+    "relay-legacy[:SCORER]@R",
+)
+register_pattern(
+    r"(?P<kind>evict-no-relay-legacy)(?::(?P<scorer>[a-z0-9_-]+))?@(?P<ratio>[0-9.]+)",
+    _eviction,
+    "evict-no-relay-legacy[:SCORER]@R",
 )
 register_pattern(
     r"(?P<kind>streaming-llm)(?::(?P<scorer>[a-z0-9_-]+))?@(?P<ratio>[0-9.]+)",

@@ -18,17 +18,26 @@ A forward through a layer (docs/design.md, "RoPE-Relay: A forward"):
    sequence's prefill (``EvictionConfig.ratio``) or whenever a sequence holds more than
    ``capacity`` tokens per kv head on average (``EvictionConfig.capacity``).
 
-Eviction, per sequence (a row's result never depends on its batch neighbours): a scorer
-(:mod:`kvlab.relay.scorers`) scores every token of every head — SnapKV from the attention of the
-forward's last ``window_tokens`` queries; the layer budget is split into per-head counts
-(:mod:`kvlab.relay.budgets`), sinks and the recent window always kept; with ``relay=True``
-(RoPE-Relay) the kept keys are relayed with :func:`kvlab.relay.relay` — each head's kept tokens
-at positions ``E - k_h + 1 .. E``, keys rotated by the position delta (pure rotation, rotary
-channels only: partial rotary, llama3 and yarn scaling through
-:meth:`kvlab.rope.RotaryConfig.from_hf_config`), values untouched — with one endpoint ``E``
-shared by every head and layer (``E = slots - 1``), so the next token sits at ``E + 1``
-everywhere; with ``relay=False`` the kept tokens keep their original positions. The kept tokens
-are then compacted to the front of their segments, in stream order.
+Eviction, per sequence (a row's result never depends on its batch neighbours; docs/design.md,
+"RoPE-Relay: Eviction policy"):
+
+1. the layer's budget in tokens per kv head — ``capacity``, or ``(1 - ratio) * tokens`` split
+   across layers by ``EvictionConfig.layer_budget`` (:mod:`kvlab.relay.layer_budgets`) — and
+   the protected recent window (``window_tokens``, or ``window_fraction`` of that budget) are
+   fixed first;
+2. a scorer (:mod:`kvlab.relay.scorers`: recency, key norm, SnapKV, ExpectedAttention, TOVA,
+   combinations) scores every token of every head — SnapKV and TOVA from the per-query-head
+   attention probabilities of the forward's last queries (the observation window), which the
+   attention function has at hand; ExpectedAttention from the forward's queries;
+3. the layer budget is split into per-head counts (:mod:`kvlab.relay.budgets`), sinks and the
+   recent window always kept;
+4. with ``relay=True`` (RoPE-Relay) the kept keys are relayed with :func:`kvlab.relay.relay` —
+   each head's kept tokens at positions ``E - k_h + 1 .. E``, keys rotated by the position
+   delta (pure rotation, rotary channels only: partial rotary, llama3 and yarn scaling through
+   :meth:`kvlab.rope.RotaryConfig.from_hf_config`), values untouched — with one endpoint ``E``
+   shared by every head and layer (``E = slots - 1``), so the next token sits at ``E + 1``
+   everywhere; with ``relay=False`` the kept tokens keep their original positions. The kept
+   tokens are then compacted to the front of their segments, in stream order.
 
 Positions (docs/design.md, "RoPE-Relay: Positions"): :meth:`RelayModelCache.get_seq_length` is
 what ``transformers`` means by it — the tokens (columns, left padding included) the cache has
@@ -54,6 +63,7 @@ from kvlab.integrations.model_support import layer_rotary, plan_model
 from kvlab.relay.attention import ragged_attention
 from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 from kvlab.relay.core import relay
+from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
 from kvlab.relay.scorers import ScoreInputs, Scorer, get_scorer
 from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig, rotate_by_delta
@@ -72,14 +82,29 @@ class EvictionConfig:
             of a layer): each layer keeps ``round((1 - ratio) * n) * H_kv`` tokens. In [0, 1).
         capacity: tokens per kv head (layer average) kept after every forward that leaves the
             layer above it (streaming).
-        scorer: ``"recency"``, ``"keynorm"``, ``"snapkv"`` or a :class:`Scorer`.
+        scorer: a name of :data:`kvlab.relay.SCORERS` (``"recency"``, ``"keynorm"``,
+            ``"snapkv"``, ``"expected-attention"``, ``"tova"``, ``"combined"``) or a
+            :class:`Scorer`.
         allocation: ``"adaptive"`` (heterogeneous per-head budgets), ``"uniform"``, or ``None``
             for the scorer's default (uniform for recency, adaptive otherwise).
         relay: RoPE-Relay the kept keys (True) or leave them at their original positions.
         sink_tokens: first stream tokens always kept (attention sinks).
-        window_tokens: most recent tokens always kept; also SnapKV's observation window.
+        window_tokens: most recent tokens always kept; also SnapKV's observation window
+            (unless ``observation_tokens`` is set; ``window_fraction`` replaces it).
         max_head_tokens: per-head cap (the relay's slots; ``E = slots - 1``). Default: the tokens
             a head holds at eviction (ratio) or ``2 * capacity`` (capacity).
+        observation_tokens: queries of the observation window the attention scorers read
+            (SnapKV), or ``None`` for ``window_tokens`` (the protected window is then also the
+            observation window). A scorer may fix its own (TOVA reads the last query only).
+        layer_budget: how the model's budget is split across layers (``ratio`` only):
+            ``"uniform"`` (every layer ``(1 - ratio) * n``), ``"pyramid"`` (PyramidKV, see
+            :mod:`kvlab.relay.layer_budgets`), or one positive weight per decoder layer
+            (budgets proportional to them, e.g. from a calibration); always the same total.
+            Anything but ``"uniform"`` needs every decoder layer to be full attention.
+        pyramid_beta: PyramidKV's steepness ``beta`` (``k_min = k / beta``), >= 1.
+        window_fraction: when set, the protected recent window of each eviction is this
+            fraction of the layer's per-head budget (``round(f * k)`` tokens, at most
+            ``k - sink_tokens``) instead of ``window_tokens``; in [0, 1).
     """
 
     ratio: float | None = None
@@ -90,6 +115,10 @@ class EvictionConfig:
     sink_tokens: int = 4
     window_tokens: int = 32
     max_head_tokens: int | None = None
+    observation_tokens: int | None = None
+    layer_budget: str | tuple[float, ...] = "uniform"
+    pyramid_beta: float = 20.0
+    window_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if (self.ratio is None) == (self.capacity is None):
@@ -118,6 +147,25 @@ class EvictionConfig:
             raise ValueError(
                 f"max_head_tokens {self.max_head_tokens} is below capacity {self.capacity}"
             )
+        if self.observation_tokens is not None and self.observation_tokens < 1:
+            raise ValueError(f"observation_tokens must be >= 1, got {self.observation_tokens}")
+        if isinstance(self.layer_budget, str):
+            if self.layer_budget not in ("uniform", "pyramid"):
+                raise ValueError(
+                    "layer_budget must be 'uniform', 'pyramid' or per-layer weights, got "
+                    f"{self.layer_budget!r}"
+                )
+        else:
+            weights = tuple(float(w) for w in self.layer_budget)
+            if not weights or any(not w > 0 for w in weights):
+                raise ValueError(f"layer_budget weights must be > 0, got {self.layer_budget}")
+            object.__setattr__(self, "layer_budget", weights)
+        if self.layer_budget != "uniform" and self.capacity is not None:
+            raise ValueError("layer_budget other than 'uniform' needs ratio (prefill eviction)")
+        if self.window_fraction is not None and not 0.0 <= self.window_fraction < 1.0:
+            raise ValueError(f"window_fraction must lie in [0, 1), got {self.window_fraction}")
+        if self.pyramid_beta < 1:
+            raise ValueError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
         get_scorer(self.scorer)  # validates the name
 
     def head_slots(self, tokens_per_head: int) -> int:
@@ -254,6 +302,7 @@ class RelayLayer(CacheLayerMixin):
         self.scorer: Scorer = get_scorer(config.scorer)
         self.allocation = config.allocation or self.scorer.default_allocation
         self.forward_state = forward_state if forward_state is not None else _ForwardState()
+        self.num_layers = 1  # set by RelayModelCache (per-layer budgets need it)
         self._clear()
 
     def _clear(self) -> None:
@@ -506,42 +555,46 @@ class RelayLayer(CacheLayerMixin):
 
     def _layer_budget(self, before: list[int]) -> tuple[int, int]:
         """``(tokens each kv head keeps on average, per-head cap)`` for an eviction of heads
-        holding ``before`` tokens (see :class:`EvictionConfig`)."""
+        holding ``before`` tokens (see :class:`EvictionConfig`; with ``ratio``, this layer's
+        share of the model's budget, :meth:`_layer_tokens_per_head`)."""
         cfg = self.eviction
+        slots = cfg.head_slots(max(before))
         if cfg.ratio is not None:
-            per_head = max(1, round((1.0 - cfg.ratio) * max(before)))
-        else:
-            assert cfg.capacity is not None
-            per_head = cfg.capacity
-        return per_head, cfg.head_slots(max(before))
+            return self._layer_tokens_per_head(max(before), slots), slots
+        assert cfg.capacity is not None
+        return cfg.capacity, slots
 
     def _check_first_eviction(self, tokens: int, heads: int, row: int) -> None:
-        """Run the budget checks of the first eviction (ratio mode) on a synthetic prefill of
-        ``tokens`` tokens, so an impossible budget fails before anything is stored."""
+        """Run the budget checks of the first eviction (ratio mode) of every layer on a
+        synthetic prefill of ``tokens`` tokens, so an impossible budget fails before anything
+        is stored."""
+        cfg = self.eviction
         positions = torch.arange(tokens).expand(1, heads, tokens)
         valid = torch.ones(1, heads, tokens, dtype=torch.bool)
-        protected = protected_mask(
-            positions,
-            valid,
-            stream_length=tokens,
-            sink_tokens=self.eviction.sink_tokens,
-            window_tokens=self.eviction.window_tokens,
-        )
-        per_head, slots = self._layer_budget([tokens] * heads)
         try:
-            allocate_counts(
-                torch.zeros(1, heads, tokens),
-                valid,
-                protected,
-                total=per_head * heads,
-                allocation=self.allocation,
-                cap=slots,
-            )
+            slots = cfg.head_slots(tokens)
+            for per_head in sorted(set(self._layer_budgets(tokens, slots))):
+                protected = protected_mask(
+                    positions,
+                    valid,
+                    stream_length=tokens,
+                    sink_tokens=cfg.sink_tokens,
+                    window_tokens=self._protected_window(per_head),
+                )
+                allocate_counts(
+                    torch.zeros(1, heads, tokens),
+                    valid,
+                    protected,
+                    total=per_head * heads,
+                    allocation=self.allocation,
+                    cap=slots,
+                )
         except ValueError as error:
             raise ValueError(
                 f"RelayModelCache cannot evict after the {tokens}-token prefill of row {row} "
-                f"(ratio {self.eviction.ratio}, sink_tokens {self.eviction.sink_tokens}, "
-                f"window_tokens {self.eviction.window_tokens}): {error}; use a longer prompt, "
+                f"(ratio {cfg.ratio}, sink_tokens {cfg.sink_tokens}, "
+                f"window_tokens {cfg.window_tokens}, window_fraction {cfg.window_fraction}, "
+                f"layer_budget {cfg.layer_budget!r}): {error}; use a longer prompt, "
                 "a smaller ratio or fewer protected tokens"
             ) from None
 
@@ -630,16 +683,35 @@ class RelayLayer(CacheLayerMixin):
         limit = self.eviction.capacity * self.store.heads
         return [b for b in range(self.store.batch) if sum(self.store.counts(b)) > limit]
 
+    # ---------------------------------------------------------------- eviction policy inputs
+    def _protected_window(self, per_head: int) -> int:
+        """The protected recent window (tokens) of an eviction to ``per_head`` tokens per head
+        (layer average): ``window_tokens``, or ``round(window_fraction * per_head)`` capped at
+        ``per_head - sink_tokens`` when ``window_fraction`` is set."""
+        cfg = self.eviction
+        if cfg.window_fraction is None:
+            return cfg.window_tokens
+        return max(0, min(round(cfg.window_fraction * per_head), per_head - cfg.sink_tokens))
+
+    def _observation_tokens(self, recent: int) -> int:
+        """Queries in the observation window: the scorer's own, else ``observation_tokens``,
+        else the protected recent window ``recent``."""
+        cfg = self.eviction
+        if self.scorer.observation_tokens is not None:
+            return self.scorer.observation_tokens
+        return cfg.observation_tokens if cfg.observation_tokens is not None else recent
+
     def _window_attention(
-        self, query: Tensor, scaling: float, keys: Tensor, valid: Tensor
+        self, query: Tensor, scaling: float, keys: Tensor, valid: Tensor, window: int
     ) -> Tensor:
-        """Softmax attention mass ``[B, H, S]`` that the last ``window_tokens`` queries pay to
-        each slot of the padded ``keys`` (summed over those queries and the GQA group); the
-        queries are the newest tokens of every head, rotated at cache positions."""
+        """Softmax probabilities ``[B, H, G, w, S]`` (float32) of the last ``w = window``
+        queries (at most the forward's) over the padded ``keys``, per query head ``g`` of each
+        GQA group; the queries are the newest tokens of every head, rotated at cache
+        positions, and see the slots up to their own (causal)."""
         batch, hq, q_len, dim = query.shape
         heads = keys.shape[1]
         group = hq // heads
-        w = max(1, min(self.eviction.window_tokens, q_len))
+        w = max(1, min(window, q_len))
         q = query[:, :, q_len - w :].float().reshape(batch, heads, group * w, dim)
         logits = q @ keys.float().transpose(-1, -2) * scaling  # [B, H, G*w, S]
         counts = valid[0].sum(-1)  # [H]
@@ -650,14 +722,57 @@ class RelayLayer(CacheLayerMixin):
         allowed = slot.view(1, 1, -1) <= limit.unsqueeze(-1)  # [H, G*w, S]
         allowed = allowed.unsqueeze(0) & valid.unsqueeze(2)
         probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-        return probs.sum(2)
+        return probs.reshape(batch, heads, group, w, keys.shape[2])
 
+    def _layer_budgets(self, tokens: int, slots: int) -> list[int]:
+        """Every layer's budget in tokens per kv head for a ratio eviction of heads holding
+        ``tokens`` (``EvictionConfig.layer_budget``; the sum over layers is the same for every
+        setting: ``L * max(1, round((1 - ratio) * tokens))``). Each layer keeps at least its
+        sinks and ``window_tokens`` (one recent token with ``window_fraction``) and at most
+        ``min(slots, tokens)``.
+
+        Raises:
+            ValueError: per-layer weights whose count is not :attr:`num_layers`, or a total
+                the bounds cannot meet (:func:`kvlab.relay.layer_budgets.split_layer_budget`).
+        """
+        cfg = self.eviction
+        assert cfg.ratio is not None
+        mean = max(1, round((1.0 - cfg.ratio) * tokens))
+        if cfg.layer_budget == "uniform" or self.num_layers == 1:
+            return [mean] * self.num_layers
+        top = min(slots, tokens)
+        recent = cfg.window_tokens if cfg.window_fraction is None else 1
+        floor = min(top, cfg.sink_tokens + recent)
+        if cfg.layer_budget == "pyramid":
+            weights = pyramid_layer_budgets(
+                mean, self.num_layers, beta=cfg.pyramid_beta, max_tokens=top
+            )
+        else:
+            weights = list(cfg.layer_budget)
+            if len(weights) != self.num_layers:
+                raise ValueError(
+                    f"layer_budget has {len(weights)} weights for {self.num_layers} layers"
+                )
+        return split_layer_budget(
+            mean * self.num_layers,
+            weights,
+            low=[floor] * self.num_layers,
+            high=[top] * self.num_layers,
+        )
+
+    def _layer_tokens_per_head(self, tokens: int, slots: int) -> int:
+        """This layer's entry of :meth:`_layer_budgets`."""
+        budgets = self._layer_budgets(tokens, slots)
+        return budgets[self.layer_idx] if len(budgets) > 1 else budgets[0]
+
+    # ---------------------------------------------------------------- eviction
     def evict(self, query: Tensor, scaling: float, row: int = 0) -> EvictionEvent:
-        """Evict in sequence ``row``: score, allocate, select, relay (or not), compact.
+        """Evict in sequence ``row``: budget and protected window, score, allocate, select,
+        relay (or not), compact (docs/design.md, "RoPE-Relay: Eviction policy").
 
         Args:
             query: that row's real queries of the current forward ``[1, H_q, Q, D]`` at cache
-                positions.
+                positions (the scorers' observation window and ExpectedAttention's queries).
             scaling: the model's softmax scale.
             row: the sequence.
         """
@@ -665,12 +780,19 @@ class RelayLayer(CacheLayerMixin):
         cfg = self.eviction
         before = self.store.counts(row)
         heads = len(before)
+        # the budget and the protected window first: the observation window follows them
+        per_head, slots = self._layer_budget(before)
+        recent = self._protected_window(per_head)
         view = self.store.padded([row])
         keys, values, valid = view.keys, view.values, view.valid
         orig, rot = view.original_positions, view.rotary_positions
-        window = None
+        window = probs = None
         if self.scorer.needs_window_attention:
-            window = self._window_attention(query, scaling, keys, valid)
+            probs = self._window_attention(
+                query, scaling, keys, valid, self._observation_tokens(recent)
+            )
+            window = probs.sum((2, 3))
+        q_len, next_position = query.shape[2], self.next_positions[row]
         scores = self.scorer.score(
             ScoreInputs(
                 keys=keys,
@@ -678,6 +800,13 @@ class RelayLayer(CacheLayerMixin):
                 valid=valid,
                 original_positions=orig,
                 window_attention=window,
+                window_probs=probs,
+                queries=query if self.scorer.needs_queries else None,
+                query_positions=torch.arange(
+                    next_position - q_len, next_position, device=query.device
+                ),
+                rotary=self.rotary if self.uses_rope else None,  # None: a NoPE layer
+                next_position=next_position,
             )
         )
         protected = protected_mask(
@@ -685,9 +814,8 @@ class RelayLayer(CacheLayerMixin):
             valid,
             stream_length=self.stream_lengths[row],
             sink_tokens=cfg.sink_tokens,
-            window_tokens=cfg.window_tokens,
+            window_tokens=recent,
         )
-        per_head, slots = self._layer_budget(before)
         counts = allocate_counts(
             scores,
             valid,
@@ -757,8 +885,9 @@ class RelayModelCache(Cache):
     Raises:
         ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
             unsupported (linear-attention or KV-sharing layers, latent attention), full-attention
-            layers without RoPE when ``config.relay``, or an unsupported RoPE (dynamic,
-            longrope, ...).
+            layers without RoPE when ``config.relay``, an unsupported RoPE (dynamic,
+            longrope, ...), or per-layer budgets (``config.layer_budget``) with window layers or
+            with a weight count other than the decoder layers'.
     """
 
     def __init__(
@@ -773,6 +902,19 @@ class RelayModelCache(Cache):
         # reason); full-attention layers evict, sliding/chunked layers keep only their window.
         plan = plan_model(text_config)
         plan.check(type(self).__name__, rotates_keys=config.relay)
+        layers = len(plan.layers)
+        if config.layer_budget != "uniform":
+            # per-layer budgets split the model's budget over evicting layers: all of them
+            if plan.window_layers:
+                raise ValueError(
+                    f"EvictionConfig.layer_budget {config.layer_budget!r} needs every decoder "
+                    f"layer to be full attention; layers {list(plan.window_layers)} are "
+                    "sliding/chunked (they keep their window and do not evict)"
+                )
+            if not isinstance(config.layer_budget, str) and len(config.layer_budget) != layers:
+                raise ValueError(
+                    f"layer_budget has {len(config.layer_budget)} weights for {layers} layers"
+                )
         self.plan = plan
         self.eviction = config
         self.rotary = rotary or layer_rotary(text_config)
@@ -785,6 +927,8 @@ class RelayModelCache(Cache):
                 rotary=lambda layer_type: layer_rotary(text_config, layer_type),
             )
         )
+        for layer in self._relay_layers():
+            layer.num_layers = layers
 
     def _relay_layers(self) -> list[RelayLayer]:
         """The full-attention layers (model-matrix: window layers are WindowLayer)."""
