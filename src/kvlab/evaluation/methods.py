@@ -46,6 +46,13 @@ Names (``--method``, repeatable):
   search (:func:`kvlab.relay.policies.legacy_policy`); reproduces the earlier rows.
 * ``streaming-llm@R`` — StreamingLLM (Xiao et al. 2023): 4 sinks + recent window, uniform per
   head, positions within the cache (i.e. relayed), as in the paper.
+* ``relay:SCORER@R+PNMIX`` / ``evict-no-relay:SCORER@R+PNMIX`` — eviction composed with PN-Mix
+  (:class:`~kvlab.integrations.composed_cache.ComposedModelCache`): the eviction method
+  ``relay:SCORER@R`` (or ``evict-no-relay:...``) with its full policy — its default policy
+  and, for SnapKV, its calibrated per-layer budgets (the same preparation
+  ``"relay-layer-budgets"``, shared) — then the kept tokens stored by the PN-Mix method
+  ``PNMIX`` (any uncalibrated name of :data:`PNMIX_METHODS`: ``pn-mix``, ``kivi-2bit``, ...).
+  Prefill-score protocol only (one eviction after the prefill).
 
 ``R`` is the evicted fraction, in [0, 1). Protocol ``prefill-score``: the cache keeps
 ``(1 - R) * P`` tokens per kv head (layer average) after the prefill of ``P`` tokens.
@@ -79,7 +86,7 @@ One registry entry, no other file:
   ``def _my_cache(params, model_config, prepared): ...`` (import heavy modules inside it),
   add it to :data:`CACHE_FACTORIES`, and register the name with :func:`register_method`
   (a fixed name) or :func:`register_pattern` (a parametric name such as
-  ``relay+pn-mix:SCORER@R``), returning a :class:`Method`. If it needs a one-time
+  ``relay:SCORER@R+PNMIX``, the composed methods), returning a :class:`Method`. If it needs a one-time
   preparation, add a :class:`Preparation` to :data:`PREPARATIONS` and set
   ``Method.preparation`` to its key; list in ``Preparation.modules`` the modules whose source
   decides its result (their code hash keys the on-disk cache,
@@ -233,16 +240,29 @@ def _hf_quantized_cache(params: Mapping[str, Any], model_config: Any, prepared: 
     return QuantizedCache(config=model_config, **params)
 
 
+#: Keys of a composed method's ``params`` that are not eviction settings (the PN-Mix part).
+_COMPOSED_KEYS = ("pnmix", "pnmix_method")
+
+
+def _eviction_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """An eviction (or composed) method's eviction settings: ``params`` without the PN-Mix
+    part of a composed method."""
+    return {k: v for k, v in params.items() if k not in _COMPOSED_KEYS}
+
+
 def _eviction_kwargs(params: Mapping[str, Any]) -> dict[str, Any]:
     """``EvictionConfig`` keyword arguments from an eviction method's ``params`` (the policy's
-    JSON-ready settings, :func:`kvlab.relay.policies.policy_kwargs`; ``calibrated`` dropped)."""
+    JSON-ready settings, :func:`kvlab.relay.policies.policy_kwargs`; ``calibrated`` and a
+    composed method's PN-Mix part dropped)."""
     from kvlab.relay.policies import policy_kwargs
 
-    return policy_kwargs({k: v for k, v in params.items() if k != "calibrated"})
+    return policy_kwargs({k: v for k, v in _eviction_params(params).items() if k != "calibrated"})
 
 
-def _eviction_cache(params: Mapping[str, Any], model_config: Any, prepared: Any) -> Any:
-    from kvlab.integrations.relay_cache import EvictionConfig, RelayModelCache
+def _eviction_config(params: Mapping[str, Any], prepared: Any) -> Any:
+    """The ``EvictionConfig`` of an eviction (or composed) method, with the calibrated
+    per-layer budgets of its preparation when it has one."""
+    from kvlab.integrations.relay_cache import EvictionConfig
 
     kwargs = _eviction_kwargs(params)
     if params.get("calibrated"):
@@ -253,7 +273,21 @@ def _eviction_cache(params: Mapping[str, Any], model_config: Any, prepared: Any)
                 "'relay-layer-budgets'"
             )
         kwargs["layer_budget"] = tuple(fractions)
-    return RelayModelCache(model_config, EvictionConfig(**kwargs))
+    return EvictionConfig(**kwargs)
+
+
+def _eviction_cache(params: Mapping[str, Any], model_config: Any, prepared: Any) -> Any:
+    from kvlab.integrations.relay_cache import RelayModelCache
+
+    return RelayModelCache(model_config, _eviction_config(params, prepared))
+
+
+def _composed_cache(params: Mapping[str, Any], model_config: Any, prepared: Any) -> Any:
+    from kvlab.integrations.composed_cache import ComposedModelCache
+
+    return ComposedModelCache(
+        model_config, _eviction_config(params, prepared), _pnmix_config(params["pnmix"])
+    )
 
 
 #: Cache factories by key: ``factory(params, model_config, prepared) -> cache``.
@@ -262,6 +296,7 @@ CACHE_FACTORIES: dict[str, CacheFactory] = {
     "pnmix": _pnmix_cache,
     "hf-quantized": _hf_quantized_cache,
     "eviction": _eviction_cache,
+    "composed": _composed_cache,
 }
 
 
@@ -318,8 +353,9 @@ def _calibrate_groups(
 
 
 def _layer_budget_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The calibration measures without relay: relay and no relay share it."""
-    return {**params, "relay": False}
+    """The calibration measures the eviction alone, without relay: relay and no relay, with
+    PN-Mix or not, share it."""
+    return {**_eviction_params(params), "relay": False}
 
 
 def _calibrate_layer_budgets(
@@ -620,6 +656,45 @@ def _eviction(match: re.Match[str], context: MethodContext) -> Method:
     )
 
 
+def _composed(match: re.Match[str], context: MethodContext) -> Method:
+    name, quantizer = match.group(0), match.group("pnmix")
+    if context.protocol != "prefill-score":
+        raise ValueError(
+            f"method {name!r}: eviction composed with PN-Mix evicts once after the prefill "
+            f"(prefill-score protocol); the {context.protocol} protocol's capacity mode would "
+            "evict tokens already packed into groups"
+        )
+    if quantizer not in PNMIX_METHODS:
+        raise ValueError(
+            f"method {name!r}: unknown PN-Mix method {quantizer!r} after '+'; known: "
+            + ", ".join(k for k, v in PNMIX_METHODS.items() if not v.get("calibrated"))
+        )
+    if PNMIX_METHODS[quantizer].get("calibrated"):
+        raise ValueError(
+            f"method {name!r}: {quantizer!r} needs its own calibration; compose an uncalibrated "
+            "PN-Mix method (e.g. +pn-mix, +kivi-2bit)"
+        )
+    eviction = parse_method(name[: match.start("pnmix") - 1], protocol=context.protocol)
+    pnmix = _pnmix(quantizer, context)
+    params = {**eviction.params, "pnmix": dict(pnmix.params), "pnmix_method": quantizer}
+    settings = {
+        **eviction.settings,
+        "pnmix_method": quantizer,
+        **{f"pnmix_{k}": v for k, v in pnmix.settings.items()},
+    }
+    return Method(
+        name=name,
+        family="composed",
+        attention="kvlab",
+        description=f"{eviction.description}; kept tokens stored as {quantizer} "
+        f"({pnmix.description})",
+        settings=settings,
+        factory="composed",
+        params=params,
+        preparation=eviction.preparation,
+    )
+
+
 register_method("full", _full)
 for _name in PNMIX_METHODS:
     register_method(_name, _pnmix)
@@ -644,6 +719,12 @@ register_pattern(
     r"(?P<kind>evict-no-relay-legacy)(?::(?P<scorer>[a-z0-9_-]+))?@(?P<ratio>[0-9.]+)",
     _eviction,
     "evict-no-relay-legacy[:SCORER]@R",
+)
+register_pattern(
+    r"(?P<kind>relay|evict-no-relay)(?::(?P<scorer>[a-z0-9_-]+))?@(?P<ratio>[0-9.]+)"
+    r"\+(?P<pnmix>[a-z0-9-]+)",
+    _composed,
+    "relay[:SCORER]@R+PNMIX / evict-no-relay[:SCORER]@R+PNMIX",
 )
 register_pattern(
     r"(?P<kind>streaming-llm)(?::(?P<scorer>[a-z0-9_-]+))?@(?P<ratio>[0-9.]+)",

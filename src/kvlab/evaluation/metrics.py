@@ -112,8 +112,9 @@ def _storage_of(tensors: Iterable[Tensor]) -> tuple[int, int]:
 
 
 def cache_storage(cache: Any) -> CacheStorage:
-    """Measure a cache: kvlab's :class:`~kvlab.integrations.PNMixModelCache` and
-    :class:`~kvlab.integrations.RelayModelCache`, ``transformers``' ``DynamicCache`` and
+    """Measure a cache: kvlab's :class:`~kvlab.integrations.PNMixModelCache`,
+    :class:`~kvlab.integrations.RelayModelCache` and
+    :class:`~kvlab.integrations.composed_cache.ComposedModelCache`, ``transformers``' ``DynamicCache`` and
     ``QuantizedCache`` (quanto / hqq).
 
     Raises:
@@ -121,13 +122,14 @@ def cache_storage(cache: Any) -> CacheStorage:
     """
     from transformers.cache_utils import DynamicLayer, QuantizedLayer
 
+    from kvlab.integrations.composed_cache import ComposedLayer
     from kvlab.integrations.pnmix_cache import PNMixLayer
     from kvlab.integrations.relay_cache import RelayLayer
 
     actual = normalized = index = 0
     for layer in cache.layers:
-        if isinstance(layer, PNMixLayer):
-            size = layer.nbytes()
+        if isinstance(layer, (PNMixLayer, ComposedLayer)):
+            size = layer.nbytes()  # a composed layer: its PN-Mix store (no per-token index)
             actual += size
             normalized += size  # exact parts and scales already stored in 2 bytes
         elif isinstance(layer, RelayLayer):

@@ -13,6 +13,7 @@ _FAMILY_STYLE = {
     "quantized": ("tab:blue", "o"),
     "hf-quantized": ("tab:orange", "D"),
     "eviction": ("tab:green", "^"),
+    "composed": ("tab:purple", "P"),
 }
 
 

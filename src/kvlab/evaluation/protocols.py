@@ -86,14 +86,19 @@ def cache_details(cache: Any) -> dict[str, Any]:
     from kvlab.integrations.relay_cache import RelayModelCache
 
     if isinstance(cache, RelayModelCache):
+        from kvlab.integrations.composed_cache import ComposedModelCache
+
         events = cache.events()
         per_head = [e.tokens_after for e in events[: len(cache.layers)]]
-        return {
+        details = {
             "evictions": len(events),
             "next_position": cache.next_position,
             "stream_length": cache.stream_length,
             "first_eviction_tokens_per_head": per_head,
         }
+        if isinstance(cache, ComposedModelCache):
+            details["packed_attention_calls"] = cache.attention_calls()
+        return details
     if isinstance(cache, PNMixModelCache):
         return {"packed_attention_calls": cache.attention_calls()}
     return {}

@@ -624,17 +624,7 @@ class RelayLayer(CacheLayerMixin):
                 layer changes.
             RuntimeError: ``attend`` without a preceding ``update``.
         """
-        pending, self._pending = self._pending, None
-        if pending is None:
-            raise RuntimeError("RelayView.attend called without a preceding update()")
-        plan = self.forward_state.plan
-        if (
-            plan is None
-            or plan.forward_index != self.forwards
-            or (plan.batch, plan.num_new) != tuple(pending.keys.shape[0:3:2])
-        ):
-            plan = self._plan(pending, attention_mask, kwargs)
-            self.forward_state.plan = plan
+        pending, plan = self._take_pending(attention_mask, kwargs)
         keys = pending.keys
         if plan.shift is not None and self.uses_rope:
             keys = rotate_by_delta(keys, plan.shift, self.rotary)
@@ -656,6 +646,30 @@ class RelayLayer(CacheLayerMixin):
             self.store.shrink()
         return out
 
+    def _take_pending(
+        self, attention_mask: Tensor | None, kwargs: dict[str, Any]
+    ) -> tuple[_Pending, _ForwardPlan]:
+        """The stash of this forward and its plan: the one the forward's first layer built
+        (shared through :attr:`forward_state`), or a new one (:meth:`_plan`, which checks every
+        input before any layer changes).
+
+        Raises:
+            RuntimeError: no stash (``attend`` without a preceding ``update``).
+            ValueError: see :meth:`_plan`.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("RelayView.attend called without a preceding update()")
+        plan = self.forward_state.plan
+        if (
+            plan is None
+            or plan.forward_index != self.forwards
+            or (plan.batch, plan.num_new) != tuple(pending.keys.shape[0:3:2])
+        ):
+            plan = self._plan(pending, attention_mask, kwargs)
+            self.forward_state.plan = plan
+        return pending, plan
+
     def _commit(self, keys: Tensor, values: Tensor, plan: _ForwardPlan) -> None:
         """Append each row's real new tokens at its stream indices and RoPE positions."""
         if self.store is None:
@@ -668,6 +682,10 @@ class RelayLayer(CacheLayerMixin):
             original_start=self.stream_lengths,
             rotary_start=self.next_positions,
         )
+        self._advance(plan)
+
+    def _advance(self, plan: _ForwardPlan) -> None:
+        """Count the forward's tokens: padding, stream lengths, RoPE positions, columns seen."""
         for b, r in enumerate(plan.real):
             self.padding[b] += plan.num_new - r
             self.stream_lengths[b] += r
@@ -918,17 +936,26 @@ class RelayModelCache(Cache):
         self.plan = plan
         self.eviction = config
         self.rotary = rotary or layer_rotary(text_config)
-        state = _ForwardState()  # shared by the relay layers: one input check per forward
+        state = self._forward_state()  # shared by the relay layers: one input check per forward
         super().__init__(
             layers=plan.build_layers(
-                lambda i: RelayLayer(
-                    config, self.rotary, i, state, uses_rope=plan.layers[i].uses_rope
-                ),
+                lambda i: self._full_layer(i, state),
                 rotary=lambda layer_type: layer_rotary(text_config, layer_type),
             )
         )
         for layer in self._relay_layers():
             layer.num_layers = layers
+
+    def _forward_state(self) -> _ForwardState:
+        """The forward state the full-attention layers share (a subclass may extend it)."""
+        return _ForwardState()
+
+    def _full_layer(self, index: int, state: _ForwardState) -> RelayLayer:
+        """The cache layer of full-attention decoder layer ``index`` (a subclass's layer kind,
+        e.g. :class:`kvlab.integrations.composed_cache.ComposedLayer`)."""
+        return RelayLayer(
+            self.eviction, self.rotary, index, state, uses_rope=self.plan.layers[index].uses_rope
+        )
 
     def _relay_layers(self) -> list[RelayLayer]:
         """The full-attention layers (model-matrix: window layers are WindowLayer)."""

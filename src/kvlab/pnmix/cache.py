@@ -702,6 +702,7 @@ class PNMixCache:
         *,
         checks: Checks = "eager",
         queries: Tensor | None = None,
+        query_lengths: Any = None,
     ) -> None:
         """Append tokens to every row.
 
@@ -722,6 +723,11 @@ class PNMixCache:
                 read only by query-aware per-pair tables computed in this append
                 (docs/design.md, "Per-pair tables"); ``None``: such tables use plain key
                 errors.
+            query_lengths: real queries per sequence, host ints ``[B]``: the LAST
+                ``query_lengths[b]`` of the ``T_q`` queries of sequence ``b`` are real, and
+                ``queries`` may then have any token count ``T_q`` (e.g. a whole prefill's
+                queries for the tokens an eviction kept: docs/design.md, "Eviction composed
+                with PN-Mix"). Default ``None``: query ``j`` is real where token ``j`` is.
 
         Each row's first ``sink_tokens`` tokens fill its sinks; the rest enter its residual,
         which flushes every full ``group_tokens`` beyond ``residual_tokens``. With a codec
@@ -732,7 +738,7 @@ class PNMixCache:
 
         Raises:
             ValueError: wrong type, dtype, rank or shape (keys, values or queries); bad
-                ``lengths`` or ``checks``; and with ``checks="eager"``: NaN/inf; a value
+                ``lengths``, ``query_lengths`` or ``checks``; and with ``checks="eager"``: NaN/inf; a value
                 beyond the storage dtype's range (the float16 message names bfloat16 storage);
                 a stored scalar or pre-RoPE key beyond it (e.g. a Phase–Norm pair norm); or an
                 earlier deferred append's bad values.
@@ -740,8 +746,11 @@ class PNMixCache:
         self._check_input(keys, values)
         if checks not in ("eager", "deferred"):
             raise ValueError(f"checks must be 'eager' or 'deferred', got {checks!r}")
+        real_queries = None
         if queries is not None:
-            self._check_queries(queries, keys.shape[2])
+            real_queries = self._check_queries(queries, keys.shape[2], query_lengths)
+        elif query_lengths is not None:
+            raise ValueError("query_lengths needs queries")
         if checks == "eager":
             self.check_values()
         if not self._device_fixed:
@@ -753,7 +762,7 @@ class PNMixCache:
         dt = cfg.storage_dtype
         k_in, v_in = keys.to(dev), values.to(dev)
         k, v = k_in.to(dt), v_in.to(dt)
-        state: dict[str, Any] = {"queries": queries}
+        state: dict[str, Any] = {"queries": queries, "query_lengths": real_queries}
 
         def encode(plan: AppendPlan, groups: tuple[Tensor, Tensor] | None) -> EncodedGroups | None:
             enc, ok = (None, None) if groups is None else self._encode(plan, *groups, state)
@@ -800,23 +809,49 @@ class PNMixCache:
         else:
             self._mask_host_known[rows[:, 0], rows[:, 1]] = False
 
-    def _check_queries(self, queries: Tensor, tokens: int) -> None:
+    def _check_queries(
+        self, queries: Tensor, tokens: int, query_lengths: Any = None
+    ) -> np.ndarray | None:
+        """Check ``queries`` (and ``query_lengths``); return the real queries per sequence as
+        host int64 ``[B]``, or ``None`` when they follow the tokens' ``lengths``."""
         if not isinstance(queries, Tensor) or not queries.is_floating_point() or queries.dim() != 4:
             raise ValueError("queries must be a 4-D floating tensor [B, H_q, T, D]")
         b, hq, t, d = queries.shape
-        if b != self.batch_size or d != self._head_dim or t != tokens:
+        if b != self.batch_size or d != self._head_dim or (query_lengths is None and t != tokens):
+            want_t = f"T={tokens}" if query_lengths is None else "T_q"
             raise ValueError(
-                f"queries must be [B={self.batch_size}, H_q, T={tokens}, D={self._head_dim}], "
+                f"queries must be [B={self.batch_size}, H_q, {want_t}, D={self._head_dim}], "
                 f"got {tuple(queries.shape)}"
             )
         if hq % self._num_heads:
             raise ValueError(
                 f"query heads {hq} must be a multiple of num_key_value_heads {self._num_heads}"
             )
+        if query_lengths is None:
+            return None
+        if isinstance(query_lengths, Tensor):
+            if query_lengths.device.type != "cpu":
+                raise ValueError("query_lengths must be host integers (list, numpy or CPU tensor)")
+            query_lengths = query_lengths.numpy()
+        arr = np.asarray(query_lengths)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) or arr.shape != (b,):
+            raise ValueError(
+                f"query_lengths must be {b} integers (one per sequence), got {arr.tolist()}"
+            )
+        if arr.min() < 0 or arr.max() > t:
+            raise ValueError(f"query_lengths must lie in 0..{t} (the queries given), got {arr}")
+        return arr.astype(np.int64)
 
-    def _query_moment(self, queries: Tensor, plan: AppendPlan, rows: np.ndarray) -> Tensor:
+    def _query_moment(
+        self,
+        queries: Tensor,
+        plan: AppendPlan,
+        rows: np.ndarray,
+        query_lengths: np.ndarray | None = None,
+    ) -> Tensor:
         """float64 ``[n, D, D]``: per row ``(b, h)`` of ``rows [n, 2]``, the mean of ``q q^T``
-        over the append's real queries of the row's GQA group (no device read)."""
+        over the append's real queries of the row's GQA group (the last ``query_lengths[b]``,
+        or those of the row's real tokens; no device read)."""
         dev = self.device
         b, hq, t, d = queries.shape
         h = self._num_heads
@@ -825,7 +860,10 @@ class PNMixCache:
         rb = torch.from_numpy(rows[:, 0]).to(dev)
         rh = torch.from_numpy(rows[:, 1]).to(dev)
         picked = q[rb, rh]  # [n, rep, T, D]
-        real = plan.lengths[rows[:, 0], rows[:, 1]]  # host [n]
+        if query_lengths is None:
+            real = plan.lengths[rows[:, 0], rows[:, 1]]  # host [n]
+        else:
+            real = query_lengths[rows[:, 0]]
         first = torch.from_numpy(t - real).to(dev)
         real_q = torch.arange(t, device=dev)[None, :] >= first[:, None]  # [n, T]
         picked = torch.where(real_q[:, None, :, None], picked, torch.zeros_like(picked))
@@ -914,7 +952,11 @@ class PNMixCache:
             first=torch.from_numpy(first).to(dev),
             storage_dtype=self._config.storage_dtype,
             layout=self._layout,
-            moment=None if queries is None else self._query_moment(queries, plan, keys_rows),
+            moment=(
+                None
+                if queries is None
+                else self._query_moment(queries, plan, keys_rows, state.get("query_lengths"))
+            ),
             positions=None if positions is None else positions.index_select(0, pick_t),
             rotary=self._rotary,
         )
