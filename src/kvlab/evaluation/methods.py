@@ -86,8 +86,8 @@ One registry entry, no other file:
   ``def _my_cache(params, model_config, prepared): ...`` (import heavy modules inside it),
   add it to :data:`CACHE_FACTORIES`, and register the name with :func:`register_method`
   (a fixed name) or :func:`register_pattern` (a parametric name such as
-  ``relay:SCORER@R+PNMIX``, the composed methods), returning a :class:`Method`. If it needs a one-time
-  preparation, add a :class:`Preparation` to :data:`PREPARATIONS` and set
+  ``relay:SCORER@R+PNMIX``, the composed methods), returning a :class:`Method`. If it
+  needs a one-time preparation, add a :class:`Preparation` to :data:`PREPARATIONS` and set
   ``Method.preparation`` to its key; list in ``Preparation.modules`` the modules whose source
   decides its result (their code hash keys the on-disk cache,
   :mod:`kvlab.evaluation.calibration`).

@@ -114,8 +114,8 @@ def _storage_of(tensors: Iterable[Tensor]) -> tuple[int, int]:
 def cache_storage(cache: Any) -> CacheStorage:
     """Measure a cache: kvlab's :class:`~kvlab.integrations.PNMixModelCache`,
     :class:`~kvlab.integrations.RelayModelCache` and
-    :class:`~kvlab.integrations.composed_cache.ComposedModelCache`, ``transformers``' ``DynamicCache`` and
-    ``QuantizedCache`` (quanto / hqq).
+    :class:`~kvlab.integrations.composed_cache.ComposedModelCache`, ``transformers``'
+    ``DynamicCache`` and ``QuantizedCache`` (quanto / hqq).
 
     Raises:
         TypeError: an unsupported cache type.

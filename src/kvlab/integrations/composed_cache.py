@@ -335,9 +335,7 @@ class ComposedLayer(RelayLayer):
         )
         if pnmix.codec.position_aware:
             pnmix.set_position_offsets(np.asarray(self.next_positions)[:, None] - counts)
-        pnmix.append(
-            keys, values, counts, checks="eager", queries=query, query_lengths=plan.real
-        )
+        pnmix.append(keys, values, counts, checks="eager", queries=query, query_lengths=plan.real)
         if self.record_kept:
             self.kept_positions = (view.original_positions, counts)
         self.pnmix = pnmix

@@ -738,10 +738,10 @@ class PNMixCache:
 
         Raises:
             ValueError: wrong type, dtype, rank or shape (keys, values or queries); bad
-                ``lengths``, ``query_lengths`` or ``checks``; and with ``checks="eager"``: NaN/inf; a value
-                beyond the storage dtype's range (the float16 message names bfloat16 storage);
-                a stored scalar or pre-RoPE key beyond it (e.g. a Phase–Norm pair norm); or an
-                earlier deferred append's bad values.
+                ``lengths``, ``query_lengths`` or ``checks``; and with ``checks="eager"``:
+                NaN/inf; a value beyond the storage dtype's range (the float16 message names
+                bfloat16 storage); a stored scalar or pre-RoPE key beyond it (e.g. a Phase–Norm
+                pair norm); or an earlier deferred append's bad values.
         """
         self._check_input(keys, values)
         if checks not in ("eager", "deferred"):
