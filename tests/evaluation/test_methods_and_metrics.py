@@ -162,6 +162,65 @@ def test_a_new_method_is_one_registry_entry(monkeypatch):
     assert not takes_ratio("pn-mix-b3") and takes_ratio("relay:snapkv")
 
 
+def test_composed_methods_are_the_eviction_method_then_the_pnmix_method():
+    """``relay:SCORER@R+PNMIX``: the eviction method's params and preparation (the calibrated
+    per-layer budgets, one calibration shared with the eviction rows), the PN-Mix method's
+    configuration; it builds a ComposedModelCache."""
+    from kvlab.evaluation.calibration import calibration_key
+    from kvlab.integrations.composed_cache import ComposedModelCache
+
+    composed = parse_method("relay:snapkv@0.5+pn-mix")
+    eviction, pnmix = parse_method("relay:snapkv@0.5"), parse_method("pn-mix")
+    assert (composed.family, composed.factory) == ("composed", "composed")
+    assert composed.preparation == eviction.preparation == "relay-layer-budgets"
+    assert {k: v for k, v in composed.params.items() if not k.startswith("pnmix")} == (
+        eviction.params
+    )
+    assert composed.params["pnmix"] == pnmix.params
+    assert composed.settings["pnmix_key_coding"] == "bit_alloc"
+    assert composed.settings["window_fraction"] == eviction.settings["window_fraction"]
+    base = dict(checkpoint_sha256="a" * 64, text_sha256="b" * 64, dtype="float32", device="cpu")
+    names = [
+        "relay:snapkv@0.5",
+        "evict-no-relay:snapkv@0.5",
+        "relay:snapkv@0.5+pn-mix",
+        "evict-no-relay:snapkv@0.5+kivi-2bit",
+    ]
+    assert len({calibration_key(parse_method(n), **base)[1] for n in names}) == 1
+    with pytest.raises(RuntimeError, match="must be prepared"):
+        composed.make_cache(CONFIG)
+    cache = pickle.loads(pickle.dumps(composed)).make_cache(
+        CONFIG, {"layer_fractions": [0.25, 0.75]}
+    )
+    assert isinstance(cache, ComposedModelCache)
+    assert cache.eviction.layer_budget == (0.25, 0.75) and cache.eviction.relay
+    assert cache.pnmix_config.key_codec.position_aware
+    assert str(cache.pnmix_config.value_codec) == "hadamard"
+    plain = parse_method("evict-no-relay:keynorm@0.25+kivi-2bit")
+    assert plain.preparation is None
+    cache = plain.make_cache(CONFIG)
+    assert not cache.eviction.relay and cache.eviction.ratio == 0.25
+    assert str(cache.pnmix_config.key_coding) == "cartesian"
+    storage = cache_storage(cache)  # an empty composed cache: nothing stored yet
+    assert (storage.kv_bytes, storage.index_bytes) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message", "protocol"),
+    [
+        ("relay:snapkv@0.5+pn-mix-v1", "needs its own calibration", "prefill-score"),
+        ("relay:snapkv@0.5+zip", "unknown PN-Mix method 'zip'", "prefill-score"),
+        ("relay:oracle@0.5+pn-mix", "unknown scorer", "prefill-score"),
+        ("relay:snapkv@1.5+pn-mix", "R must lie", "prefill-score"),
+        ("relay:snapkv@0.5+pn-mix", "evicts once after the prefill", "stream"),
+        ("streaming-llm@0.5+pn-mix", "unknown method", "prefill-score"),
+    ],
+)
+def test_bad_composed_method_names_are_clear_errors(spec, message, protocol):
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec, protocol=protocol)
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

@@ -334,6 +334,66 @@ def _row_queries(q: torch.Tensor, b: int, h: int) -> torch.Tensor:
     return q[b : b + 1, h * rep : (h + 1) * rep]
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    tokens=st.integers(1, 40),
+    query_tokens=st.integers(1, 48),
+    lengths=st.lists(st.integers(0, 40), min_size=4, max_size=4),
+    real=st.lists(st.integers(0, 48), min_size=2, max_size=2),
+    seed=st.integers(0, 10_000),
+)
+def test_query_lengths_read_each_sequences_last_real_queries_only(
+    tokens, query_tokens, lengths, real, seed
+) -> None:
+    """``append(..., queries=[B, H_q, T_q, D], query_lengths=[B])`` (a prefill's queries for
+    the tokens an eviction kept: any ``T_q``): a table reads the last ``query_lengths[b]``
+    queries of sequence ``b`` and nothing else — what the other queries hold (NaN here) does
+    not change one stored byte; with ``T_q = T`` and ``query_lengths`` the rows' own lengths
+    it stores what the aligned default stores."""
+    r = ROPES["half"]
+    cfg = config("bit_alloc", r, 0.05)
+    k, v, _ = model_keys(2, 2, tokens, r, seed=seed)
+    lens = np.minimum(np.array(lengths).reshape(2, 2), tokens)
+    ql = np.minimum(np.array(real), query_tokens)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(2, 4, query_tokens, D, generator=gen)
+    pads = torch.arange(query_tokens)[None, :] < torch.from_numpy(query_tokens - ql)[:, None]
+    digests = []
+    for fill in (float("nan"), 1e3):
+        filled = torch.where(pads[:, None, :, None], torch.full_like(q, fill), q)
+        cache = make_cache(cfg, r)
+        cache.append(k, v, lens, queries=filled, query_lengths=ql)
+        digests.append(digest(cache))
+    assert digests[0] == digests[1]
+    # aligned: the same as the default (query j real where token j is)
+    q_aligned = torch.randn(2, 4, tokens, D, generator=gen)
+    row = lens[:, :1].repeat(2, 1)
+    aligned, default = make_cache(cfg, r), make_cache(cfg, r)
+    aligned.append(k, v, row, queries=q_aligned, query_lengths=row[:, 0])
+    default.append(k, v, row, queries=q_aligned)
+    assert digest(aligned) == digest(default)
+
+
+def test_bad_query_lengths_are_refused_and_store_nothing() -> None:
+    r = ROPES["half"]
+    k, v, q = model_keys(2, 2, 30, r, seed=3)
+    cache = make_cache(config("bit_alloc", r), r)
+    empty = digest(cache)
+    for kwargs, match in [
+        ({"query_lengths": [30, 30]}, "needs queries"),
+        ({"queries": q, "query_lengths": [30]}, "one per sequence"),
+        ({"queries": q, "query_lengths": [[30, 30], [30, 30]]}, "one per sequence"),
+        ({"queries": q, "query_lengths": [31, 2]}, r"0\.\.30"),
+        ({"queries": q, "query_lengths": [1.0, 2.0]}, "one per sequence"),
+        ({"queries": q[:, :, :20]}, "T=30"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cache.append(k, v, **kwargs)
+        assert digest(cache) == empty and int(cache.seq_lengths.max()) == 0
+    cache.append(k, v, queries=q[:, :, :20], query_lengths=[20, 7])  # T_q may differ from T
+    assert cache.pair_widths is not None
+
+
 @pytest.mark.parametrize("rope", list(ROPES))
 @pytest.mark.parametrize("fraction", [0.0, 0.05])
 def test_width_table_is_the_greedy_of_the_query_weighted_logit_error(rope, fraction) -> None:
