@@ -458,6 +458,67 @@ def test_generate_on_a_padded_batch_equals_each_row_alone(make_llama):
             assert torch.equal(out[b, ids.shape[1] :], alone[0, len(row) :])
 
 
+def test_window_layers_softcap_and_a_second_generate(make_llama):
+    """Gemma 2 shape (sliding-window layers kept exactly between composed layers, attention
+    soft-capping through the packed attention): a padded generate equals each row alone; a
+    second generate continues the same cache (a multi-token forward after the packing)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        head_dim=16,
+        sliding_window=16,
+        attn_logit_softcapping=0.05,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=512,
+        pad_token_id=0,
+    )
+    torch.manual_seed(89)
+    model = Gemma2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    rows = _rows([70, 49], seed=90)
+    ids, mask = _left_pad(rows)
+    eviction = EvictionConfig(ratio=0.5, scorer="snapkv", sink_tokens=2, window_tokens=8)
+    pnmix = PNMixConfig(**ISSUE8)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        cache = ComposedModelCache(model.config, eviction, pnmix)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache=cache
+        )
+        assert [type(layer).__name__ for layer in cache.layers] == [
+            "WindowLayer",
+            "ComposedLayer",
+            "WindowLayer",
+        ]
+        assert cache.layers[1].pnmix.group_counts.max() > 0
+        for b, row in enumerate(rows):
+            alone = model.generate(
+                row.view(1, -1),
+                max_new_tokens=6,
+                do_sample=False,
+                cache=ComposedModelCache(model.config, eviction, pnmix),
+            )
+            assert torch.equal(out[b, ids.shape[1] :], alone[0, len(row) :])
+        turn = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(91))
+        conversation = torch.cat([out, turn], 1)
+        mask = torch.cat([mask, torch.ones(2, conversation.shape[1] - mask.shape[1])], 1).long()
+        second = model.generate(
+            conversation, attention_mask=mask, max_new_tokens=4, do_sample=False, cache=cache
+        )
+        cache.check_values()
+    assert torch.equal(second[:, : conversation.shape[1]], conversation)
+    assert cache.get_seq_length() == second.shape[1] - 1
+    composed = cache.layers[1]
+    assert composed.stream_lengths == [n + 6 + 5 + 3 for n in (70, 49)]
+    assert len(cache.events()) == 2  # one eviction per row, at the prefill only
+
+
 # ------------------------------------------------------------------ host syncs
 
 
