@@ -100,21 +100,21 @@ def test_write_front_compacts_in_place_and_shrink_frees_memory():
     store.append(keys, values, real=[40, 40], original_start=[0, 0], rotary_start=[0, 0])
     buffer = store.keys
     view = store.padded([1])
-    # row 1 keeps slots 5..14 of head 0 and 20..39 of head 1, as given
+    # row 1 keeps slots 5..14 of head 0 and 32..39 of head 1, as given
     store.write_front(
         1,
-        [10, 20],
-        [5, 20],
+        [10, 8],
+        [5, 32],
         view.keys[0],
         view.values[0],
         view.original_positions[0],
         view.rotary_positions[0] + 7,
     )
     assert store.keys is buffer  # in place
-    assert store.counts(1) == [10, 20] and store.counts(0) == [40, 40]
+    assert store.counts(1) == [10, 8] and store.counts(0) == [40, 40]
     assert torch.equal(store.segment(1, 0).keys, keys[1, 0, 5:15])
-    assert torch.equal(store.segment(1, 1).values, values[1, 1, 20:40])
-    assert torch.equal(store.segment(1, 1).rotary_positions, torch.arange(20, 40) + 7)
+    assert torch.equal(store.segment(1, 1).values, values[1, 1, 32:40])
+    assert torch.equal(store.segment(1, 1).rotary_positions, torch.arange(32, 40) + 7)
     assert torch.equal(store.segment(0, 1).keys, keys[0, 1])  # other rows untouched
     store.write_front(0, [4, 4], [0, 0], *_front(store.padded([0])))
     before = store.reserved_bytes()
@@ -274,3 +274,150 @@ def test_bad_shapes_are_refused():
         ragged_attention(torch.zeros(1, 3, 1, 4), store, scale=1.0)
     with pytest.raises(ValueError):
         RelayStore(1, 2, 4, 4, dtype=torch.float32, device="cpu", growth=0.0)
+
+
+# ------------------------------------------------------------------ padded view (no copies)
+
+
+def _pre_change_attention(query, store, scale, query_lengths=None, softcap=None, s_aux=None):
+    """``ragged_attention`` as it was before the padded view (kvlab f21680c): the segments
+    gathered into a contiguous padded copy (short segments repeat their last row), then the same
+    one SDPA call (or float32 logits with soft-capping / sinks). Kept here verbatim to pin the
+    current implementation to its bits."""
+    from kvlab.attention_logits import softcap_logits, softmax_with_sinks
+
+    batch, q_heads, q_len, dim = query.shape
+    heads = store.heads
+    group = q_heads // heads
+    index, lengths, longest = store.gather_index()
+    flat = index.reshape(-1)
+    keys = store.keys.index_select(0, flat).to(query.dtype)
+    values = store.values.index_select(0, flat).to(query.dtype)
+    keys = keys.view(batch * heads, 1, longest, dim).expand(-1, group, -1, -1)
+    values = values.view(batch * heads, 1, longest, store.value_dim).expand(-1, group, -1, -1)
+    q = query.reshape(batch * heads, group, q_len, dim)
+    pad_queries = None
+    if query_lengths is not None and any(r != q_len for r in query_lengths):
+        real = torch.tensor(list(query_lengths), dtype=torch.int64)
+        pad_queries = torch.arange(q_len).view(1, -1) < (q_len - real).view(-1, 1)
+    mask = None
+    if q_len > 1 or pad_queries is not None or min(store.lengths) != longest:
+        slot = torch.arange(longest)
+        if q_len > 1:
+            row = torch.arange(q_len) - q_len
+            limit = lengths.view(-1, 1) + row.view(1, -1)
+            mask = slot.view(1, 1, -1) <= limit.unsqueeze(-1)
+        else:
+            mask = (slot.view(1, -1) < lengths.view(-1, 1)).unsqueeze(1)
+        if pad_queries is not None:
+            mask = mask | pad_queries.repeat_interleave(heads, 0).unsqueeze(-1)
+        mask = mask.unsqueeze(1)
+    if softcap is None and s_aux is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    else:
+        logits = softcap_logits((q.float() @ keys.float().transpose(-1, -2)) * scale, softcap)
+        if mask is not None:
+            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+        sinks = None if s_aux is None else s_aux.float().view(1, heads, group)
+        if sinks is not None:
+            sinks = sinks.expand(batch, heads, group).reshape(batch * heads, group, 1, 1)
+        out = (softmax_with_sinks(logits, sinks) @ values.float()).to(query.dtype)
+    out = out.reshape(batch, q_heads, q_len, store.value_dim)
+    if pad_queries is not None:
+        out = out.masked_fill(pad_queries.view(batch, 1, q_len, 1), 0)
+    return out
+
+
+def _assert_valid_mask_matches_lengths(store):
+    grid = store.valid.view(store.num_segments, store.stride)
+    expected = torch.arange(store.stride).view(1, -1) < torch.tensor(store.lengths).view(-1, 1)
+    assert torch.equal(grid, expected)
+    assert store.offsets == [s * store.stride for s in range(store.num_segments)]
+    assert store.capacities == [store.stride] * store.num_segments
+    assert store.rows_allocated == store.stride * store.num_segments
+
+
+@HYPOTHESIS
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    history=st.integers(1, 40),
+    decode_steps=st.integers(1, 6),
+    q_len=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    features=st.sampled_from([(None, False), (2.0, False), (None, True)]),
+    seed=st.integers(0, 2**16),
+)
+def test_ragged_attention_has_the_bits_of_the_pre_change_gather(
+    batch, heads, group, history, decode_steps, q_len, dtype, features, seed
+):
+    """Prefill, heterogeneous compaction (as after an adaptive eviction), a shrink, then decode
+    steps and one multi-token forward with left-padded rows: after every write the padded view
+    attends with exactly the bits of the former gathered copy, and ``valid`` marks exactly the
+    used rows."""
+    softcap, with_sinks = features
+    gen = torch.Generator().manual_seed(seed)
+    store = RelayStore(batch, heads, 8, 6, dtype=dtype, device="cpu", min_headroom=2)
+    sinks = torch.randn(heads * group, generator=gen) if with_sinks else None
+
+    def check(q_len, real=None):
+        query = torch.randn(batch, heads * group, q_len, 8, generator=gen).to(dtype)
+        out = ragged_attention(
+            query, store, scale=0.3, query_lengths=real, softcap=softcap, s_aux=sinks
+        )
+        expected = _pre_change_attention(
+            query, store, 0.3, query_lengths=real, softcap=softcap, s_aux=sinks
+        )
+        assert torch.equal(out, expected)
+        _assert_valid_mask_matches_lengths(store)
+
+    def append(t, real):
+        keys = torch.randn(batch, heads, t, 8, generator=gen).to(dtype)
+        values = torch.randn(batch, heads, t, 6, generator=gen).to(dtype)
+        store.append(keys, values, real=real, original_start=[0] * batch,
+                     rotary_start=[0] * batch)  # fmt: skip
+
+    append(history, [history] * batch)
+    check(history)
+    for b in range(batch):
+        counts = torch.randint(1, history + 1, (heads,), generator=gen).tolist()
+        store.write_front(b, counts, [0] * heads, *_front(store.padded([b])))
+    store.shrink()
+    _assert_valid_mask_matches_lengths(store)
+    for _ in range(decode_steps):
+        append(1, [1] * batch)
+        check(1)
+    real = torch.randint(0, q_len + 1, (batch,), generator=gen).tolist()
+    append(q_len, real)
+    check(q_len, real)
+    store.select_rows(list(range(batch))[::-1])
+    check(1)
+
+
+def test_a_decode_step_reads_the_store_without_copying_it():
+    """One single-token step over heterogeneous segments: no gather, no copy of keys or values,
+    no host tensor built; the key-padding mask is a view of the store's ``valid``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(5)
+    store = RelayStore(1, 3, 16, 16, dtype=torch.float32, device="cpu")
+    keys = torch.randn(1, 3, 50, 16, generator=gen)
+    store.append(keys, keys, real=[50], original_start=[0], rotary_start=[0])
+    store.write_front(0, [20, 35, 50], [0, 0, 0], *_front(store.padded([0])))
+    query = torch.randn(1, 6, 1, 16, generator=gen)
+    with Ops() as ops:
+        out = ragged_attention(query, store, scale=0.25)
+    copies = {"index_select", "gather", "index", "clone", "copy_", "cat", "lift_fresh", "_to_copy"}
+    assert not copies & set(ops.names), ops.names
+    assert sum(name.startswith("_scaled_dot_product") for name in ops.names) == 1  # one call
+    assert torch.equal(out, _pre_change_attention(query, store, 0.25))

@@ -65,14 +65,13 @@ def ragged_attention(
             f"H_kv={heads}, D={store.head_dim}): H_q must be a multiple of H_kv"
         )
     group = q_heads // heads
-    index, lengths, longest = store.gather_index()
-    flat = index.reshape(-1)
-    # [B*H, 1, S, D] gathered once, broadcast over the group (stride 0, no copy)
-    keys = store.keys.index_select(0, flat).to(query.dtype)
-    values = store.values.index_select(0, flat).to(query.dtype)
-    keys = keys.view(batch * heads, 1, longest, dim).expand(-1, group, -1, -1)
-    values = values.view(batch * heads, 1, longest, store.value_dim).expand(-1, group, -1, -1)
-    q = query.reshape(batch * heads, group, q_len, dim)
+    segments = batch * heads
+    view = store.padded_view()  # [B*H, S, D] views of the buffers: no copy
+    longest = view.longest
+    # [B*H, 1, S, D] broadcast over the group (stride 0, no copy); a cast only if dtypes differ
+    keys = view.keys.to(query.dtype).unsqueeze(1).expand(-1, group, -1, -1)
+    values = view.values.to(query.dtype).unsqueeze(1).expand(-1, group, -1, -1)
+    q = query.reshape(segments, group, q_len, dim)
 
     pad_queries = None  # bool [B, Q]: the first Q - query_lengths[b] queries of row b
     if query_lengths is not None and any(r != q_len for r in query_lengths):
@@ -81,15 +80,18 @@ def ragged_attention(
             -1, 1
         )
     mask = None
-    if q_len > 1 or pad_queries is not None or min(store.lengths) != longest:
+    if q_len > 1:
+        # query j of segment s sees slots i <= length_s - Q + j
         slot = store.slots(longest)
-        if q_len > 1:
-            # query j of segment s sees slots i <= length_s - Q + j
-            row = torch.arange(q_len, device=query.device) - q_len
-            limit = lengths.view(-1, 1) + row.view(1, -1)  # [B*H, Q]
-            mask = slot.view(1, 1, -1) <= limit.unsqueeze(-1)  # [B*H, Q, S]
-        else:
-            mask = (slot.view(1, -1) < lengths.view(-1, 1)).unsqueeze(1)  # [B*H, 1, S]
+        lengths = torch.tensor(store.lengths, dtype=torch.int64, device=query.device)
+        row = torch.arange(q_len, device=query.device) - q_len
+        limit = lengths.view(-1, 1) + row.view(1, -1)  # [B*H, Q]
+        mask = slot.view(1, 1, -1) <= limit.unsqueeze(-1)  # [B*H, Q, S]
+    elif view.valid is not None:
+        mask = view.valid.unsqueeze(1)  # [B*H, 1, S]: the store's key-padding mask (a view)
+    elif pad_queries is not None:
+        mask = torch.ones(segments, 1, longest, dtype=torch.bool, device=query.device)
+    if mask is not None:
         if pad_queries is not None:
             # padding queries attend every slot (finite keys), then are zeroed below
             mask = mask | pad_queries.repeat_interleave(heads, 0).unsqueeze(-1)

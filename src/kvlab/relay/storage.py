@@ -7,19 +7,23 @@ Layout (docs/design.md, "RoPE-Relay: Storage format"): a layer holds ``B`` seque
 * ``keys`` ``[N, D]`` and ``values`` ``[N, Dv]`` in the cache dtype (keys stored rotated, as the
   model rotated them, or relayed);
 * ``original_positions`` int64 ``[N]``: each token's stream index in its sequence (pads excluded);
-* ``rotary_positions`` int64 ``[N]``: the position its key is rotated at.
+* ``rotary_positions`` int64 ``[N]``: the position its key is rotated at;
+* ``valid`` bool ``[N]``: True exactly on the used rows (the key-padding mask of attention,
+  kept up to date by every write instead of being rebuilt per call).
 
 The first ``lengths[s]`` rows of a segment are its tokens, in stream order; the rest is headroom
 for future tokens. ``offsets``, ``lengths`` and ``capacities`` are host-side Python ints (never
 read back from the device), like ``cu_seqlens`` of varlen attention kernels. Segments are
-contiguous and in order (``offsets[s + 1] == offsets[s] + capacities[s]``).
+contiguous, in order and of one common capacity, the ``stride`` (``offsets[s] == s * stride``,
+``capacities[s] == stride``), so ``keys.view(B * H, stride, D)[:, :S]`` is a padded view of
+every segment without a copy (:meth:`RelayStore.padded_view`; docs/design.md, "RoPE-Relay:
+Segment layout and growth").
 
-Growth (docs/design.md, "RoPE-Relay: Segment layout
-and growth"): when a segment runs out of
-headroom the whole buffer is re-laid out with every segment given
-``headroom = max(min_headroom, ceil(growth * mean length))`` free rows, so a re-layout (one copy
-of the used rows) happens at most once per ``headroom`` appended tokens per segment: amortized
-O(1) per token. Eviction compacts a segment in place (kept tokens moved to its front;
+Growth (docs/design.md, "RoPE-Relay: Segment layout and growth"): when a segment runs out of
+headroom the whole buffer is re-laid out with ``stride = longest segment + headroom``,
+``headroom = max(min_headroom, ceil(growth * mean length))``, so a re-layout (one copy of the
+used rows) happens at most once per ``headroom`` appended tokens per segment: amortized O(1)
+per token. Eviction compacts a segment in place (kept tokens moved to its front;
 docs/design.md, "RoPE-Relay: Compaction"); :meth:`RelayStore.shrink` gives back memory when the
 buffer is mostly headroom.
 
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["PaddedSegments", "RelayStore", "Segment"]
+__all__ = ["PaddedSegments", "PaddedView", "RelayStore", "Segment"]
 
 #: ``original_positions`` of the padding slots of a :class:`PaddedSegments` view.
 PAD_POSITION: int = -1
@@ -78,6 +82,25 @@ class PaddedSegments:
     valid: Tensor
     original_positions: Tensor
     rotary_positions: Tensor
+
+
+@dataclass(frozen=True)
+class PaddedView:
+    """Views (no copies) of every segment of a store, padded to the longest (what attention
+    reads): ``M = B * H`` segments, ``S`` the longest segment (at least 1).
+
+    Attributes:
+        keys: ``[M, S, D]``; values: ``[M, S, Dv]``. Slots at and past a segment's length hold
+            stale finite data (headroom): read them only through ``valid``.
+        valid: bool ``[M, S]``, True for the first ``lengths[s]`` slots of segment ``s``, or
+            ``None`` when every segment holds exactly ``S`` tokens (nothing to mask).
+        longest: ``S``.
+    """
+
+    keys: Tensor
+    values: Tensor
+    valid: Tensor | None
+    longest: int
 
 
 def _ramps(starts: Sequence[Sequence[int]], counts: Sequence[int]) -> Tensor:
@@ -148,9 +171,11 @@ class RelayStore:
         self.offsets: list[int] = [0] * segments
         self.lengths: list[int] = [0] * segments
         self.capacities: list[int] = [0] * segments
+        self.stride = 1
         self.relayouts = 0
         self._ramp = torch.arange(64, dtype=torch.int64, device=self.device)
-        self._allocate(1)
+        self._allocate(segments)  # one (unused) row per segment
+        self._lay_out(1)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -198,6 +223,20 @@ class RelayStore:
         self.values = torch.zeros(rows, self.value_dim, dtype=self.dtype, device=self.device)
         self.original_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.rotary_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self.valid = torch.zeros(rows, dtype=torch.bool, device=self.device)
+
+    def _lay_out(self, stride: int) -> None:
+        """Set the segment table for segments of ``stride`` rows each (``offsets[s] = s *
+        stride``)."""
+        self.stride = stride
+        self.capacities = [stride] * self.num_segments
+        self.offsets = [s * stride for s in range(self.num_segments)]
+
+    def _mark_valid(self, segments: slice) -> None:
+        """Rewrite ``valid`` for the segments ``segments`` from the host ``lengths``."""
+        lengths = torch.tensor(self.lengths[segments], dtype=torch.int64, device=self.device)
+        grid = self.valid.view(-1, self.stride)[segments]
+        grid.copy_(self.slots(self.stride).view(1, -1) < lengths.view(-1, 1))
 
     def headroom(self) -> int:
         """Free rows each segment gets at a re-layout: ``max(min_headroom, ceil(growth *
@@ -206,31 +245,30 @@ class RelayStore:
         return max(self.min_headroom, math.ceil(self.growth * mean))
 
     def relayout(self, extra: Sequence[int] | None = None) -> None:
-        """Copy the used rows into a new buffer where segment ``s`` has room for ``extra[s]``
-        more tokens plus :meth:`headroom` (one gather and one scatter per buffer)."""
+        """Copy the used rows into a new buffer whose common segment capacity (``stride``) fits
+        the longest ``lengths[s] + extra[s]`` plus :meth:`headroom` (one gather and one
+        scatter per buffer)."""
         extra = [0] * self.num_segments if extra is None else list(extra)
         room = self.headroom()
-        capacities = [n + e + room for n, e in zip(self.lengths, extra, strict=True)]
-        offsets = [0] * self.num_segments
-        for s in range(1, self.num_segments):
-            offsets[s] = offsets[s - 1] + capacities[s - 1]
+        stride = max(n + e for n, e in zip(self.lengths, extra, strict=True)) + room
         src = _arange_segments(self.offsets, self.lengths).to(self.device)
-        dst = _arange_segments(offsets, self.lengths).to(self.device)
         old = (self.keys, self.values, self.original_positions, self.rotary_positions)
-        self._allocate(sum(capacities))
+        self._allocate(stride * self.num_segments)
+        self._lay_out(stride)
+        dst = _arange_segments(self.offsets, self.lengths).to(self.device)
         for new, buf in zip(
             (self.keys, self.values, self.original_positions, self.rotary_positions),
             old,
             strict=True,
         ):
             new.index_copy_(0, dst, buf.index_select(0, src))
-        self.offsets, self.capacities = offsets, capacities
+        self._mark_valid(slice(None))
         self.relayouts += 1
 
     def shrink(self, slack: float = 2.0) -> bool:
         """Re-lay out (freeing memory) when the allocation exceeds ``slack`` times what a fresh
         layout would reserve; returns whether it did."""
-        target = sum(self.lengths) + self.num_segments * self.headroom()
+        target = self.num_segments * (max(self.lengths, default=0) + self.headroom())
         if self.rows_allocated > slack * target:
             self.relayout()
             return True
@@ -269,9 +307,7 @@ class RelayStore:
         if len(real) != batch or any(not 0 <= r <= t for r in real):
             raise ValueError(f"real tokens per row {real} must be {batch} ints in [0, {t}]")
         per_segment = [r for r in real for _ in range(heads)]
-        if any(
-            n + r > c for n, r, c in zip(self.lengths, per_segment, self.capacities, strict=True)
-        ):
+        if any(n + r > self.stride for n, r in zip(self.lengths, per_segment, strict=True)):
             self.relayout(per_segment)
         if sum(per_segment) == 0:
             return
@@ -298,6 +334,7 @@ class RelayStore:
         self.values.index_copy_(0, dst, new_v.to(self.dtype))
         self.original_positions.index_copy_(0, dst, table[1])
         self.rotary_positions.index_copy_(0, dst, table[2])
+        self.valid.index_fill_(0, dst, True)
         self.lengths = [n + r for n, r in zip(self.lengths, per_segment, strict=True)]
 
     def write_front(
@@ -336,6 +373,7 @@ class RelayStore:
         self.original_positions.index_copy_(0, dst, original_positions.reshape(-1)[src])
         self.rotary_positions.index_copy_(0, dst, rotary_positions.reshape(-1)[src])
         self.lengths[base : base + heads] = counts
+        self._mark_valid(slice(base, base + heads))
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep sequences ``rows`` (host ints, repeats allowed) in that order (beam search,
@@ -350,18 +388,18 @@ class RelayStore:
         self.batch = len(rows)
         self.lengths = lengths
         room = self.headroom() if self.num_segments else self.min_headroom
-        self.capacities = [n + room for n in lengths]
-        self.offsets = [0] * len(segs)
-        for s in range(1, len(segs)):
-            self.offsets[s] = self.offsets[s - 1] + self.capacities[s - 1]
+        stride = max(lengths, default=0) + room
+        self._allocate(stride * len(segs))
+        self._lay_out(stride)
         dst = _arange_segments(self.offsets, lengths).to(self.device)
-        self._allocate(sum(self.capacities))
         for new, buf in zip(
             (self.keys, self.values, self.original_positions, self.rotary_positions),
             old,
             strict=True,
         ):
             new.index_copy_(0, dst, buf.index_select(0, src))
+        if self.num_segments:
+            self._mark_valid(slice(None))
 
     # ------------------------------------------------------------------ reads
     def gather_index(self, rows: Sequence[int] | None = None) -> tuple[Tensor, Tensor, int]:
@@ -391,6 +429,22 @@ class RelayStore:
         # capacities >= 1 after any append, and a fresh store's one row is row 0: always valid
         index = table[0].unsqueeze(-1) + torch.minimum(slot.unsqueeze(0), table[1].unsqueeze(-1))
         return index, table[2], longest
+
+    def padded_view(self) -> PaddedView:
+        """Every segment padded to the longest, as views of the buffers (no copy, no device
+        read-back): see :class:`PaddedView`. Slot ``i`` of segment ``s`` is row
+        ``offsets[s] + i``."""
+        longest = max(max(self.lengths, default=0), 1)  # <= stride: every segment has a row
+        segments = self.num_segments
+        valid = None
+        if min(self.lengths) != longest:
+            valid = self.valid.view(segments, self.stride)[:, :longest]
+        return PaddedView(
+            keys=self.keys.view(segments, self.stride, self.head_dim)[:, :longest],
+            values=self.values.view(segments, self.stride, self.value_dim)[:, :longest],
+            valid=valid,
+            longest=longest,
+        )
 
     def padded(self, rows: Sequence[int] | None = None) -> PaddedSegments:
         """Left-aligned padded copies of sequences ``rows`` (default all): see
