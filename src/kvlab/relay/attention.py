@@ -66,11 +66,11 @@ def ragged_attention(
         )
     group = q_heads // heads
     segments = batch * heads
-    view = store.padded_view()  # [B*H, S, D] views of the buffers: no copy
-    longest = view.longest
-    # [B*H, 1, S, D] broadcast over the group (stride 0, no copy); a cast only if dtypes differ
-    keys = view.keys.to(query.dtype).unsqueeze(1).expand(-1, group, -1, -1)
-    values = view.values.to(query.dtype).unsqueeze(1).expand(-1, group, -1, -1)
+    # [B*H, G, S, D] views of the buffers, the group a stride-0 axis: no copy
+    view = store.padded_view(group)
+    longest, keys, values = view.longest, view.keys, view.values
+    if keys.dtype != query.dtype:
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
     q = query.reshape(segments, group, q_len, dim)
 
     pad_queries = None  # bool [B, Q]: the first Q - query_lengths[b] queries of row b
@@ -79,23 +79,22 @@ def ragged_attention(
         pad_queries = torch.arange(q_len, device=query.device).view(1, -1) < (q_len - real).view(
             -1, 1
         )
-    mask = None
+    mask = None  # bool, broadcastable to [B*H, G, Q, S]
     if q_len > 1:
         # query j of segment s sees slots i <= length_s - Q + j
         slot = store.slots(longest)
         lengths = torch.tensor(store.lengths, dtype=torch.int64, device=query.device)
         row = torch.arange(q_len, device=query.device) - q_len
         limit = lengths.view(-1, 1) + row.view(1, -1)  # [B*H, Q]
-        mask = slot.view(1, 1, -1) <= limit.unsqueeze(-1)  # [B*H, Q, S]
+        mask = (slot.view(1, 1, -1) <= limit.unsqueeze(-1)).unsqueeze(1)  # [B*H, 1, Q, S]
     elif view.valid is not None:
-        mask = view.valid.unsqueeze(1)  # [B*H, 1, S]: the store's key-padding mask (a view)
+        mask = view.valid  # the store's key-padding mask, a [B*H, 1, 1, S] view
     elif pad_queries is not None:
-        mask = torch.ones(segments, 1, longest, dtype=torch.bool, device=query.device)
-    if mask is not None:
-        if pad_queries is not None:
-            # padding queries attend every slot (finite keys), then are zeroed below
-            mask = mask | pad_queries.repeat_interleave(heads, 0).unsqueeze(-1)
-        mask = mask.unsqueeze(1)  # [B*H, 1, Q, S]: broadcast over the group
+        mask = torch.ones(segments, 1, 1, longest, dtype=torch.bool, device=query.device)
+    if pad_queries is not None:
+        # padding queries attend every slot (finite keys), then are zeroed below
+        assert mask is not None
+        mask = mask | pad_queries.repeat_interleave(heads, 0).view(segments, 1, q_len, 1)
     if softcap is None and s_aux is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     else:

@@ -86,14 +86,16 @@ class PaddedSegments:
 
 @dataclass(frozen=True)
 class PaddedView:
-    """Views (no copies) of every segment of a store, padded to the longest (what attention
-    reads): ``M = B * H`` segments, ``S`` the longest segment (at least 1).
+    """Views (no copies) of every segment of a store, padded to the longest and broadcast over
+    a GQA group (what attention reads): ``M = B * H`` segments, ``G`` the group, ``S`` the
+    longest segment (at least 1).
 
     Attributes:
-        keys: ``[M, S, D]``; values: ``[M, S, Dv]``. Slots at and past a segment's length hold
-            stale finite data (headroom): read them only through ``valid``.
-        valid: bool ``[M, S]``, True for the first ``lengths[s]`` slots of segment ``s``, or
-            ``None`` when every segment holds exactly ``S`` tokens (nothing to mask).
+        keys: ``[M, G, S, D]``; values: ``[M, G, S, Dv]`` (the group axis has stride 0). Slots
+            at and past a segment's length hold stale finite data (headroom): read them only
+            through ``valid``.
+        valid: bool ``[M, 1, 1, S]``, True for the first ``lengths[s]`` slots of segment ``s``,
+            or ``None`` when every segment holds exactly ``S`` tokens (nothing to mask).
         longest: ``S``.
     """
 
@@ -103,20 +105,24 @@ class PaddedView:
     longest: int
 
 
-def _ramps(starts: Sequence[Sequence[int]], counts: Sequence[int]) -> Tensor:
-    """int64 CPU ``[len(starts), sum(counts)]``: row ``i`` is ``starts[i][k] + 0 ..
-    starts[i][k] + counts[k] - 1`` concatenated over ``k`` (one host tensor for small sizes)."""
+def _ramps(
+    starts: Sequence[Sequence[int]], counts: Sequence[int], device: torch.device | None = None
+) -> Tensor:
+    """int64 ``[len(starts), sum(counts)]`` on ``device`` (default CPU): row ``i`` is
+    ``starts[i][k] + 0 .. starts[i][k] + counts[k] - 1`` concatenated over ``k`` (one tensor
+    built from host ints for small sizes)."""
     total = int(sum(counts))
-    if total <= 4096:  # decode steps: one small host tensor
+    if total <= 4096:  # decode steps: one small tensor from host ints
         return torch.tensor(
             [[a + j for a, c in zip(row, counts, strict=True) for j in range(c)] for row in starts],
             dtype=torch.int64,
+            device=device,
         ).view(len(starts), total)
     counts_t = torch.tensor(list(counts), dtype=torch.int64)
     first = torch.cumsum(counts_t, 0) - counts_t  # where each run begins in the output
     within = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(first, counts_t)
     starts_t = torch.tensor([list(row) for row in starts], dtype=torch.int64)
-    return torch.repeat_interleave(starts_t, counts_t, dim=1) + within
+    return (torch.repeat_interleave(starts_t, counts_t, dim=1) + within).to(device)
 
 
 def _arange_segments(starts: Sequence[int], counts: Sequence[int]) -> Tensor:
@@ -320,20 +326,22 @@ class RelayStore:
                 [s * t + t - r for s, r in enumerate(per_segment)], per_segment
             ).to(self.device)
             new_k, new_v = flat_k.index_select(0, src), flat_v.index_select(0, src)
-        # destination rows, stream indices and rotary positions: one host tensor
-        table = _ramps(
+        if new_k.dtype != self.dtype or new_v.dtype != self.dtype:
+            new_k, new_v = new_k.to(self.dtype), new_v.to(self.dtype)
+        # destination rows, stream indices and rotary positions: one tensor from host ints
+        dst, original, rotary = _ramps(
             [
                 [o + n for o, n in zip(self.offsets, self.lengths, strict=True)],
                 [original_start[s // heads] for s in range(self.num_segments)],
                 [rotary_start[s // heads] for s in range(self.num_segments)],
             ],
             per_segment,
-        ).to(self.device)
-        dst = table[0]
-        self.keys.index_copy_(0, dst, new_k.to(self.dtype))
-        self.values.index_copy_(0, dst, new_v.to(self.dtype))
-        self.original_positions.index_copy_(0, dst, table[1])
-        self.rotary_positions.index_copy_(0, dst, table[2])
+            self.device,
+        ).unbind(0)
+        self.keys.index_copy_(0, dst, new_k)
+        self.values.index_copy_(0, dst, new_v)
+        self.original_positions.index_copy_(0, dst, original)
+        self.rotary_positions.index_copy_(0, dst, rotary)
         self.valid.index_fill_(0, dst, True)
         self.lengths = [n + r for n, r in zip(self.lengths, per_segment, strict=True)]
 
@@ -430,18 +438,19 @@ class RelayStore:
         index = table[0].unsqueeze(-1) + torch.minimum(slot.unsqueeze(0), table[1].unsqueeze(-1))
         return index, table[2], longest
 
-    def padded_view(self) -> PaddedView:
-        """Every segment padded to the longest, as views of the buffers (no copy, no device
-        read-back): see :class:`PaddedView`. Slot ``i`` of segment ``s`` is row
-        ``offsets[s] + i``."""
+    def padded_view(self, group: int = 1) -> PaddedView:
+        """Every segment padded to the longest and broadcast over ``group`` query heads, as
+        views of the buffers (one view op per tensor: no copy, no device read-back); see
+        :class:`PaddedView`. Slot ``i`` of segment ``s`` is row ``offsets[s] + i``."""
         longest = max(max(self.lengths, default=0), 1)  # <= stride: every segment has a row
-        segments = self.num_segments
+        segments, stride = self.num_segments, self.stride
+        d, dv = self.head_dim, self.value_dim
         valid = None
         if min(self.lengths) != longest:
-            valid = self.valid.view(segments, self.stride)[:, :longest]
+            valid = self.valid.as_strided((segments, 1, 1, longest), (stride, 0, 0, 1))
         return PaddedView(
-            keys=self.keys.view(segments, self.stride, self.head_dim)[:, :longest],
-            values=self.values.view(segments, self.stride, self.value_dim)[:, :longest],
+            keys=self.keys.as_strided((segments, group, longest, d), (stride * d, 0, d, 1)),
+            values=self.values.as_strided((segments, group, longest, dv), (stride * dv, 0, dv, 1)),
             valid=valid,
             longest=longest,
         )
