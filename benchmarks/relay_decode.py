@@ -12,13 +12,16 @@ hits them alike; prints the median step time per method and its ratio to ``full`
   (``cache.position_ids(1)``), so no re-rotation happens.
 
 Also printed: the aten ops one decode step dispatches (counted with a ``TorchDispatchMode``;
-deterministic, unlike the times).
+deterministic, unlike the times). ``--ops-only`` skips the timing and prints, per method, the
+ops of one decode step by name where they differ from ``full``'s (what a relay step does that
+``DynamicCache`` + SDPA does not).
 
 Model: SmolLM2-135M (``--model smollm2-135m``, offline) or a random-initialized model with its
 shapes (``--model random``: 30 layers, 9 query / 3 kv heads, head_dim 64). Timings on a shared
 machine are noisy: compare ratios from one run.
 
     OMP_NUM_THREADS=1 python benchmarks/relay_decode.py --prefill 512,2048 --steps 32
+    OMP_NUM_THREADS=1 python benchmarks/relay_decode.py --prefill 512 --ops-only
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -39,9 +43,11 @@ class _OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.names: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.names[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -72,7 +78,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--ops-only", action="store_true", help="count ops, time nothing")
     args = parser.parse_args()
+    if args.ops_only:
+        args.rounds, args.steps = 1, 1
     torch.set_num_threads(1)
     model = _model(args.model)
     vocab = model.config.vocab_size
@@ -103,6 +112,7 @@ def main() -> None:
         }
         times: dict[str, list[float]] = {name: [] for name in methods}
         ops: dict[str, int] = {}
+        by_name: dict[str, Counter[str]] = {}
         with torch.no_grad():
             for _ in range(args.rounds):
                 for name, (attention, make, own_positions) in methods.items():
@@ -122,6 +132,18 @@ def main() -> None:
                             with _OpCounter() as counter:
                                 model(ids[:, -1:], cache=cache, logits_to_keep=1, **extra)
                             ops[name] = counter.ops
+                            by_name[name] = counter.names
+        if args.ops_only:
+            layers = model.config.num_hidden_layers
+            print(f"P = {prefill}: aten ops of one decode step ({layers} layers)")
+            for name, count in ops.items():
+                print(f"  {name:34s} {count:6d} ({(count - ops['full']) / layers:+.1f} per layer)")
+                if name == "full":
+                    continue
+                diff = by_name[name].copy()
+                diff.subtract(by_name["full"])
+                print("      " + ", ".join(f"{op} {n:+d}" for op, n in diff.most_common() if n))
+            continue
         full = statistics.median(times["full"])
         print(f"P = {prefill}: median decode step over {len(times['full'])} steps")
         for name, values in times.items():

@@ -1,14 +1,16 @@
 """Attention over a :class:`~kvlab.relay.storage.RelayStore`: one call per layer for every
 sequence and kv head (the torch reference a kernel for the ragged layout is tested against).
 
-The store's segments are gathered into a padded ``[B * H_kv, G, S, D]`` view (the group axis a
-stride-0 broadcast, no copy) and attended with ONE PyTorch SDPA call whose batch axis is the
-segments: each segment's ``G = H_q / H_kv`` query heads read its keys (GQA: query head ``i`` reads
-kv head ``i // G``), a key-padding mask hides slots past a segment's length, and multi-token
-forwards are causal with bottom-right alignment per segment (docs/design.md, "RoPE-Relay:
-Attention"). On CPU this measured faster than a segment softmax over the flat buffer with index
-ops (``benchmarks/relay_attention_layouts.py``); it gives the bits of one SDPA call per head
-when the segments have equal lengths, and agrees to float32 rounding otherwise.
+The store's segments share one capacity (its ``stride``), so its buffers are read as a padded
+``[B * H_kv, G, S, D]`` view (:meth:`~kvlab.relay.storage.RelayStore.padded_view`: the group
+axis a stride-0 broadcast; no gather, no copy) and attended with ONE PyTorch SDPA call whose
+batch axis is the segments: each segment's ``G = H_q / H_kv`` query heads read its keys (GQA:
+query head ``i`` reads kv head ``i // G``), the store's key-padding mask (a view of its
+``valid`` rows) hides slots past a segment's length, and multi-token forwards are causal with
+bottom-right alignment per segment (docs/design.md, "RoPE-Relay: Attention"). On CPU this
+measured faster than a segment softmax over the flat buffer with index ops
+(``benchmarks/relay_attention_layouts.py``); it gives the bits of one SDPA call per head when
+the segments have equal lengths, and agrees to float32 rounding otherwise.
 """
 
 from __future__ import annotations

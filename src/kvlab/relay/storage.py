@@ -142,6 +142,13 @@ class RelayStore:
         growth: headroom as a fraction of the mean segment length (``> 0``; amortized O(1)
             appends need it to be a fixed fraction).
 
+    Attributes:
+        offsets, lengths, capacities: the host segment table (``B * H`` ints each).
+        stride: the common capacity of every segment in rows (``offsets[s] == s * stride``).
+        keys, values, original_positions, rotary_positions, valid: the flat buffers
+            (module docstring).
+        relayouts: re-layouts so far.
+
     Raises:
         ValueError: non-positive sizes, ``min_headroom < 1`` or ``growth <= 0``.
     """
