@@ -332,6 +332,8 @@ def _assert_valid_mask_matches_lengths(store):
     grid = store.valid.view(store.num_segments, store.stride)
     expected = torch.arange(store.stride).view(1, -1) < torch.tensor(store.lengths).view(-1, 1)
     assert torch.equal(grid, expected)
+    bias = torch.zeros(expected.shape).masked_fill(~expected, float("-inf")).to(store.dtype)
+    assert torch.equal(store.key_bias.view(store.num_segments, store.stride), bias)
     assert store.offsets == [s * store.stride for s in range(store.num_segments)]
     assert store.capacities == [store.stride] * store.num_segments
     assert store.rows_allocated == store.stride * store.num_segments
@@ -421,3 +423,49 @@ def test_a_decode_step_reads_the_store_without_copying_it():
     assert not copies & set(ops.names), ops.names
     assert sum(name.startswith("_scaled_dot_product") for name in ops.names) == 1  # one call
     assert torch.equal(out, _pre_change_attention(query, store, 0.25))
+
+
+@HYPOTHESIS
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    events=st.lists(st.sampled_from(["step", "step", "step", "jump", "evict"]), max_size=30),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_steps_write_each_token_at_its_row_stream_index_and_position(
+    batch, heads, events, seed
+):
+    """Single-token appends reuse and advance the device table of the next rows and positions;
+    a position jump (a relay moves ``next_positions``), a compaction or a re-layout rebuilds it.
+    Every segment stays exactly the tokens appended, at their stream indices and positions."""
+    gen = torch.Generator().manual_seed(seed)
+    store = RelayStore(batch, heads, 4, 3, dtype=torch.float32, device="cpu", min_headroom=1)
+    segments = {(b, h): ([], [], []) for b in range(batch) for h in range(heads)}
+    stream, rot = [0] * batch, [50] * batch
+    for event in ["step", *events, "step"]:
+        if event == "jump":
+            rot = [r + int(torch.randint(-20, 20, (1,), generator=gen)) for r in rot]
+            continue
+        if event == "evict":
+            for b in range(batch):
+                keep = [max(1, len(segments[b, h][0]) // 2) for h in range(heads)]
+                view = store.padded([b])
+                store.write_front(b, keep, [0] * heads, *_front(view))
+                for h in range(heads):
+                    for column in segments[b, h]:
+                        del column[keep[h] :]
+            continue
+        keys = torch.randn(batch, heads, 1, 4, generator=gen)
+        store.append(keys, keys[..., :3], real=[1] * batch, original_start=stream,
+                     rotary_start=rot)  # fmt: skip
+        for b in range(batch):
+            for h in range(heads):
+                segments[b, h][0].append(keys[b, h, 0])
+                segments[b, h][1].append(stream[b])
+                segments[b, h][2].append(rot[b])
+        stream, rot = [s + 1 for s in stream], [r + 1 for r in rot]
+    for (b, h), (k, o, r) in segments.items():
+        seg = store.segment(b, h)
+        assert torch.equal(seg.keys, torch.stack(k))
+        assert seg.original_positions.tolist() == o and seg.rotary_positions.tolist() == r
+    _assert_valid_mask_matches_lengths(store)

@@ -90,7 +90,11 @@ def ragged_attention(
         limit = lengths.view(-1, 1) + row.view(1, -1)  # [B*H, Q]
         mask = (slot.view(1, 1, -1) <= limit.unsqueeze(-1)).unsqueeze(1)  # [B*H, 1, Q, S]
     elif view.valid is not None:
-        mask = view.valid  # the store's key-padding mask, a [B*H, 1, 1, S] view
+        # the store's key-padding mask, a [B*H, 1, 1, S] view; for SDPA its additive form,
+        # what SDPA would make of the boolean one (same bits, no conversion per call)
+        plain = softcap is None and s_aux is None and pad_queries is None
+        use_bias = plain and view.bias is not None and view.bias.dtype == query.dtype
+        mask = view.bias if use_bias else view.valid
     elif pad_queries is not None:
         mask = torch.ones(segments, 1, 1, longest, dtype=torch.bool, device=query.device)
     if pad_queries is not None:

@@ -9,7 +9,8 @@ Layout (docs/design.md, "RoPE-Relay: Storage format"): a layer holds ``B`` seque
 * ``original_positions`` int64 ``[N]``: each token's stream index in its sequence (pads excluded);
 * ``rotary_positions`` int64 ``[N]``: the position its key is rotated at;
 * ``valid`` bool ``[N]``: True exactly on the used rows (the key-padding mask of attention,
-  kept up to date by every write instead of being rebuilt per call).
+  kept up to date by every write instead of being rebuilt per call), and ``key_bias`` ``[N]``
+  in the cache dtype, the same mask as an additive bias (``0`` used, ``-inf`` headroom).
 
 The first ``lengths[s]`` rows of a segment are its tokens, in stream order; the rest is headroom
 for future tokens. ``offsets``, ``lengths`` and ``capacities`` are host-side Python ints (never
@@ -96,12 +97,15 @@ class PaddedView:
             through ``valid``.
         valid: bool ``[M, 1, 1, S]``, True for the first ``lengths[s]`` slots of segment ``s``,
             or ``None`` when every segment holds exactly ``S`` tokens (nothing to mask).
+        bias: the same mask as an additive bias in the store dtype (``0`` / ``-inf``), what
+            SDPA would make of ``valid`` (``None`` with it).
         longest: ``S``.
     """
 
     keys: Tensor
     values: Tensor
     valid: Tensor | None
+    bias: Tensor | None
     longest: int
 
 
@@ -113,11 +117,8 @@ def _ramps(
     built from host ints for small sizes)."""
     total = int(sum(counts))
     if total <= 4096:  # decode steps: one small tensor from host ints
-        return torch.tensor(
-            [[a + j for a, c in zip(row, counts, strict=True) for j in range(c)] for row in starts],
-            dtype=torch.int64,
-            device=device,
-        ).view(len(starts), total)
+        flat = [a + j for row in starts for a, c in zip(row, counts, strict=True) for j in range(c)]
+        return torch.tensor(flat, dtype=torch.int64, device=device).view(len(starts), total)
     counts_t = torch.tensor(list(counts), dtype=torch.int64)
     first = torch.cumsum(counts_t, 0) - counts_t  # where each run begins in the output
     within = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(first, counts_t)
@@ -145,7 +146,7 @@ class RelayStore:
     Attributes:
         offsets, lengths, capacities: the host segment table (``B * H`` ints each).
         stride: the common capacity of every segment in rows (``offsets[s] == s * stride``).
-        keys, values, original_positions, rotary_positions, valid: the flat buffers
+        keys, values, original_positions, rotary_positions, valid, key_bias: the flat buffers
             (module docstring).
         relayouts: re-layouts so far.
 
@@ -186,6 +187,11 @@ class RelayStore:
         self.capacities: list[int] = [0] * segments
         self.stride = 1
         self.relayouts = 0
+        # decode steps: the (row, stream index, position) of each segment's next token as a
+        # device tensor, advanced in place after a single-token append, and the host state it
+        # was built for (docs/design.md, "RoPE-Relay: Segment layout and growth")
+        self._next: tuple[Tensor, ...] | None = None  # int64 [3, B * H] and its 3 rows
+        self._next_key: tuple | None = None
         self._ramp = torch.arange(64, dtype=torch.int64, device=self.device)
         self._allocate(segments)  # one (unused) row per segment
         self._lay_out(1)
@@ -237,19 +243,23 @@ class RelayStore:
         self.original_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.rotary_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.valid = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        self.key_bias = torch.full((rows,), -math.inf, dtype=self.dtype, device=self.device)
 
     def _lay_out(self, stride: int) -> None:
         """Set the segment table for segments of ``stride`` rows each (``offsets[s] = s *
         stride``)."""
         self.stride = stride
+        self._next_key = None
         self.capacities = [stride] * self.num_segments
         self.offsets = [s * stride for s in range(self.num_segments)]
 
     def _mark_valid(self, segments: slice) -> None:
         """Rewrite ``valid`` for the segments ``segments`` from the host ``lengths``."""
         lengths = torch.tensor(self.lengths[segments], dtype=torch.int64, device=self.device)
-        grid = self.valid.view(-1, self.stride)[segments]
-        grid.copy_(self.slots(self.stride).view(1, -1) < lengths.view(-1, 1))
+        valid = self.slots(self.stride).view(1, -1) < lengths.view(-1, 1)
+        self.valid.view(-1, self.stride)[segments].copy_(valid)
+        bias = self.key_bias.view(-1, self.stride)[segments]
+        bias.copy_(torch.zeros_like(bias).masked_fill_(~valid, -math.inf))
 
     def headroom(self) -> int:
         """Free rows each segment gets at a re-layout: ``max(min_headroom, ceil(growth *
@@ -335,22 +345,42 @@ class RelayStore:
             new_k, new_v = flat_k.index_select(0, src), flat_v.index_select(0, src)
         if new_k.dtype != self.dtype or new_v.dtype != self.dtype:
             new_k, new_v = new_k.to(self.dtype), new_v.to(self.dtype)
-        # destination rows, stream indices and rotary positions: one tensor from host ints
-        dst, original, rotary = _ramps(
-            [
-                [o + n for o, n in zip(self.offsets, self.lengths, strict=True)],
-                [original_start[s // heads] for s in range(self.num_segments)],
-                [rotary_start[s // heads] for s in range(self.num_segments)],
-            ],
-            per_segment,
-            self.device,
-        ).unbind(0)
+        single = t == 1 and min(real) == 1  # a decode step: one token per segment
+        key = (self.stride, tuple(self.lengths), tuple(original_start), tuple(rotary_start))
+        if single and key == self._next_key:
+            assert self._next is not None
+            table, dst, original, rotary = self._next
+        else:
+            # destination rows, stream indices and rotary positions: one tensor from host ints
+            table = _ramps(
+                [
+                    [o + n for o, n in zip(self.offsets, self.lengths, strict=True)],
+                    [original_start[s // heads] for s in range(self.num_segments)],
+                    [rotary_start[s // heads] for s in range(self.num_segments)],
+                ],
+                per_segment,
+                self.device,
+            )
+            dst, original, rotary = table.unbind(0)
         self.keys.index_copy_(0, dst, new_k)
         self.values.index_copy_(0, dst, new_v)
         self.original_positions.index_copy_(0, dst, original)
         self.rotary_positions.index_copy_(0, dst, rotary)
         self.valid.index_fill_(0, dst, True)
+        self.key_bias.index_fill_(0, dst, 0.0)
         self.lengths = [n + r for n, r in zip(self.lengths, per_segment, strict=True)]
+        if single:
+            # the next single token of every segment: one row, stream index and position on
+            table.add_(1)
+            self._next = (table, dst, original, rotary)
+            self._next_key = (
+                self.stride,
+                tuple(self.lengths),
+                tuple(o + 1 for o in original_start),
+                tuple(r + 1 for r in rotary_start),
+            )
+        else:
+            self._next_key = None
 
     def write_front(
         self,
@@ -388,6 +418,7 @@ class RelayStore:
         self.original_positions.index_copy_(0, dst, original_positions.reshape(-1)[src])
         self.rotary_positions.index_copy_(0, dst, rotary_positions.reshape(-1)[src])
         self.lengths[base : base + heads] = counts
+        self._next_key = None
         self._mark_valid(slice(base, base + heads))
 
     def select_rows(self, rows: Sequence[int]) -> None:
@@ -452,13 +483,15 @@ class RelayStore:
         longest = max(max(self.lengths, default=0), 1)  # <= stride: every segment has a row
         segments, stride = self.num_segments, self.stride
         d, dv = self.head_dim, self.value_dim
-        valid = None
+        valid = bias = None
         if min(self.lengths) != longest:
             valid = self.valid.as_strided((segments, 1, 1, longest), (stride, 0, 0, 1))
+            bias = self.key_bias.as_strided((segments, 1, 1, longest), (stride, 0, 0, 1))
         return PaddedView(
             keys=self.keys.as_strided((segments, group, longest, d), (stride * d, 0, d, 1)),
             values=self.values.as_strided((segments, group, longest, dv), (stride * dv, 0, dv, 1)),
             valid=valid,
+            bias=bias,
             longest=longest,
         )
 
