@@ -5,13 +5,17 @@ heads holding unequal counts (``n, 3n/4, n/2``, as after an adaptive eviction) i
 ``[N, D]`` buffer with headroom between segments. Rows (median of ``blocked_autorange``):
 
 * ``per_head_sdpa``  — one SDPA per kv head over its contiguous segment (the old layout);
-* ``gather_sdpa``    — gather every segment into a padded ``[H_kv, G, S, D]`` view (group
+* ``gather_sdpa``    — gather every segment into a padded ``[H_kv, G, S, D]`` copy (group
   axis a stride-0 broadcast) and ONE SDPA with a key-padding mask (what
-  :func:`kvlab.relay.attention.ragged_attention` does);
+  :func:`kvlab.relay.attention.ragged_attention` did before the common-stride layout);
+* ``store_view_sdpa`` — :func:`kvlab.relay.attention.ragged_attention` on a
+  :class:`kvlab.relay.storage.RelayStore` holding those counts: segments of one common stride
+  read as a padded view (no gather), the store's additive key-padding mask, ONE SDPA;
 * ``segment_softmax`` — logits of every stored token against its segment's queries, a
   segment softmax with ``scatter_reduce``/``index_add``, values summed with one matmul.
 
-``bits`` says whether ``gather_sdpa`` returns the same bits as ``per_head_sdpa``.
+``bits`` says whether ``gather_sdpa`` returns the same bits as ``per_head_sdpa``, ``view bits``
+whether ``store_view_sdpa`` returns those of ``gather_sdpa``.
 
     OMP_NUM_THREADS=1 python benchmarks/relay_attention_layouts.py --tokens 256,512,1024,2048
 """
@@ -23,6 +27,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 from torch.utils import benchmark
+
+from kvlab.relay.attention import ragged_attention
+from kvlab.relay.storage import RelayStore
 
 HQ, HKV, D = 9, 3, 64
 G = HQ // HKV
@@ -59,6 +66,18 @@ def gather_sdpa(q, keys, values, offsets, lengths):
     return out.view(1, HQ, 1, D)
 
 
+def _store(keys: torch.Tensor, values: torch.Tensor, offsets, lengths) -> RelayStore:
+    """A RelayStore holding segment ``h`` = ``keys[offsets[h] : offsets[h] + lengths[h]]``."""
+    longest = max(lengths)
+    store = RelayStore(1, HKV, D, D, dtype=keys.dtype, device="cpu")
+    k = torch.stack([keys[o : o + longest] for o in offsets]).unsqueeze(0)
+    v = torch.stack([values[o : o + longest] for o in offsets]).unsqueeze(0)
+    store.append(k, v, real=[longest], original_start=[0], rotary_start=[0])
+    ramp = torch.arange(longest).expand(HKV, -1)
+    store.write_front(0, lengths, [0] * HKV, k[0], v[0], ramp, ramp)
+    return store
+
+
 def segment_softmax(q, keys, values, segment):
     segments = HKV
     logits_all = keys @ q.view(segments * G, D).T * D**-0.5  # [N, H_kv * G]
@@ -89,13 +108,16 @@ def main() -> None:
         q = torch.randn(1, HQ, 1, D)
         reference = per_head_sdpa(q, keys, values, offsets, lengths)
         case = (q, keys, values, offsets, lengths)
+        store = _store(keys, values, offsets, lengths)
         rows = {
             "per_head_sdpa": lambda case=case: per_head_sdpa(*case),
             "gather_sdpa": lambda case=case: gather_sdpa(*case),
+            "store_view_sdpa": lambda q=q, st=store: ragged_attention(q, st, scale=D**-0.5),
             "segment_softmax": lambda q=q, kv=(keys, values), s=segment: segment_softmax(q, *kv, s),
         }
         torch.testing.assert_close(rows["segment_softmax"](), reference, atol=1e-5, rtol=1e-5)
         bits = torch.equal(rows["gather_sdpa"](), reference)
+        view_bits = torch.equal(rows["store_view_sdpa"](), rows["gather_sdpa"]())
         times = {
             name: benchmark.Timer(stmt="fn()", globals={"fn": fn})
             .blocked_autorange(min_run_time=args.min_run_time)
@@ -104,7 +126,10 @@ def main() -> None:
             for name, fn in rows.items()
         }
         cells = "  ".join(f"{name} {t:7.0f}" for name, t in times.items())
-        print(f"tokens per head {lengths}: {cells}  bits(gather == per-head) {bits}")
+        print(
+            f"tokens per head {lengths}: {cells}  bits(gather == per-head) {bits}  "
+            f"view bits(view == gather) {view_bits}"
+        )
 
 
 if __name__ == "__main__":

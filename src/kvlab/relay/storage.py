@@ -254,7 +254,8 @@ class RelayStore:
         self.offsets = [s * stride for s in range(self.num_segments)]
 
     def _mark_valid(self, segments: slice) -> None:
-        """Rewrite ``valid`` for the segments ``segments`` from the host ``lengths``."""
+        """Rewrite ``valid`` and ``key_bias`` for the segments ``segments`` from the host
+        ``lengths``."""
         lengths = torch.tensor(self.lengths[segments], dtype=torch.int64, device=self.device)
         valid = self.slots(self.stride).view(1, -1) < lengths.view(-1, 1)
         self.valid.view(-1, self.stride)[segments].copy_(valid)
@@ -312,7 +313,10 @@ class RelayStore:
         ``original_start[b] + j`` and rotary positions ``rotary_start[b] + j``.
 
         The first ``T - real[b]`` tokens of a row (left padding) are dropped. Host ints only;
-        no device read-back. Re-lays out first if a segment lacks room.
+        no device read-back. Re-lays out first if a segment lacks room. A single-token append
+        (a decode step) whose rows and positions follow the previous one's reuses its device
+        table of destination rows, stream indices and positions, advanced in place: no tensor
+        is built from host ints.
 
         Raises:
             ValueError: shapes that do not match the store, or ``real[b]`` outside ``[0, T]``.
@@ -370,7 +374,8 @@ class RelayStore:
         self.key_bias.index_fill_(0, dst, 0.0)
         self.lengths = [n + r for n, r in zip(self.lengths, per_segment, strict=True)]
         if single:
-            # the next single token of every segment: one row, stream index and position on
+            # advance the table in place: each segment's next single token goes one row further,
+            # at the next stream index and position (reused while the host state matches)
             table.add_(1)
             self._next = (table, dst, original, rotary)
             self._next_key = (
