@@ -70,8 +70,13 @@ def _store(keys: torch.Tensor, values: torch.Tensor, offsets, lengths) -> RelayS
     """A RelayStore holding segment ``h`` = ``keys[offsets[h] : offsets[h] + lengths[h]]``."""
     longest = max(lengths)
     store = RelayStore(1, HKV, D, D, dtype=keys.dtype, device="cpu")
-    k = torch.stack([keys[o : o + longest] for o in offsets]).unsqueeze(0)
-    v = torch.stack([values[o : o + longest] for o in offsets]).unsqueeze(0)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [1, H_kv, longest, D], zeros past a length
+        pairs = zip(offsets, lengths, strict=True)
+        rows = [F.pad(x[o : o + n], (0, 0, 0, longest - n)) for o, n in pairs]
+        return torch.stack(rows).unsqueeze(0)
+
+    k, v = padded(keys), padded(values)
     store.append(k, v, real=[longest], original_start=[0], rotary_start=[0])
     ramp = torch.arange(longest).expand(HKV, -1)
     store.write_front(0, lengths, [0] * HKV, k[0], v[0], ramp, ramp)
