@@ -17,7 +17,12 @@ cache), :mod:`~kvlab.pnmix.attention` (packed attention), :mod:`~kvlab.pnmix.all
 from __future__ import annotations
 
 from kvlab.pnmix.allocation import allocate_group_tokens
-from kvlab.pnmix.attention import PackedKV, packed_attention_reference, pnmix_attention
+from kvlab.pnmix.attention import (
+    PackedKV,
+    packed_attention_reference,
+    pnmix_attention,
+    pnmix_decode_step,
+)
 from kvlab.pnmix.cache import PackedGroup, PNMixCache
 from kvlab.pnmix.codecs import (
     CartesianCodec,
@@ -54,5 +59,6 @@ __all__ = [
     "packed_attention_reference",
     "packed_length",
     "pnmix_attention",
+    "pnmix_decode_step",
     "unpack_codes",
 ]

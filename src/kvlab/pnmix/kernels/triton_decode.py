@@ -1,0 +1,486 @@
+"""The Triton backend of packed attention (docs/design.md, "Kernels").
+
+FlashDecoding-style: program ``(row, split, mblock)`` — row = (sequence, kv head), ``mblock``
+a block of that kv head's ``rep · Q`` query rows — runs an online softmax over its slice of the
+row's stream: splits ``0 .. NS - 1`` take consecutive shares of the quantized groups (decoded in
+registers, ``BLOCK_T`` tokens at a time), split ``NS`` takes the exact tokens (sinks and
+residual). Each writes ``(m, l, acc)``; a second kernel merges a row's splits (and the learned
+sink logit, if any) and divides. Keys decode as :meth:`KeyCodec.decode` does (``zero + code ·
+scale``, two roundings: launched with ``enable_fp_fusion=False``; Phase–Norm levels ``offset +
+c · span / L`` and their cos/sin), centred by the row's reference key ``mu``; values are read
+as ``Σ_t (p_t s_t) c_t + Σ_t p_t z_t`` (docs/design.md, "Attention").
+
+Decoding one tile is three steps, so that later codecs slot in: the codec's decode (pair modes
+per (row, pair) or per-token scalars), then [later] the exact sparse entries of the group, then
+[later] the rotation of each key to its position (position-aware codecs).
+
+Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (set before this module is first
+imported: ``triton.jit`` reads it at decoration). Importing this module requires ``triton``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvlab.pnmix.kernels.spec import KEYS_PER_TOKEN, PAIR_PHASE_NORM, KernelKeyDecode
+
+if TYPE_CHECKING:
+    from kvlab.pnmix.attention import PackedKV
+
+__all__ = ["packed_attention_triton"]
+
+
+@triton.jit
+def _codes(base, k_idx, valid, nbytes, BITS: tl.constexpr):
+    """Float codes at code indices ``k_idx`` of the bitstream at ``base`` (``nbytes`` bytes)."""
+    bit = k_idx * BITS
+    byte = bit // 8
+    shift = bit % 8
+    v = tl.load(base + byte, mask=valid, other=0).to(tl.int32)
+    if 8 % BITS != 0:  # a code may straddle two bytes
+        nxt = tl.load(base + byte + 1, mask=valid & (byte + 1 < nbytes), other=0).to(tl.int32)
+        v = v | (nxt << 8)
+    return ((v >> shift) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _softcap(x, qmu, cap):
+    """``cap · tanh((x + q·mu) / cap)`` (Gemma 2), tanh as ``1 − 2 / (exp(2y) + 1)``."""
+    y = (x + qmu) / cap
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+
+
+@triton.jit
+def _online(s, m_run, l_run, acc, accz):
+    """Online-softmax step: logits ``s [BM, BT]`` (``-inf`` = masked) into the running state;
+    returns the new state, the weights ``p`` and the rescale factor of the old state."""
+    m_new = tl.maximum(m_run, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_run - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_new = l_run * alpha + tl.sum(p, axis=1)
+    return m_new, l_new, acc * alpha[:, None], accz * alpha, p
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    mu_ptr,
+    sink_k,
+    sink_v,
+    res_k,
+    res_v,
+    kcodes,
+    kscal,
+    vcodes,
+    vscal,
+    counts,
+    mask_ptr,
+    chan_pair,
+    chan_first,
+    chan_second,
+    part_m,
+    part_l,
+    part_acc,
+    rows,
+    M,
+    Q,
+    S_cap,
+    R_cap,
+    G_cap,
+    Kb,
+    Vb,
+    Sk,
+    P,
+    NS,
+    groups_per_split,
+    softcap,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    T: tl.constexpr,
+    BITS: tl.constexpr,
+    KIND: tl.constexpr,
+    MODE_FIRST: tl.constexpr,
+    MODE_SECOND: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    mblk = tl.program_id(2)
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < M
+    d_ok = offs_d < D
+    dv_ok = offs_dv < DV
+    s_len = tl.load(counts + row)
+    g_cnt = tl.load(counts + rows + row)
+    r_len = tl.load(counts + 2 * rows + row)
+    n = s_len + g_cnt * T + r_len
+    # a query row sees stream indices < limit: n, or causally n - Q + 1 + (its query index)
+    limit = n - (Q - 1 - offs_m % Q).to(tl.int64) * CAUSAL
+    q = tl.load(
+        q_ptr + (row * M + offs_m[:, None]) * D + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    mu = tl.load(mu_ptr + row * D + offs_d, mask=d_ok, other=0.0)
+    qmu = tl.sum(q * mu[None, :], axis=1)
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    accz = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if split == NS:
+        # the exact segment: combined index i < S_cap -> sink slot i, else residual slot
+        for e0 in range(0, S_cap + R_cap, BLOCK_E):
+            i = e0 + tl.arange(0, BLOCK_E)
+            is_sink = i < S_cap
+            j = i - S_cap
+            ok_s = is_sink & (i < s_len)
+            ok_r = (~is_sink) & (j < r_len)
+            stream = tl.where(is_sink, i, s_len + g_cnt * T + j)
+            ks = tl.load(
+                sink_k + (row * S_cap + i[:, None]) * D + offs_d[None, :],
+                mask=ok_s[:, None] & d_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            kr = tl.load(
+                res_k + (row * R_cap + j[:, None]) * D + offs_d[None, :],
+                mask=ok_r[:, None] & d_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            k = tl.where(is_sink[:, None], ks, kr) - mu[None, :]
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            if SOFTCAP:
+                s = _softcap(s, qmu[:, None], softcap)
+            seen = (ok_s | ok_r)[None, :] & (stream[None, :] < limit[:, None]) & m_ok[:, None]
+            s = tl.where(seen, s, float("-inf"))
+            m_run, l_run, acc, accz, p = _online(s, m_run, l_run, acc, accz)
+            vs_ = tl.load(
+                sink_v + (row * S_cap + i[:, None]) * DV + offs_dv[None, :],
+                mask=ok_s[:, None] & dv_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            vr = tl.load(
+                res_v + (row * R_cap + j[:, None]) * DV + offs_dv[None, :],
+                mask=ok_r[:, None] & dv_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            v = tl.where(is_sink[:, None], vs_, vr)
+            acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    else:
+        levels = (1 << BITS) - 1
+        has_pn = (MODE_FIRST == 1) or (MODE_SECOND == 1)
+        if has_pn:
+            pair = tl.load(chan_pair + offs_d, mask=d_ok, other=-1)
+            ch_f = tl.load(chan_first + offs_d, mask=d_ok, other=0)
+            ch_s = tl.load(chan_second + offs_d, mask=d_ok, other=0)
+            if HAS_MASK:
+                bit = tl.load(mask_ptr + row * P + pair, mask=d_ok & (pair >= 0), other=0)
+                mode = tl.where(bit != 0, MODE_SECOND, MODE_FIRST)
+            else:
+                mode = tl.zeros([BLOCK_D], dtype=tl.int32) + MODE_FIRST
+            pn = (pair >= 0) & (mode == 1)
+            is_first = offs_d == ch_f
+        g0 = split * groups_per_split
+        g1 = tl.minimum(g0 + groups_per_split, g_cnt)
+        for g in range(g0, g1):
+            slot = row * G_cap + g
+            kbase = kcodes + slot * Kb
+            vbase = vcodes + slot * Vb
+            sbase = kscal + slot * Sk
+            vsbase = vscal + slot * (2 * T)
+            if KIND == 0:
+                k_scale = tl.load(sbase + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                k_zero = tl.load(sbase + D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                if has_pn:
+                    sc_f = tl.load(sbase + ch_f, mask=d_ok, other=0.0).to(tl.float32)
+                    ze_f = tl.load(sbase + D + ch_f, mask=d_ok, other=0.0).to(tl.float32)
+                    span = tl.load(sbase + ch_s, mask=d_ok, other=0.0).to(tl.float32)
+                    offset = tl.load(sbase + D + ch_s, mask=d_ok, other=0.0).to(tl.float32)
+                    step = span / levels
+            for t0 in range(0, T, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                t_ok = t < T
+                tile_ok = t_ok[:, None] & d_ok[None, :]
+                # (1) the codec's decode
+                c = _codes(kbase, t[:, None] * D + offs_d[None, :], tile_ok, Kb, BITS)
+                if KIND == 0:
+                    k = k_zero[None, :] + c * k_scale[None, :]
+                    if has_pn:
+                        c_f = _codes(kbase, t[:, None] * D + ch_f[None, :], tile_ok, Kb, BITS)
+                        c_s = _codes(kbase, t[:, None] * D + ch_s[None, :], tile_ok, Kb, BITS)
+                        r = ze_f[None, :] + c_f * sc_f[None, :]
+                        level = offset[None, :] + c_s * step[None, :]
+                        polar = tl.where(is_first[None, :], r * tl.cos(level), r * tl.sin(level))
+                        k = tl.where(pn[None, :], polar, k)
+                else:
+                    t_scale = tl.load(sbase + t, mask=t_ok, other=0.0).to(tl.float32)
+                    t_zero = tl.load(sbase + T + t, mask=t_ok, other=0.0).to(tl.float32)
+                    k = t_zero[:, None] + c * t_scale[:, None]
+                # (2) later: add the group's exact sparse entries
+                # (3) later: rotate each key to its position (position-aware codecs)
+                k = tl.where(tile_ok, k - mu[None, :], 0.0)
+                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+                if SOFTCAP:
+                    s = _softcap(s, qmu[:, None], softcap)
+                stream = s_len + g * T + t
+                seen = t_ok[None, :] & (stream[None, :] < limit[:, None]) & m_ok[:, None]
+                s = tl.where(seen, s, float("-inf"))
+                m_run, l_run, acc, accz, p = _online(s, m_run, l_run, acc, accz)
+                v_ok = t_ok[:, None] & dv_ok[None, :]
+                vc = _codes(vbase, t[:, None] * DV + offs_dv[None, :], v_ok, Vb, BITS)
+                v_scale = tl.load(vsbase + t, mask=t_ok, other=0.0).to(tl.float32)
+                v_zero = tl.load(vsbase + T + t, mask=t_ok, other=0.0).to(tl.float32)
+                w = p * v_scale[None, :]
+                acc += tl.sum(w[:, :, None] * vc[None, :, :], axis=1)
+                accz += tl.sum(p * v_zero[None, :], axis=1)
+    base = (row * (NS + 1) + split) * M + offs_m
+    tl.store(part_m + base, m_run, mask=m_ok)
+    tl.store(part_l + base, l_run, mask=m_ok)
+    tl.store(
+        part_acc + base[:, None] * DV + offs_dv[None, :],
+        acc + accz[:, None],
+        mask=m_ok[:, None] & dv_ok[None, :],
+    )
+
+
+@triton.jit
+def _merge_kernel(
+    part_m,
+    part_l,
+    part_acc,
+    q_ptr,
+    mu_ptr,
+    sinks_ptr,
+    out_ptr,
+    M,
+    Q,
+    H,
+    rep,
+    NS,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    mblk = tl.program_id(1)
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < M
+    dv_ok = offs_dv < DV
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for sp in range(0, NS + 1):
+        base = (row * (NS + 1) + sp) * M + offs_m
+        sm = tl.load(part_m + base, mask=m_ok, other=float("-inf"))
+        sl = tl.load(part_l + base, mask=m_ok, other=0.0)
+        sa = tl.load(
+            part_acc + base[:, None] * DV + offs_dv[None, :],
+            mask=m_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
+        top = tl.maximum(m_run, sm)
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        a = tl.exp(m_run - safe)
+        b = tl.exp(sm - safe)
+        l_run = l_run * a + sl * b
+        acc = acc * a[:, None] + sa * b[:, None]
+        m_run = top
+    if HAS_SINKS:
+        h = row % H
+        sink = tl.load(sinks_ptr + h * rep + offs_m // Q, mask=m_ok, other=0.0)
+        if not SOFTCAP:  # into the centred logits' frame: minus q . mu
+            offs_d = tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            q = tl.load(
+                q_ptr + (row * M + offs_m[:, None]) * D + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            mu = tl.load(mu_ptr + row * D + offs_d, mask=d_ok, other=0.0)
+            sink = sink - tl.sum(q * mu[None, :], axis=1)
+        top = tl.maximum(m_run, sink)
+        a = tl.exp(m_run - top)
+        l_run = l_run * a + tl.exp(sink - top)
+        acc = acc * a[:, None]
+    out = acc / tl.maximum(l_run, 1.1754943508222875e-38)[:, None]
+    tl.store(
+        out_ptr + (row * M + offs_m[:, None]) * DV + offs_dv[None, :],
+        out,
+        mask=m_ok[:, None] & dv_ok[None, :],
+    )
+
+
+_CHANNEL_MAPS: dict[tuple[int, int, str, int], tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _channel_maps(kv: PackedKV) -> tuple[Tensor, Tensor, Tensor]:
+    """Per channel ``d``: its rotary pair (``-1``: none) and the pair's first and second
+    channels (``d`` itself for non-rotary channels), int32 ``[D]`` on the buffers' device."""
+    lay = kv.layout
+    dev = kv.key_codes.device
+    key = (lay.head_dim, id(lay.first), str(dev), lay.num_pairs)
+    hit = _CHANNEL_MAPS.get(key)
+    if hit is not None:
+        return hit
+    d = lay.head_dim
+    first = lay.first.cpu().numpy()
+    second = lay.second.cpu().numpy()
+    pair = np.full(d, -1, dtype=np.int32)
+    ch_f = np.arange(d, dtype=np.int32)
+    ch_s = np.arange(d, dtype=np.int32)
+    for p, (f, s) in enumerate(zip(first, second, strict=True)):
+        pair[f] = pair[s] = p
+        ch_f[f] = ch_f[s] = f
+        ch_s[f] = ch_s[s] = s
+    maps = tuple(torch.from_numpy(a).to(dev) for a in (pair, ch_f, ch_s))
+    _CHANNEL_MAPS.clear()  # one layout at a time in practice; never grows
+    _CHANNEL_MAPS[key] = maps  # type: ignore[assignment]
+    return maps  # type: ignore[return-value]
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def packed_attention_triton(
+    query: Tensor,
+    kv: PackedKV,
+    decode: KernelKeyDecode,
+    mu: Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    logit_softcap: float | None,
+    sink_logits: Tensor | None,
+    groups_per_split: int | None = None,
+) -> Tensor:
+    """Packed attention by the Triton kernels; arguments and result as
+    :func:`~kvlab.pnmix.kernels.cpu.packed_attention_cpu` (float32 ``[B, H_q, Q, Dv]``).
+    ``groups_per_split``: quantized groups per split (default: enough splits to give the
+    device about 1,024 programs)."""
+    b, hq, nq, d = query.shape
+    hkv = kv.sink_keys.shape[1]
+    rep = hq // hkv
+    m_rows = rep * nq
+    rows = b * hkv
+    dev = kv.key_codes.device
+    dv = kv.sink_values.shape[-1]
+    t = kv.group_tokens
+    q = (query.to(device=dev, dtype=torch.float32) * scale).reshape(rows, m_rows, d).contiguous()
+    mu_rows = mu.reshape(rows, d).contiguous()
+    counts_host = np.stack([kv.sink_lengths, kv.group_counts, kv.residual_lengths]).reshape(3, -1)
+    counts = torch.from_numpy(np.ascontiguousarray(counts_host)).to(dev, non_blocking=True)
+    block_m = min(_pow2(m_rows), 16)
+    mblocks = math.ceil(m_rows / block_m)
+    g_max = int(kv.group_counts.max(initial=0))
+    if groups_per_split is None:
+        per_row = max(1, 1024 // (rows * mblocks))
+        groups_per_split = max(1, math.ceil(g_max / per_row))
+    ns = math.ceil(g_max / groups_per_split) if g_max else 0
+    part_m = torch.empty((rows, ns + 1, m_rows), dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((rows, ns + 1, m_rows, dv), dtype=torch.float32, device=dev)
+    pair, ch_f, ch_s = _channel_maps(kv)
+    has_mask = kv.mask is not None and decode.mode_first != decode.mode_second
+    mask = kv.mask.to(torch.uint8).contiguous() if has_mask else counts  # unused when no mask
+    cap = 0.0 if logit_softcap is None else float(logit_softcap)
+    block_d, block_dv = _pow2(d), _pow2(dv)
+    extra = {} if dev.type == "cpu" else {"enable_fp_fusion": False}
+    _split_kernel[(rows, ns + 1, mblocks)](
+        q,
+        mu_rows,
+        kv.sink_keys,
+        kv.sink_values,
+        kv.residual_keys,
+        kv.residual_values,
+        kv.key_codes,
+        kv.key_scalars,
+        kv.value_codes,
+        kv.value_scalars,
+        counts,
+        mask,
+        pair,
+        ch_f,
+        ch_s,
+        part_m,
+        part_l,
+        part_acc,
+        rows,
+        m_rows,
+        nq,
+        kv.sink_keys.shape[2],
+        kv.residual_keys.shape[2],
+        kv.key_codes.shape[2],
+        kv.key_codes.shape[3],
+        kv.value_codes.shape[3],
+        kv.key_scalars.shape[3],
+        max(kv.layout.num_pairs, 1),
+        ns,
+        groups_per_split,
+        cap,
+        D=d,
+        DV=dv,
+        T=t,
+        BITS=kv.bits,
+        KIND=1 if decode.kind == KEYS_PER_TOKEN else 0,
+        MODE_FIRST=int(decode.mode_first == PAIR_PHASE_NORM),
+        MODE_SECOND=int(decode.mode_second == PAIR_PHASE_NORM),
+        HAS_MASK=has_mask,
+        CAUSAL=causal,
+        SOFTCAP=logit_softcap is not None,
+        BLOCK_M=block_m,
+        BLOCK_T=min(_pow2(t), 32),
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        BLOCK_E=32,
+        **extra,
+    )
+    out = torch.empty((rows, m_rows, dv), dtype=torch.float32, device=dev)
+    sinks = (
+        sink_logits.detach().to(device=dev, dtype=torch.float32).contiguous()
+        if sink_logits is not None
+        else out
+    )
+    _merge_kernel[(rows, mblocks)](
+        part_m,
+        part_l,
+        part_acc,
+        q,
+        mu_rows,
+        sinks,
+        out,
+        m_rows,
+        nq,
+        hkv,
+        rep,
+        ns,
+        D=d,
+        DV=dv,
+        HAS_SINKS=sink_logits is not None,
+        SOFTCAP=logit_softcap is not None,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+    )
+    return out.reshape(b, hq, nq, dv)
