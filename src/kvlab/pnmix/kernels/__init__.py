@@ -14,6 +14,7 @@ against the torch reference :func:`~kvlab.pnmix.attention.packed_attention_refer
 
 from __future__ import annotations
 
+from kvlab.pnmix.kernels import cpu, dispatch  # submodules, for tests and tools
 from kvlab.pnmix.kernels.dispatch import (
     BACKENDS,
     ENV_VAR,
@@ -27,6 +28,8 @@ __all__ = [
     "BACKENDS",
     "ENV_VAR",
     "KernelKeyDecode",
+    "cpu",
+    "dispatch",
     "kernel_key_decode",
     "register_pair_mode",
     "requested_backend",
