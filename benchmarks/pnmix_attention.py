@@ -4,16 +4,20 @@ Single-query decode attention (SmolLM2-135M shape: 9 query heads, 3 kv heads, he
 batch 1) over contexts of 1K–32K tokens. Rows, timed in the same process with
 ``torch.utils.benchmark`` (median of ``blocked_autorange``):
 
-* ``pnmix_packed``   — :func:`kvlab.pnmix.attention.pnmix_attention` on the packed cache;
+* ``pnmix_<backend>`` — :func:`kvlab.pnmix.attention.pnmix_attention` on the packed cache with
+  each backend of ``--backends`` (``torch``: the reference; ``cpu``: the compiled C++ kernel;
+  ``triton``: the Triton kernel, CUDA);
 * ``dequant_sdpa``   — dequantize the whole PN-Mix cache, then SDPA (what ``transformers``'
   ``QuantizedCache`` does every decode step);
 * ``sdpa_fp16`` / ``sdpa_fp32`` — SDPA over the exact cache in that dtype.
 
-Ratios are against ``sdpa_fp32`` of the same context. Bytes are the cache's persistent bytes
+Ratios are against ``sdpa_fp32`` of the same context; the table has one line per context and
+backend. Bytes are the cache's persistent bytes
 (PN-Mix: counted from its stored tensors) and the exact cache's tensor bytes. Throughput of
 quantize+pack is the time of one ``PNMixCache.append`` of the whole context (prefill).
 
-    python benchmarks/pnmix_attention.py --contexts 1024,4096,16384,32768 --out bench.json
+    python benchmarks/pnmix_attention.py --contexts 1024,4096,16384,32768 --backends torch,cpu \
+        --out bench.json
 """
 
 from __future__ import annotations
@@ -42,7 +46,11 @@ def _median_seconds(fn, min_run_time: float) -> float:
 
 
 def run(
-    contexts: list[int], device: torch.device, min_run_time: float, group_tokens: int = 128
+    contexts: list[int],
+    device: torch.device,
+    min_run_time: float,
+    group_tokens: int = 128,
+    backends: tuple[str, ...] = ("torch",),
 ) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -69,8 +77,8 @@ def run(
             torch.cuda.synchronize(device)
         quantize_seconds = time.perf_counter() - start
 
-        def packed(c: PNMixCache = cache, q: torch.Tensor = query) -> torch.Tensor:
-            return pnmix_attention(q, c, causal=False)
+        def packed(backend: str, c: PNMixCache = cache, q: torch.Tensor = query) -> torch.Tensor:
+            return pnmix_attention(q, c, causal=False, backend=backend)
 
         def dequant(c: PNMixCache = cache, q: torch.Tensor = query) -> torch.Tensor:
             k, v = c.dequantize()
@@ -85,17 +93,20 @@ def run(
             k, v, q = tensors[dtype]
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-        assert torch.allclose(packed(), dequant(), atol=1e-4, rtol=1e-4)
+        reference = dequant()
+        for backend in backends:
+            assert torch.allclose(packed(backend), reference, atol=1e-4, rtol=1e-4), backend
         times = {
-            "pnmix_packed": _median_seconds(packed, min_run_time),
-            "dequant_sdpa": _median_seconds(dequant, min_run_time),
-            "sdpa_fp16": _median_seconds(lambda: sdpa(torch.float16), min_run_time),
-            "sdpa_fp32": _median_seconds(lambda: sdpa(torch.float32), min_run_time),
+            f"pnmix_{b}": _median_seconds(lambda b=b: packed(b), min_run_time) for b in backends
         }
+        times["dequant_sdpa"] = _median_seconds(dequant, min_run_time)
+        times["sdpa_fp16"] = _median_seconds(lambda: sdpa(torch.float16), min_run_time)
+        times["sdpa_fp32"] = _median_seconds(lambda: sdpa(torch.float32), min_run_time)
         base = times["sdpa_fp32"]
         rows.append(
             {
                 "context_tokens": length,
+                "backends": list(backends),
                 "seconds": times,
                 "ratio_vs_sdpa_fp32": {name: t / base for name, t in times.items()},
                 "pnmix_persistent_bytes": cache.persistent_bytes,
@@ -110,19 +121,21 @@ def run(
 
 def render(rows: list[dict]) -> str:
     head = (
-        "| context | PN-Mix packed | dequant+SDPA | SDPA fp16 | SDPA fp32 | packed / dequant "
-        "| PN-Mix bytes | fp16 bytes | quantize+pack tok/s | Phase–Norm pairs |"
+        "| context | backend | PN-Mix packed | packed / SDPA fp32 | SDPA fp32 | SDPA fp16 "
+        "| dequant+SDPA | PN-Mix bytes | fp16 bytes | quantize+pack tok/s | Phase–Norm pairs |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         s = r["seconds"]
-        lines.append(
-            f"| {r['context_tokens']} | {s['pnmix_packed'] * 1e3:.3f} ms "
-            f"| {s['dequant_sdpa'] * 1e3:.3f} ms | {s['sdpa_fp16'] * 1e3:.3f} ms "
-            f"| {s['sdpa_fp32'] * 1e3:.3f} ms | {s['pnmix_packed'] / s['dequant_sdpa']:.2f}× "
-            f"| {r['pnmix_persistent_bytes']:,} | {r['fp16_cache_bytes']:,} "
-            f"| {r['quantize_pack_tokens_per_second']:,.0f} | {r['phase_norm_pairs']} / 96 |"
-        )
+        for backend in r["backends"]:
+            t = s[f"pnmix_{backend}"]
+            lines.append(
+                f"| {r['context_tokens']} | {backend} | {t * 1e3:.3f} ms "
+                f"| {t / s['sdpa_fp32']:.2f}× | {s['sdpa_fp32'] * 1e3:.3f} ms "
+                f"| {s['sdpa_fp16'] * 1e3:.3f} ms | {s['dequant_sdpa'] * 1e3:.3f} ms "
+                f"| {r['pnmix_persistent_bytes']:,} | {r['fp16_cache_bytes']:,} "
+                f"| {r['quantize_pack_tokens_per_second']:,.0f} | {r['phase_norm_pairs']} / 96 |"
+            )
     return "\n".join(lines)
 
 
@@ -133,13 +146,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per row")
     parser.add_argument("--group-tokens", type=int, default=128, help="PN-Mix key group (tokens)")
+    parser.add_argument(
+        "--backends",
+        default=None,
+        help="packed-attention backends to time, comma-separated (default: torch,cpu on the "
+        "CPU, torch,triton on CUDA)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench/pnmix_attention.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     contexts = [int(c) for c in args.contexts.split(",")]
-    rows = run(contexts, device, args.min_run_time, args.group_tokens)
+    default = "torch,triton" if device.type == "cuda" else "torch,cpu"
+    backends = tuple(b.strip() for b in (args.backends or default).split(","))
+    rows = run(contexts, device, args.min_run_time, args.group_tokens, backends)
     machine = {
         "accelerator": accelerator_info(device).label,
         "processor": platform.machine(),
@@ -153,6 +174,7 @@ def main() -> None:
             "query_tokens": 1,
         },
         "group_tokens": args.group_tokens,
+        "backends": list(backends),
     }
     table = render(rows)
     print(json.dumps(machine))
