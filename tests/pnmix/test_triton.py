@@ -54,13 +54,15 @@ def make_cache(
     offset: float = 0.0,
     group: int = 4,
     head: tuple[int, int, int] = (10, 6, 8),
+    sinks: int = 2,
+    residual: int = 3,
 ) -> PNMixCache:
     d, dv, rotary = head
     gen = torch.Generator().manual_seed(seed)
     cfg = PNMixConfig(
         bits=bits,
-        sink_tokens=2,
-        residual_tokens=3,
+        sink_tokens=sinks,
+        residual_tokens=residual,
         group_tokens=group,
         storage_dtype=dtype,
         key_coding=coding,  # type: ignore[arg-type]
@@ -99,6 +101,14 @@ def test_triton_matches_the_reference_for_every_codec(coding: str) -> None:
     for nq, causal in ((1, True), (3, True), (3, False)):
         query = torch.randn(2, 6, nq, 10, generator=gen).to(DEVICE)
         check(cache, query, causal=causal)
+
+
+def test_triton_without_sinks_or_residual_slots() -> None:
+    """Zero-size sink and residual buffers (per-token keys in groups of 1, nothing exact)."""
+    cache = make_cache("per_token", 4, torch.float16, [9, 5], seed=3, group=1, sinks=0, residual=0)
+    assert cache.store.sink_keys.numel() == 0 and cache.store.residual_keys.numel() == 0
+    query = torch.randn(2, 4, 2, 10, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    check(cache, query)
 
 
 @settings(max_examples=8, deadline=None)

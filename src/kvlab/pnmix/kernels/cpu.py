@@ -100,7 +100,8 @@ def _compile() -> ModuleType:
                 verbose=False,
             )
         except Exception as err:  # compiler missing, flags refused, headers absent, ...
-            errors.append(f"{' '.join(flags)}: {str(err).strip().splitlines()[-1:]}")
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            errors.append(f"{' '.join(flags)}: {lines[-1]}")
     raise RuntimeError("; ".join(errors))
 
 

@@ -21,6 +21,7 @@ imported: ``triton.jit`` reads it at decoration). Importing this module requires
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvlab.pnmix.codecs import KeyLayout
 from kvlab.pnmix.kernels.spec import KEYS_PER_TOKEN, PAIR_PHASE_NORM, KernelKeyDecode
 
 if TYPE_CHECKING:
@@ -132,7 +134,9 @@ def _split_kernel(
     r_len = tl.load(counts + 2 * rows + row)
     n = s_len + g_cnt * T + r_len
     # a query row sees stream indices < limit: n, or causally n - Q + 1 + (its query index)
-    limit = n - (Q - 1 - offs_m % Q).to(tl.int64) * CAUSAL
+    limit = tl.zeros([BLOCK_M], dtype=tl.int64) + n
+    if CAUSAL:
+        limit = limit - (Q - 1 - offs_m % Q).to(tl.int64)
     q = tl.load(
         q_ptr + (row * M + offs_m[:, None]) * D + offs_d[None, :],
         mask=m_ok[:, None] & d_ok[None, :],
@@ -331,17 +335,20 @@ def _merge_kernel(
     )
 
 
-_CHANNEL_MAPS: dict[tuple[int, int, str, int], tuple[Tensor, Tensor, Tensor]] = {}
+_CHANNEL_MAPS: weakref.WeakKeyDictionary[KeyLayout, tuple[Tensor, Tensor, Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _channel_maps(kv: PackedKV) -> tuple[Tensor, Tensor, Tensor]:
     """Per channel ``d``: its rotary pair (``-1``: none) and the pair's first and second
-    channels (``d`` itself for non-rotary channels), int32 ``[D]`` on the buffers' device."""
+    channels (``d`` itself for non-rotary channels), int32 ``[D]`` on the buffers' device
+    (computed once per layout: a cache keeps its layout, and reading the pair indices back
+    from the device once is the only host read)."""
     lay = kv.layout
     dev = kv.key_codes.device
-    key = (lay.head_dim, id(lay.first), str(dev), lay.num_pairs)
-    hit = _CHANNEL_MAPS.get(key)
-    if hit is not None:
+    hit = _CHANNEL_MAPS.get(lay)
+    if hit is not None and hit[0].device == dev:
         return hit
     d = lay.head_dim
     first = lay.first.cpu().numpy()
@@ -353,10 +360,20 @@ def _channel_maps(kv: PackedKV) -> tuple[Tensor, Tensor, Tensor]:
         pair[f] = pair[s] = p
         ch_f[f] = ch_f[s] = f
         ch_s[f] = ch_s[s] = s
-    maps = tuple(torch.from_numpy(a).to(dev) for a in (pair, ch_f, ch_s))
-    _CHANNEL_MAPS.clear()  # one layout at a time in practice; never grows
-    _CHANNEL_MAPS[key] = maps  # type: ignore[assignment]
-    return maps  # type: ignore[return-value]
+    maps = (
+        torch.from_numpy(pair).to(dev),
+        torch.from_numpy(ch_f).to(dev),
+        torch.from_numpy(ch_s).to(dev),
+    )
+    _CHANNEL_MAPS[lay] = maps
+    return maps
+
+
+def _pointer(t: Tensor) -> Tensor:
+    """``t``, or a one-element tensor of its dtype and device when ``t`` is empty (a
+    zero-size buffer, e.g. no sink slots: kernels never load from it, but a launch needs a
+    valid pointer)."""
+    return t if t.numel() else torch.zeros(1, dtype=t.dtype, device=t.device)
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -410,14 +427,14 @@ def packed_attention_triton(
     _split_kernel[(rows, ns + 1, mblocks)](
         q,
         mu_rows,
-        kv.sink_keys,
-        kv.sink_values,
-        kv.residual_keys,
-        kv.residual_values,
-        kv.key_codes,
-        kv.key_scalars,
-        kv.value_codes,
-        kv.value_scalars,
+        _pointer(kv.sink_keys),
+        _pointer(kv.sink_values),
+        _pointer(kv.residual_keys),
+        _pointer(kv.residual_values),
+        _pointer(kv.key_codes),
+        _pointer(kv.key_scalars),
+        _pointer(kv.value_codes),
+        _pointer(kv.value_scalars),
         counts,
         mask,
         pair,
