@@ -10,8 +10,9 @@ Modules: :mod:`~kvlab.pnmix.packing` (bitstream packing), :mod:`~kvlab.pnmix.qua
 (elementary min-max and Phase–Norm quantizers), :mod:`~kvlab.pnmix.codecs` (key codecs, the one
 seam every key coding goes through), :mod:`~kvlab.pnmix.store` (contiguous per-layer buffers),
 :mod:`~kvlab.pnmix.config` (the configuration), :mod:`~kvlab.pnmix.cache` (the one-layer
-cache), :mod:`~kvlab.pnmix.attention` (packed attention), :mod:`~kvlab.pnmix.allocation`
-(per-layer group sizes under a byte budget).
+cache), :mod:`~kvlab.pnmix.attention` (packed attention: the torch reference, the dispatch and
+the fused decode step), :mod:`~kvlab.pnmix.kernels` (the compiled backends: a C++ CPU kernel and
+a Triton kernel), :mod:`~kvlab.pnmix.allocation` (per-layer group sizes under a byte budget).
 """
 
 from __future__ import annotations

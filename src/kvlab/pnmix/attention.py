@@ -460,6 +460,7 @@ def pnmix_decode_step(
         and query.shape[0] == cache.batch_size
         and query.shape[3] == cache.head_dim
         and query.shape[1] % cache.num_key_value_heads == 0
+        and query.device == cache.device
         and isinstance(keys, Tensor)
         and isinstance(values, Tensor)
         and _valid_cap(logit_softcap)

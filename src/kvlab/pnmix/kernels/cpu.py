@@ -172,7 +172,8 @@ def packed_attention_cpu(
         raise RuntimeError("the PN-Mix CPU kernel is not loaded")
     b, hq, nq, d = query.shape
     hkv = kv.sink_keys.shape[1]
-    rows = (query.to(torch.float32) * scale).reshape(b, hkv, (hq // hkv) * nq, d).contiguous()
+    rows = query.to(device="cpu", dtype=torch.float32) * scale
+    rows = rows.reshape(b, hkv, (hq // hkv) * nq, d).contiguous()
     counts = torch.from_numpy(np.stack([kv.sink_lengths, kv.group_counts, kv.residual_lengths]))
     empty = _EMPTY
     out = module.packed_attention(

@@ -21,7 +21,6 @@ imported: ``triton.jit`` reads it at decoration). Importing this module requires
 from __future__ import annotations
 
 import math
-import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,7 +29,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvlab.pnmix.codecs import KeyLayout
 from kvlab.pnmix.kernels.spec import KEYS_PER_TOKEN, PAIR_PHASE_NORM, KernelKeyDecode
 
 if TYPE_CHECKING:
@@ -54,8 +52,9 @@ def _codes(base, k_idx, valid, nbytes, BITS: tl.constexpr):
 
 @triton.jit
 def _softcap(x, qmu, cap):
-    """``cap · tanh((x + q·mu) / cap)`` (Gemma 2), tanh as ``1 − 2 / (exp(2y) + 1)``."""
-    y = (x + qmu) / cap
+    """``cap · tanh((x + q·mu) / cap)`` (Gemma 2), tanh as ``1 − 2 / (exp(2y) + 1)`` with ``y``
+    clamped to ±15 (tanh is 1 to float32 precision there; no overflow)."""
+    y = tl.minimum(tl.maximum((x + qmu) / cap, -15.0), 15.0)
     return cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
 
 
@@ -85,9 +84,8 @@ def _split_kernel(
     vscal,
     counts,
     mask_ptr,
-    chan_pair,
-    chan_first,
-    chan_second,
+    pair_first,
+    pair_second,
     part_m,
     part_l,
     part_acc,
@@ -119,6 +117,7 @@ def _split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -190,9 +189,17 @@ def _split_kernel(
         levels = (1 << BITS) - 1
         has_pn = (MODE_FIRST == 1) or (MODE_SECOND == 1)
         if has_pn:
-            pair = tl.load(chan_pair + offs_d, mask=d_ok, other=-1)
-            ch_f = tl.load(chan_first + offs_d, mask=d_ok, other=0)
-            ch_s = tl.load(chan_second + offs_d, mask=d_ok, other=0)
+            # per channel d: its rotary pair (-1: none) and the pair's two channels, found by
+            # matching d against the pair indices (no host-side tables)
+            offs_p = tl.arange(0, BLOCK_P)
+            p_ok = offs_p < P
+            pf = tl.load(pair_first + offs_p, mask=p_ok, other=-1).to(tl.int32)
+            ps = tl.load(pair_second + offs_p, mask=p_ok, other=-1).to(tl.int32)
+            hit = (pf[None, :] == offs_d[:, None]) | (ps[None, :] == offs_d[:, None])
+            rotary = tl.sum(hit.to(tl.int32), axis=1) > 0
+            pair = tl.where(rotary, tl.sum(tl.where(hit, offs_p[None, :], 0), axis=1), -1)
+            ch_f = tl.where(rotary, tl.sum(tl.where(hit, pf[None, :], 0), axis=1), offs_d)
+            ch_s = tl.where(rotary, tl.sum(tl.where(hit, ps[None, :], 0), axis=1), offs_d)
             if HAS_MASK:
                 bit = tl.load(mask_ptr + row * P + pair, mask=d_ok & (pair >= 0), other=0)
                 mode = tl.where(bit != 0, MODE_SECOND, MODE_FIRST)
@@ -335,40 +342,6 @@ def _merge_kernel(
     )
 
 
-_CHANNEL_MAPS: weakref.WeakKeyDictionary[KeyLayout, tuple[Tensor, Tensor, Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _channel_maps(kv: PackedKV) -> tuple[Tensor, Tensor, Tensor]:
-    """Per channel ``d``: its rotary pair (``-1``: none) and the pair's first and second
-    channels (``d`` itself for non-rotary channels), int32 ``[D]`` on the buffers' device
-    (computed once per layout: a cache keeps its layout, and reading the pair indices back
-    from the device once is the only host read)."""
-    lay = kv.layout
-    dev = kv.key_codes.device
-    hit = _CHANNEL_MAPS.get(lay)
-    if hit is not None and hit[0].device == dev:
-        return hit
-    d = lay.head_dim
-    first = lay.first.cpu().numpy()
-    second = lay.second.cpu().numpy()
-    pair = np.full(d, -1, dtype=np.int32)
-    ch_f = np.arange(d, dtype=np.int32)
-    ch_s = np.arange(d, dtype=np.int32)
-    for p, (f, s) in enumerate(zip(first, second, strict=True)):
-        pair[f] = pair[s] = p
-        ch_f[f] = ch_f[s] = f
-        ch_s[f] = ch_s[s] = s
-    maps = (
-        torch.from_numpy(pair).to(dev),
-        torch.from_numpy(ch_f).to(dev),
-        torch.from_numpy(ch_s).to(dev),
-    )
-    _CHANNEL_MAPS[lay] = maps
-    return maps
-
-
 def _pointer(t: Tensor) -> Tensor:
     """``t``, or a one-element tensor of its dtype and device when ``t`` is empty (a
     zero-size buffer, e.g. no sink slots: kernels never load from it, but a launch needs a
@@ -418,7 +391,6 @@ def packed_attention_triton(
     part_m = torch.empty((rows, ns + 1, m_rows), dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((rows, ns + 1, m_rows, dv), dtype=torch.float32, device=dev)
-    pair, ch_f, ch_s = _channel_maps(kv)
     has_mask = kv.mask is not None and decode.mode_first != decode.mode_second
     mask = kv.mask.to(torch.uint8).contiguous() if has_mask else counts  # unused when no mask
     cap = 0.0 if logit_softcap is None else float(logit_softcap)
@@ -437,9 +409,8 @@ def packed_attention_triton(
         _pointer(kv.value_scalars),
         counts,
         mask,
-        pair,
-        ch_f,
-        ch_s,
+        _pointer(kv.layout.first),
+        _pointer(kv.layout.second),
         part_m,
         part_l,
         part_acc,
@@ -452,7 +423,7 @@ def packed_attention_triton(
         kv.key_codes.shape[3],
         kv.value_codes.shape[3],
         kv.key_scalars.shape[3],
-        max(kv.layout.num_pairs, 1),
+        kv.layout.num_pairs,
         ns,
         groups_per_split,
         cap,
@@ -471,6 +442,7 @@ def packed_attention_triton(
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
         BLOCK_E=32,
+        BLOCK_P=_pow2(kv.layout.num_pairs),
         **extra,
     )
     out = torch.empty((rows, m_rows, dv), dtype=torch.float32, device=dev)
