@@ -1,4 +1,9 @@
-"""The ``kvlab`` command line: ``reproduce``, ``validate``, ``papers`` and ``eval``."""
+"""The ``kvlab`` command line: ``reproduce``, ``validate``, ``papers``, ``eval`` and ``sweep``.
+
+Heavy modules (torch, transformers, pydantic) are imported inside the commands, so
+``kvlab --help`` and ``kvlab --version`` answer at once. Every command reports a user's mistake
+the same way (:mod:`kvlab.cli_support`): ``error: <one line>`` on stderr, exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -8,50 +13,67 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-from kvlab.artifacts import validate_artifact
-from kvlab.data import load_text
-from kvlab.device import resolve_device, set_cpu_threads
-from kvlab.diagnostics.paper import RunContext
-from kvlab.diagnostics.registry import get_paper, paper_keys
-from kvlab.diagnostics.runner import default_output_dir, run_paper
-from kvlab.evaluation.command import eval_command
+from kvlab import __version__
+from kvlab.cli_support import err_console, fail, user_errors
+from kvlab.evaluation.command import eval_command, sweep_command
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    pretty_exceptions_enable=False,
     help="kvlab: KV-cache compression for RoPE transformers (RoPE-Relay, PN-Mix).",
 )
-console = Console()
 
 _BUDGETS = ("smoke", "standard")
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"kvlab {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """kvlab: KV-cache compression for RoPE transformers (RoPE-Relay, PN-Mix)."""
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(soft_wrap=True)
 
 
 def parse_seeds(seeds: str | None, seed: int | None) -> list[int]:
     """Seeds from ``--seeds 42,43,44`` or ``--seed N`` (default 42, 43, 44).
 
     Raises:
-        typer.BadParameter: both given, an unparsable item, or a repeated seed.
+        ValueError: both given, an unparsable item, or a repeated seed.
     """
     if seeds is not None and seed is not None:
-        raise typer.BadParameter("give either --seeds or --seed, not both")
+        raise ValueError("give either --seeds or --seed, not both")
     if seed is not None:
         if not 0 <= seed < 10**18:
-            raise typer.BadParameter(f"--seed must lie in [0, 10^18), got {seed}")
+            raise ValueError(f"--seed must lie in [0, 10^18), got {seed}")
         return [seed]
     if seeds is None:
         return [42, 43, 44]
     parts = [part.strip() for part in seeds.split(",") if part.strip()]
     if not parts:
-        raise typer.BadParameter("--seeds is empty")
+        raise ValueError("--seeds is empty")
     if not all(re.fullmatch(r"\d{1,18}", part) for part in parts):
-        raise typer.BadParameter(
-            f"--seeds must be comma-separated integers in [0, 10^18): {seeds!r}"
-        )
+        raise ValueError(f"--seeds must be comma-separated integers in [0, 10^18): {seeds!r}")
     values = [int(part) for part in parts]
     if len(set(values)) != len(values):
-        raise typer.BadParameter(f"--seeds repeats a seed: {seeds!r}")
+        raise ValueError(f"--seeds repeats a seed: {seeds!r}")
     return values
 
 
@@ -75,10 +97,16 @@ def reproduce(
     ] = None,
 ) -> None:
     """Run a mechanism diagnostic per seed; write its raw result and metric artifact (v2)."""
-    if budget not in _BUDGETS:
-        raise typer.BadParameter(f"--budget must be one of {', '.join(_BUDGETS)}")
-    seed_list = parse_seeds(seeds, seed)
-    try:
+    with user_errors():
+        if budget not in _BUDGETS:
+            raise ValueError(f"--budget must be one of {', '.join(_BUDGETS)}")
+        seed_list = parse_seeds(seeds, seed)
+        from kvlab.data import load_text
+        from kvlab.device import resolve_device, set_cpu_threads
+        from kvlab.diagnostics.paper import RunContext
+        from kvlab.diagnostics.registry import get_paper, paper_keys
+        from kvlab.diagnostics.runner import default_output_dir, run_paper
+
         entries = [get_paper(key) for key in (paper_keys() if paper == "all" else [paper])]
         torch_device = resolve_device(device)
         set_cpu_threads(cpu_threads)
@@ -91,10 +119,8 @@ def reproduce(
                     f"{entry.key} reads the first {entry.min_text_bytes} bytes of its text; "
                     f"{source.path or source.id} has {len(source.data)}"
                 )
-    except (KeyError, ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/] {exc.args[0] if exc.args else exc}")
-        raise typer.Exit(2) from exc
     argv = invocation_argv()
+    console = _console()
     for entry in entries:
         context = RunContext(
             device=torch_device,
@@ -123,19 +149,29 @@ def validate(
     ] = None,
 ) -> None:
     """Check artifacts against their schema and recompute every recorded source sha256.
-    Exits non-zero, listing each problem, when anything does not match."""
+    Lists the checks that could not be made and why (e.g. a record from another source tree).
+    Exits 1, listing each problem, when anything does not match."""
+    from kvlab.artifacts import validate_artifact
+
+    console = _console()
     failed = False
     for path in paths:
+        if not path.is_file():
+            failed = True
+            console.print(f"[red]FAILED[/] {path}: no such file")
+            continue
         report = validate_artifact(path, root=root)
         if report.ok:
-            console.print(
-                f"[green]ok[/] {path}: {report.kind}, {report.checked_files} source file(s) match"
-            )
+            console.print(f"[green]ok[/] {path}: {report.kind}, {report.summary()}")
+            for note in report.unchecked:
+                console.print(f"  not checked: {note}")
             continue
         failed = True
         console.print(f"[red]FAILED[/] {path}: {report.kind or 'unrecognized'}")
         for problem in report.problems:
             console.print(f"  - {problem}")
+        for note in report.unchecked:
+            console.print(f"  not checked: {note}")
     if failed:
         raise typer.Exit(1)
 
@@ -143,11 +179,17 @@ def validate(
 @app.command()
 def papers() -> None:
     """List the registered diagnostics."""
+    from kvlab.diagnostics.registry import get_paper, paper_keys
+
+    console = _console()
     for key in paper_keys():
         console.print(f"{key:12s} {get_paper(key).title}")
 
 
 app.command("eval")(eval_command)
+app.command("sweep")(sweep_command)
+
+__all__ = ["app", "err_console", "fail", "invocation_argv", "main", "parse_seeds"]
 
 
 def main() -> None:

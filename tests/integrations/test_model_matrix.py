@@ -404,6 +404,34 @@ def test_gpt_oss_sinks_change_the_reference():
     assert (on - off).abs().max() > 1e-3
 
 
+# the issue-8 coding (``pn-mix``): pre-RoPE per-pair widths, exact outliers, Hadamard values
+ISSUE8_PNMIX = PNMixConfig(
+    sink_tokens=2,
+    residual_tokens=4,
+    group_tokens=4,
+    key_coding="bit_alloc",
+    key_outlier_fraction=0.05,
+    value_coding="hadamard",
+)
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if "pnmix" not in f.refused])
+def test_issue8_coding_runs_on_every_family(name):
+    """Position-aware codes with each family's RoPE (partial, interleaved, scaled, per layer
+    type; NoPE layers in their own frame): generate runs and every full layer quantizes."""
+    family = FAMILIES[name]
+    model = family.build(seed=5)
+    ids = prompt(1, PROMPT, seed=6)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        cache = PNMixModelCache(model.config, ISSUE8_PNMIX)
+        tokens = model.generate(ids, cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert tokens.shape == (1, PROMPT + NEW_TOKENS)
+    for i in cache.plan.full_layers:
+        store = cache.layers[i].store
+        assert store.quantized_tokens > 0 and store.saliency_computations == 1
+        assert store.codec.position_aware == cache.plan.layers[i].uses_rope
+
+
 @pytest.mark.parametrize("name", list(REFUSED))
 @pytest.mark.parametrize("cache_kind", ["pnmix", "relay"])
 def test_unsupported_families_are_refused_at_construction(name, cache_kind):

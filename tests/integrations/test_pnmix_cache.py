@@ -12,6 +12,9 @@ from kvlab.integrations import KVLAB_ATTENTION, PNMixModelCache, use_attention
 from kvlab.pnmix import PNMixCache, PNMixConfig
 
 SMALL = dict(sink_tokens=4, residual_tokens=8, group_tokens=16)
+# the issue-8 coding (methods' ``pn-mix``) at the small layout
+ISSUE8 = dict(key_coding="bit_alloc", key_outlier_fraction=0.02, value_coding="hadamard", **SMALL)
+CONFIGS = {"seed": SMALL, "issue8": ISSUE8}
 
 
 def _kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -59,7 +62,9 @@ def test_logits_equal_to_float16_rounding_when_nothing_is_quantized(make_llama):
     torch.testing.assert_close(out, reference, atol=2e-3, rtol=0)
 
 
-@pytest.mark.parametrize("coding", ["mix", "cartesian", "per_token"])
+@pytest.mark.parametrize(
+    "coding", ["mix", "cartesian", "per_token", "prerope_cartesian", "prerope_qmix", "bit_alloc"]
+)
 def test_quantized_logits_are_close_and_more_bits_are_closer(make_llama, coding):
     model = make_llama(seed=5)
     ids = torch.randint(3, 96, (1, 160), generator=torch.Generator().manual_seed(2))
@@ -153,6 +158,71 @@ def test_rotary_settings_follow_the_model(make_phi3_partial):
     assert cache.pnmix_config.rotary_layout == "half"
 
 
+def test_issue8_coding_codes_prerope_keys_with_the_prefill_queries(make_phi3_partial, monkeypatch):
+    """Partial rotary (Phi-3, rotary_dim 8 of 16): every layer gets the model's RoPE; the
+    prefill's commit hands its queries to the table (computed once per layer, widths within
+    budget); the stored codes are the codec's of the keys rotated back to position 0; decode
+    steps read the packed codes; logits stay close to the exact model."""
+    from kvlab.pnmix.cache import PNMixCache as Layer
+    from kvlab.pnmix.prerope import to_prerope
+
+    model = make_phi3_partial(seed=2)
+    ids = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(3))
+    seen: list[tuple[int, bool]] = []
+    original = Layer.append
+
+    def spy(self, keys, values, lengths=None, *, checks="eager", queries=None):
+        seen.append((keys.shape[2], queries is not None))
+        captured.append(keys)
+        return original(self, keys, values, lengths, checks=checks, queries=queries)
+
+    captured: list[torch.Tensor] = []
+    monkeypatch.setattr(Layer, "append", spy)
+    with torch.no_grad():
+        reference = _score_one_at_a_time(model, ids, DynamicCache(config=model.config), 80)
+        cache = PNMixModelCache(model.config, PNMixConfig(**ISSUE8))
+        with use_attention(model, KVLAB_ATTENTION):
+            out = _score_one_at_a_time(model, ids, cache, 80)
+    assert seen[0] == (80, True) and seen[1] == (80, True)  # the prefill, both layers
+    store = cache.layers[0].store
+    assert store.rotary is not None and store.rotary.rotary_dim == 8
+    assert store.saliency_computations == 1 and store.attention_calls == 120 - 80
+    widths = store.pair_widths
+    assert widths is not None and widths.sum(-1).tolist() == [[2 * 4] * 2]
+    # group 0 of layer 0: its codes are the codec's of the pre-RoPE prefill keys
+    keys0 = captured[0][:, :, 4:20]  # stream tokens 4..19 (after 4 sinks)
+    pre = to_prerope(keys0.half(), torch.arange(4, 20), store.rotary, torch.float16)
+    codec = store.codec
+    coded = codec.encode_groups(pre.reshape(2, 16, 16), torch.float16, store.layout, widths[0])
+    assert torch.equal(
+        store.store.key_codes[0, :, 0], codec.pack(coded.codes, store.layout, widths[0])
+    )
+    assert torch.equal(store.store.key_payload[0, :, 0], coded.payload)
+    kl = float(_kl(reference, out).mean())
+    assert 0.0 < kl < 1e-3, kl
+
+
+def test_nope_layers_code_their_own_frame():
+    """A full-attention layer without RoPE (SmolLM3 ``no_rope_layers``) keeps the same coding
+    in its keys' own frame (position 0 already); the RoPE layer gets the model's RoPE."""
+    import transformers
+
+    config = transformers.SmolLM3Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        no_rope_layers=[1, 0],
+    )
+    cache = PNMixModelCache(config, PNMixConfig(**ISSUE8))
+    rope_layer, nope_layer = cache.layers
+    assert rope_layer.rotary is not None and rope_layer.config.key_codec.position_aware
+    assert nope_layer.rotary is None and not nope_layer.config.key_codec.position_aware
+    assert nope_layer.config.key_codec.outlier_fraction == 0.02
+
+
 def test_crop_is_refused():
     from kvlab.integrations.pnmix_cache import PNMixLayer
 
@@ -183,6 +253,7 @@ def _row_bytes(store: PNMixCache, b: int) -> list[torch.Tensor]:
         s.key_scalars[b, :, :ng],
         s.value_codes[b, :, :ng],
         s.value_scalars[b, :, :ng],
+        s.key_payload[b, :, :ng],
         s.residual_keys[b, :, :nr],
         s.residual_values[b, :, :nr],
     ]
@@ -191,8 +262,9 @@ def _row_bytes(store: PNMixCache, b: int) -> list[torch.Tensor]:
     return [p.contiguous().view(torch.int16) if p.is_floating_point() else p for p in parts]
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("exact_prefill", [True, False])
-def test_left_padded_batch_rows_equal_rows_run_alone(make_llama, exact_prefill):
+def test_left_padded_batch_rows_equal_rows_run_alone(make_llama, exact_prefill, config):
     """Each row of a left-padded batch (positions from the mask, as generate makes them):
     logits of its real tokens equal the row run alone to float32 rounding, padding query rows
     stay finite, and the row's layer-0 storage equals the row's alone byte for byte (deeper
@@ -203,7 +275,8 @@ def test_left_padded_batch_rows_equal_rows_run_alone(make_llama, exact_prefill):
     rows = [torch.randint(3, 96, (n,), generator=gen) for n in (70, 45, 58)]
     ids, mask = _left_padded(rows)
     nxt = torch.randint(3, 96, (3, 6), generator=gen)
-    cache = PNMixModelCache(model.config, PNMixConfig(**SMALL), exact_prefill=exact_prefill)
+    settings = CONFIGS[config]
+    cache = PNMixModelCache(model.config, PNMixConfig(**settings), exact_prefill=exact_prefill)
     with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
         out = model(
             ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache
@@ -220,7 +293,9 @@ def test_left_padded_batch_rows_equal_rows_run_alone(make_llama, exact_prefill):
         assert bool(torch.isfinite(out.logits).all())
         assert cache.get_seq_length() == ids.shape[1] + 6
         for b, row in enumerate(rows):
-            alone = PNMixModelCache(model.config, PNMixConfig(**SMALL), exact_prefill=exact_prefill)
+            alone = PNMixModelCache(
+                model.config, PNMixConfig(**settings), exact_prefill=exact_prefill
+            )
             ref = model(row[None], cache=alone).logits[0]
             torch.testing.assert_close(
                 out.logits[b, ids.shape[1] - len(row) :], ref, atol=1e-5, rtol=1e-5
@@ -366,14 +441,15 @@ def test_every_input_error_changes_no_layer(make_llama):
 
 
 # ---------------------------------------------------------------- host syncs and deferred checks
-def test_decode_forwards_read_nothing_back_from_the_device(make_llama, monkeypatch):
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_decode_forwards_read_nothing_back_from_the_device(make_llama, monkeypatch, config):
     """Single-token forwards of a padded batch (groups flushing among them) through the
     model: no tensor value is read by Python (no host sync); the checks run later."""
     model = make_llama(seed=19)
     gen = torch.Generator().manual_seed(20)
     ids, mask = _left_padded([torch.randint(3, 96, (n,), generator=gen) for n in (40, 35)])
     steps = torch.randint(3, 96, (2, 30), generator=gen)
-    cache = PNMixModelCache(model.config, PNMixConfig(**SMALL))
+    cache = PNMixModelCache(model.config, PNMixConfig(**CONFIGS[config]))
 
     def forbidden(self, *args, **kwargs):
         raise AssertionError("host sync: a tensor value was read by Python")

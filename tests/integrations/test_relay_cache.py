@@ -109,19 +109,22 @@ def test_relayed_keys_match_direct_rotation_and_logits_match_reference(
     for i, layer in enumerate(cache.layers):
         raw_k, raw_v = records[i]["k"], records[i]["v"]
         keys, values = [], []
-        for h in range(len(layer.keys_per_head)):
-            orig = layer.original_positions[h]  # [B, k]
+        for h in range(model.config.num_key_value_heads):
+            segments = [layer.segment(b, h) for b in range(2)]
+            orig = torch.stack([seg.original_positions for seg in segments])  # [B, k]
             assert torch.equal(orig, orig.sort(-1).values)  # stream order kept
             k = orig.shape[1]
             new_pos = torch.arange(endpoint - k + 1, endpoint + 1).expand_as(orig)
-            assert torch.equal(layer.rotary_positions[h], new_pos)
+            assert torch.equal(torch.stack([seg.rotary_positions for seg in segments]), new_pos)
+            stored_k = torch.stack([seg.keys for seg in segments])
+            stored_v = torch.stack([seg.values for seg in segments])
             raw_kh = raw_k[:, h].gather(1, orig.unsqueeze(-1).expand(-1, -1, raw_k.shape[-1]))
             raw_vh = raw_v[:, h].gather(1, orig.unsqueeze(-1).expand(-1, -1, raw_v.shape[-1]))
             expected = _hf_rotate(model, raw_kh, new_pos)
-            torch.testing.assert_close(layer.keys_per_head[h], expected, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(stored_k, expected, atol=2e-5, rtol=1e-5)
             rotary = cache.rotary.rotary_dim
-            assert torch.equal(layer.keys_per_head[h][..., rotary:], raw_kh[..., rotary:])
-            assert torch.equal(layer.values_per_head[h], raw_vh)
+            assert torch.equal(stored_k[..., rotary:], raw_kh[..., rotary:])
+            assert torch.equal(stored_v, raw_vh)
             keys.append(expected)
             values.append(raw_vh)
         reference.update(torch.stack(keys, 1), torch.stack(values, 1), i)
@@ -179,15 +182,19 @@ def test_bytes_shrink_by_the_evicted_fraction(ratio, prefill, scorer):
     kept = round((1 - ratio) * prefill)
     assert kept * 4 == (1 - ratio) * prefill * 4  # these sizes evict an exact fraction
     assert cache.nbytes() * prefill == full_bytes * kept
+    used = sum(sum(layer.tokens_per_head(row)) for layer in cache.layers for row in range(2))
+    assert cache.index_bytes() == used * 16  # stream index + rotary position, int64 each
+    assert cache.nbytes() <= cache.reserved_bytes()  # headroom is reported, not counted
     for layer in cache.layers:
-        counts = layer.tokens_per_head()
-        assert sum(counts) == kept * 2  # the layer budget, split over 2 kv heads
-        assert all(10 <= k <= prefill for k in counts)  # sinks + window kept, cap respected
-        for h, orig in enumerate(layer.original_positions):
-            kept_positions = set(orig[0].tolist())
-            assert {0, 1} <= kept_positions  # sinks
-            assert set(range(prefill - 8, prefill)) <= kept_positions  # recent window
-            assert len(kept_positions) == counts[h]
+        for row in range(2):  # each sequence of the batch has its own per-head counts
+            counts = layer.tokens_per_head(row)
+            assert sum(counts) == kept * 2  # the layer budget, split over 2 kv heads
+            assert all(10 <= k <= prefill for k in counts)  # sinks + window kept, cap respected
+            for h in range(2):
+                kept_positions = set(layer.segment(row, h).original_positions.tolist())
+                assert {0, 1} <= kept_positions  # sinks
+                assert set(range(prefill - 8, prefill)) <= kept_positions  # recent window
+                assert len(kept_positions) == counts[h]
 
 
 def test_generate_with_relay_equals_a_manual_loop(make_llama):

@@ -350,24 +350,12 @@ class _ShiftedCartesian(CartesianCodec):
         return super().decode(codes, scalars, layout, mask, active_pairs) + 1.0
 
 
-@dataclass(frozen=True)
-class _PreRope(CartesianCodec):
-    position_aware: bool = True
-
-
-@dataclass(frozen=True)
-class _Outliers(CartesianCodec):
-    sparse_entries: int = 2
-
-
 def test_codecs_no_kernel_decodes_use_the_reference() -> None:
-    """A codec without a kernel decode step (an unregistered subclass, a position-aware
-    codec, a codec with sparse exact entries) gets a reason; ``"auto"`` then uses the torch
-    reference (the same numbers) and an explicit compiled backend refuses."""
+    """A codec without a kernel decode step (an unregistered subclass, a mix with one) gets a
+    reason; ``"auto"`` then uses the torch reference (the same numbers) and an explicit
+    compiled backend refuses."""
     for codec, reason in (
         (_ShiftedCartesian(2), "no kernel decode step"),
-        (_PreRope(2), "position-aware"),
-        (_Outliers(2), "sparse entries"),
         (MixCodec(_ShiftedCartesian(2), PhaseNormCodec(2)), "no kernel decodes"),
     ):
         described = kernel_key_decode(codec)

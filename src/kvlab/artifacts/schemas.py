@@ -63,10 +63,11 @@ class DatasetV2(_Strict):
 class ProvenanceV2(_Strict):
     """Provenance of a metric artifact.
 
-    The first nine fields are the reference record's, in its order. SPEC §4 also asks for a
+    The first nine fields are the reference record's, in its order. kvlab also records a
     dirty flag, the command as an argv list and per-file source hashes (so ``kvlab validate``
-    can recompute them); those follow as ``code_dirty``, ``command_argv`` and
-    ``source_sha256``. ``implementation_sha256`` / ``runner_sha256`` are digests of the
+    can recompute them); those follow as ``code_dirty``, ``command_argv``
+    and ``source_sha256``, optional so that the reference record itself validates.
+    ``implementation_sha256`` / ``runner_sha256`` are digests of the
     per-file manifest (see :func:`kvlab.artifacts.provenance.manifest_digest`).
     """
 
@@ -79,9 +80,11 @@ class ProvenanceV2(_Strict):
     accelerator: StrictStr
     checkpoint: StrictStr | None
     dataset_fingerprint: StrictStr
-    code_dirty: StrictBool | None
-    command_argv: list[StrictStr]
-    source_sha256: dict[StrictStr, dict[StrictStr, StrictStr]]
+    # kvlab's extras: absent from records written before them (reference record 000), which
+    # stay schema-valid; ``kvlab validate`` then says which checks it could not make.
+    code_dirty: StrictBool | None = None
+    command_argv: list[StrictStr] | None = None
+    source_sha256: dict[StrictStr, dict[StrictStr, StrictStr]] | None = None
 
 
 class FullExperiment(_Strict):

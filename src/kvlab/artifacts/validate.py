@@ -1,4 +1,12 @@
-"""``kvlab validate``: schema check plus recomputation of every recorded source sha256."""
+"""``kvlab validate``: schema check plus recomputation of every recorded source sha256.
+
+Checks that cannot be made are listed in :attr:`ValidationReport.unchecked` with the reason,
+and do not fail the validation: a v2 record without kvlab's provenance extras (``code_dirty``,
+``command_argv``, ``source_sha256``; e.g. reference record 000) has no per-file hashes to
+recompute; a record none of whose recorded source files exists under the root (e.g. reference
+record 004, made by another code base) cannot be checked against this tree. A record some of
+whose files exist and others not still fails: that is a tree that changed.
+"""
 
 from __future__ import annotations
 
@@ -30,10 +38,17 @@ class ValidationReport:
     kind: str | None = None
     problems: list[str] = field(default_factory=list)
     checked_files: int = 0
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.kind is not None and not self.problems
+
+    def summary(self) -> str:
+        """One line: what matched."""
+        if self.checked_files:
+            return f"schema valid, {self.checked_files} source file(s) match"
+        return "schema valid, no source file checked"
 
 
 PASS_REQUIRES = (
@@ -49,7 +64,9 @@ def _check_order(data: Any, model: type[BaseModel], where: str, report: Validati
     """Keys in the schema's declared order, recursively for nested models."""
     if not isinstance(data, dict):
         return
-    expected = list(model.model_fields)
+    expected = [
+        name for name, info in model.model_fields.items() if name in data or info.is_required()
+    ]
     if list(data) != expected:
         report.problems.append(
             f"{where or 'top level'}: fields {list(data)} not in order {expected}"
@@ -63,17 +80,27 @@ def _check_order(data: Any, model: type[BaseModel], where: str, report: Validati
 def _check_files(recorded: dict[str, str], root: Path, report: ValidationReport) -> None:
     if not recorded:
         report.problems.append("no source files recorded: nothing ties this artifact to code")
+    inside = {}
     for rel, expected in recorded.items():
-        report.checked_files += 1
         pure = PurePosixPath(rel)
         if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
             report.problems.append(f"{rel}: not a relative POSIX path inside the source tree")
             continue
-        file = root / rel
-        if not file.is_file():
+        inside[rel] = expected
+    present = {rel: digest for rel, digest in inside.items() if (root / rel).is_file()}
+    if inside and not present:
+        report.unchecked.append(
+            f"source sha256 of {len(inside)} recorded file(s): none exists under {root} (the "
+            f"record comes from another source tree; --root DIR checks it against that tree): "
+            + ", ".join(inside)
+        )
+        return
+    for rel, expected in inside.items():
+        report.checked_files += 1
+        if rel not in present:
             report.problems.append(f"{rel}: missing from the tree at {root}")
             continue
-        actual = file_sha256(file)
+        actual = file_sha256(root / rel)
         if actual != expected:
             report.problems.append(f"{rel}: sha256 {actual} != recorded {expected}")
 
@@ -108,19 +135,33 @@ def validate_artifact(path: str | Path, root: Path | None = None) -> ValidationR
             artifact = MetricArtifactV2.model_validate(data)
             report.kind = "metric artifact v2"
             sources = artifact.provenance.source_sha256
-            for part, digest in (
-                ("implementation", artifact.provenance.implementation_sha256),
-                ("runner", artifact.provenance.runner_sha256),
-            ):
-                files = sources.get(part)
-                if files is None:
-                    report.problems.append(f"provenance.source_sha256 lacks {part!r}")
-                    continue
-                if manifest_digest(files) != digest:
-                    report.problems.append(
-                        f"provenance.{part}_sha256 does not match its recorded file list"
-                    )
-                _check_files(files, base, report)
+            if sources is None:
+                report.unchecked.append(
+                    "source sha256: provenance has no source_sha256 (per-file hashes, a kvlab "
+                    "extra this record predates), so implementation_sha256 and runner_sha256 "
+                    "cannot be recomputed"
+                )
+            else:
+                recorded: dict[str, str] = {}
+                for part, digest in (
+                    ("implementation", artifact.provenance.implementation_sha256),
+                    ("runner", artifact.provenance.runner_sha256),
+                ):
+                    files = sources.get(part)
+                    if files is None:
+                        report.problems.append(f"provenance.source_sha256 lacks {part!r}")
+                        continue
+                    if manifest_digest(files) != digest:
+                        report.problems.append(
+                            f"provenance.{part}_sha256 does not match its recorded file list"
+                        )
+                    if not files:
+                        report.problems.append(
+                            f"no source files recorded in {part}: nothing ties it to code"
+                        )
+                    recorded.update(files)
+                if recorded:
+                    _check_files(recorded, base, report)
             _check_order(data, MetricArtifactV2, "", report)
             _check_v2_consistency(artifact, report)
         elif version == 1:
@@ -150,7 +191,12 @@ def _check_v2_consistency(artifact: MetricArtifactV2, report: ValidationReport) 
     if artifact.evaluation_protocol.formal_comparison and len(seeds) < 3:
         report.problems.append("formal_comparison is true with fewer than 3 seeds")
     prov = artifact.provenance
-    if command_string(prov.command_argv) != prov.command:
+    if prov.command_argv is None:
+        report.unchecked.append(
+            "command: provenance has no command_argv (a kvlab extra this record predates) to "
+            "check provenance.command against"
+        )
+    elif command_string(prov.command_argv) != prov.command:
         report.problems.append("provenance.command is not the shell form of command_argv")
     rows = [{k: v for k, v in row.items() if k != "seed"} for row in artifact.per_seed]
     numeric = {k for row in rows for k in row}

@@ -408,6 +408,7 @@ PAPER = Paper(
         "kvlab.pnmix.packing",
         "kvlab.pnmix.quantizers",
         "kvlab.pnmix.codecs",
+        "kvlab.pnmix.values",
         "kvlab.pnmix.store",
         "kvlab.pnmix.config",
         "kvlab.pnmix.cache",

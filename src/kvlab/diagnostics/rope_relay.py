@@ -1,9 +1,10 @@
 """The RoPE-Relay mechanism diagnostic (paper key ``rope-relay``, tier ``l1_mechanism``).
 
-SPEC §2 / reference record 000. For each seed a seeded generator draws raw keys, values and
-question queries (standard normal × ``amplitude``) and sorted distinct original positions
-for the ``slots`` cache slots from a 4,096-token stream; keys are rotated at those positions;
-each (layer, kv head) keeps a seeded subset of its retained count; the relay runs per layer.
+docs/design.md ("RoPE-Relay: Relay") / reference record 000. For each seed a seeded generator
+draws raw keys, values and question queries (standard normal × ``amplitude``) and sorted
+distinct original positions for the ``slots`` cache slots from a 4,096-token stream; keys are
+rotated at those positions; each (layer, kv head) keeps a seeded subset of its retained count;
+the relay runs per layer.
 Every boolean below is *computed* from tensors, never asserted.
 """
 
@@ -83,7 +84,7 @@ def run_seed(context: RunContext, seed: int) -> SeedResult:
     questions = cfg["question_length"]
 
     slots, dim = cfg["slots"], cfg["key_dimension"]
-    endpoint = slots - 1  # SPEC §2 default: a fixed-size cache, positions never exceed slots
+    endpoint = slots - 1  # docs/design.md, "RoPE-Relay: Relay": positions never exceed slots
     max_error = 0.0
     values_same = tails_same = endpoints_aligned = synchronized = True
     loss = torch.zeros((), device=device)
@@ -97,7 +98,8 @@ def run_seed(context: RunContext, seed: int) -> SeedResult:
         loss = loss + out.pow(2).mean()
         next_positions.add(int(relayed.next_position))
         # Every check below compares the relay's output with a reference built here from
-        # the keep mask and SPEC §2 alone, never from the relay's own bookkeeping.
+        # the keep mask and docs/design.md ("RoPE-Relay: Relay") alone, never from the relay's
+        # own bookkeeping.
         for head in range(cfg["physical_kv_heads"]):
             kept = keep[layer, 0, head].nonzero().squeeze(-1)  # original slots, in order
             count = int(kept.numel())

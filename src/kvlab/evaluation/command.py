@@ -1,23 +1,63 @@
-"""The ``kvlab eval`` command (registered by :mod:`kvlab.cli`)."""
+"""The ``kvlab eval`` and ``kvlab sweep`` commands (registered by :mod:`kvlab.cli`).
+
+Only light modules are imported here: ``kvlab --help`` must not load torch.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
+from kvlab.cli_support import err_console, fail, user_errors
 from kvlab.evaluation.methods import available_method_names
 
-__all__ = ["eval_command"]
+__all__ = ["eval_command", "parse_counts", "sweep_command"]
 
 _METHOD_HELP = (
     "KV-cache method, repeatable: " + ", ".join(available_method_names()) + ". R = evicted "
-    "fraction. Default: full, PN-Mix (2/4-bit), kivi-2bit, int4, int2, relay and "
-    "evict-no-relay per scorer, streaming-llm, and transformers' QuantizedCache when installed."
+    "fraction; SCORER = snapkv (default), keynorm or recency. Default (prefill-score): full, "
+    "PN-Mix (2/4-bit), kivi-2bit, int4, int2, relay and evict-no-relay per scorer, "
+    "streaming-llm, and transformers' QuantizedCache when installed; stream: full, "
+    "relay:snapkv@0.5, evict-no-relay:snapkv@0.5, streaming-llm@0.5; needle: full, "
+    "relay:snapkv@0.5, evict-no-relay:snapkv@0.5."
 )
+_EXECUTOR_HELP = (
+    "local (one process) or ray (Ray tasks: a local Ray instance, or the cluster at "
+    "--ray-address). Both give the same numbers at the same --cpu-threads."
+)
+
+
+def parse_counts(text: str, option: str, *, allow_float: bool = False) -> list[float]:
+    """Comma-separated numbers, ``K`` meaning 1024 (``"2K,4K"`` -> ``[2048, 4096]``).
+
+    Raises:
+        ValueError: an item that is not a number.
+    """
+    values: list[float] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        scale = 1024 if item[-1] in "kK" else 1
+        number = item[:-1] if scale > 1 else item
+        try:
+            value = float(number) * scale if allow_float else int(number) * scale
+        except ValueError as exc:
+            raise ValueError(f"{option}: {item!r} is not a number") from exc
+        values.append(value)
+    if not values:
+        raise ValueError(f"{option} is empty")
+    return values
+
+
+def _calibration(value: str | None) -> tuple[Path | None, bool]:
+    if value is None:
+        return None, True
+    if value.lower() == "none":
+        return None, False
+    return Path(value), True
 
 
 def eval_command(
@@ -30,14 +70,16 @@ def eval_command(
     ] = "smollm2-135m",
     text: Annotated[
         Path | None,
-        typer.Option(help="Text file to evaluate on (default: the package's public-domain text)."),
+        typer.Option(
+            help="UTF-8 text file to evaluate on (default: the package's public-domain text)."
+        ),
     ] = None,
     method: Annotated[list[str] | None, typer.Option(help=_METHOD_HELP)] = None,
     protocol: Annotated[
         str,
         typer.Option(
-            help="prefill-score (prefill P, score S one token at a time) or "
-            "stream (chunks through a bounded cache)."
+            help="prefill-score (prefill P, score S one token at a time), stream (chunks "
+            "through a bounded cache) or needle (passkey retrieval at lengths x depths)."
         ),
     ] = "prefill-score",
     windows: Annotated[int, typer.Option(help="prefill-score: number of token windows.")] = 4,
@@ -46,55 +88,178 @@ def eval_command(
     cache_slots: Annotated[
         int,
         typer.Option(
-            help="stream: cache window in tokens per kv head; an eviction "
+            help="stream, needle: cache window in tokens per kv head; an eviction "
             "method with R keeps (1 - R) * slots."
         ),
     ] = 2048,
-    chunk_size: Annotated[int, typer.Option(help="stream: tokens per forward.")] = 256,
+    chunk_size: Annotated[int, typer.Option(help="stream, needle: tokens per forward.")] = 256,
     stream_length: Annotated[int, typer.Option(help="stream: tokens streamed.")] = 12288,
     segment: Annotated[int, typer.Option(help="stream: tokens per perplexity segment.")] = 1024,
+    needle_lengths: Annotated[
+        str, typer.Option(help="needle: prompt lengths in tokens (K = 1024).")
+    ] = "2K,4K,8K,16K",
+    needle_depths: Annotated[
+        str, typer.Option(help="needle: needle depths, percent of the filler.")
+    ] = "0,25,50,75,100",
+    needle_trials: Annotated[int, typer.Option(help="needle: trials per cell.")] = 3,
+    needle_seed: Annotated[int, typer.Option(help="needle: seed of passkeys and filler.")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16 weights.")] = "float32",
-    cpu_threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
-    output_dir: Annotated[Path, typer.Option(help="Folder for table, artifact and plot.")] = Path(
-        "runs/eval"
-    ),
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    cpu_threads: Annotated[
+        int | None, typer.Option(help="torch CPU threads (per worker with --executor ray).")
+    ] = None,
+    executor: Annotated[str, typer.Option(help=_EXECUTOR_HELP)] = "local",
+    workers: Annotated[int, typer.Option(help="ray: tasks run at once.")] = 2,
+    ray_address: Annotated[
+        str | None, typer.Option(help="ray: address of a running cluster (default: start one).")
+    ] = None,
+    calibration_cache: Annotated[
+        str | None,
+        typer.Option(
+            help="Folder of cached calibrations (default: $KVLAB_CALIBRATION_CACHE or "
+            "~/.cache/kvlab/calibration); 'none' disables it."
+        ),
+    ] = None,
+    output_dir: Annotated[
+        Path, typer.Option(help="Folder for table, artifact, plot and the task store (tasks/).")
+    ] = Path("runs/eval"),
+    resume: Annotated[
+        bool, typer.Option(help="Reuse results of finished tasks found in the output folder.")
+    ] = True,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
 ) -> None:
     """Compare KV-cache methods on a pretrained model and a real text (perplexity, ΔPPL, KL to
-    the full cache, KV bytes, time); write a markdown table, a metric artifact (v2) and a plot."""
-    from kvlab.device import set_cpu_threads
-    from kvlab.evaluation.harness import EvalConfig, run_eval
-    from kvlab.models import ModelNotAvailableError
+    the full cache, KV bytes, time; needle: passkey accuracy); write a markdown table, a
+    metric artifact (v2), the raw figures and a plot. Every finished task is kept in
+    OUTPUT_DIR/tasks/, so an interrupted run resumes where it stopped."""
+    from kvlab.evaluation.plan import EvalConfig
 
-    console = Console()
-    config = EvalConfig(
-        model=model,
-        text=text,
-        methods=list(method or []),
-        protocol=protocol,
-        windows=windows,
-        prefill=prefill,
-        score=score,
-        device=device,
-        dtype=dtype,
-        output_dir=output_dir,
-        cache_slots=cache_slots,
-        chunk=chunk_size,
-        stream_length=stream_length,
-        segment=segment,
-        argv=["kvlab", *sys.argv[1:]],
-        progress=progress,
-    )
-    try:
-        set_cpu_threads(cpu_threads)
-        outcome = run_eval(config, console)
-    except (ModelNotAvailableError, ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/] {exc}", soft_wrap=True, highlight=False)
-        raise typer.Exit(2) from exc
+    console = err_console()
+    with user_errors(
+        f"finished tasks are kept in {output_dir / 'tasks'}; rerun the same command to resume"
+    ):
+        cache_dir, use_cache = _calibration(calibration_cache)
+        config = EvalConfig(
+            model=model,
+            text=text,
+            methods=list(method or []),
+            protocol=protocol,
+            windows=windows,
+            prefill=prefill,
+            score=score,
+            device=device,
+            dtype=dtype,
+            output_dir=output_dir,
+            cache_slots=cache_slots,
+            chunk=chunk_size,
+            stream_length=stream_length,
+            segment=segment,
+            argv=_argv(),
+            progress=progress,
+            needle_lengths=[int(v) for v in parse_counts(needle_lengths, "--needle-lengths")],
+            needle_depths=parse_counts(needle_depths, "--needle-depths", allow_float=True),
+            needle_trials=needle_trials,
+            needle_seed=needle_seed,
+            executor=executor,
+            workers=workers,
+            ray_address=ray_address,
+            cpu_threads=cpu_threads,
+            calibration_cache=cache_dir,
+            use_calibration_cache=use_cache,
+            resume=resume,
+        )
+        config.needle_depths = [int(d) if d == int(d) else d for d in config.needle_depths]
+        outcome = _run(config, console)
     sys.stdout.write(outcome.table)
     sys.stdout.flush()
-    console.print(f"table:    {outcome.table_path}")
-    console.print(f"artifact: {outcome.artifact_path}")
-    console.print(f"raw:      {outcome.raw_path}")
-    console.print(f"plot:     {outcome.plot_path}")
+    for name, path in (
+        ("table", outcome.table_path),
+        ("artifact", outcome.artifact_path),
+        ("raw", outcome.raw_path),
+        ("plot", outcome.plot_path),
+    ):
+        console.print(f"{name + ':':9s} {path}")
+
+
+def _run(config: Any, console: Any) -> Any:
+    from kvlab.device import set_cpu_threads
+    from kvlab.evaluation.executors import TaskFailedError
+    from kvlab.evaluation.harness import run_eval
+
+    set_cpu_threads(config.cpu_threads)
+    try:
+        return run_eval(config, console)
+    except TaskFailedError as exc:
+        fail(str(exc))
+
+
+def _argv() -> list[str]:
+    from kvlab.cli import invocation_argv
+
+    return invocation_argv()
+
+
+def sweep_command(
+    file: Annotated[Path, typer.Argument(help="Sweep file (TOML; see examples/).")],
+    output_dir: Annotated[
+        Path | None,
+        typer.Option(help="Output folder (default: runs/sweep/<file name without .toml>)."),
+    ] = None,
+    executor: Annotated[str, typer.Option(help=_EXECUTOR_HELP)] = "local",
+    workers: Annotated[int, typer.Option(help="ray: tasks run at once.")] = 2,
+    ray_address: Annotated[
+        str | None, typer.Option(help="ray: address of a running cluster (default: start one).")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    cpu_threads: Annotated[
+        int | None, typer.Option(help="torch CPU threads (per worker with --executor ray).")
+    ] = None,
+    calibration_cache: Annotated[
+        str | None,
+        typer.Option(
+            help="Folder of cached calibrations (default: $KVLAB_CALIBRATION_CACHE or "
+            "~/.cache/kvlab/calibration); 'none' disables it."
+        ),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Reuse results of finished tasks found in the output folder.")
+    ] = True,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Run a grid of evaluations — models x texts x methods (x ratios, bits) x protocols —
+    from a TOML file, as one plan of tasks. Each finished task is stored in
+    OUTPUT_DIR/tasks/ and skipped on rerun (Ctrl-C loses only the running tasks). Writes each
+    group's table, artifact, raw JSON and plot, summary.md (every table, without wall times,
+    comparable across executors) and a Pareto plot of KL against bytes per model and text."""
+    from kvlab.evaluation.sweep import SweepOptions, run_sweep
+
+    console = err_console()
+    out = output_dir or Path("runs/sweep") / file.stem
+    with user_errors(
+        f"finished tasks are kept in {out / 'tasks'}; rerun the same command to resume"
+    ):
+        cache_dir, use_cache = _calibration(calibration_cache)
+        options = SweepOptions(
+            output_dir=out,
+            executor=executor,
+            workers=workers,
+            ray_address=ray_address,
+            device=device,
+            cpu_threads=cpu_threads,
+            calibration_cache=cache_dir,
+            use_calibration_cache=use_cache,
+            resume=resume,
+            progress=progress,
+            argv=_argv(),
+        )
+        from kvlab.evaluation.executors import TaskFailedError
+
+        try:
+            outcome = run_sweep(file, options, console)
+        except TaskFailedError as exc:
+            fail(str(exc))
+    sys.stdout.write(outcome.summary)
+    sys.stdout.flush()
+    console.print(f"summary: {outcome.summary_path}")
+    for path in outcome.pareto_paths:
+        console.print(f"pareto:  {path}")

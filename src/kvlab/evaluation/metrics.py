@@ -112,28 +112,29 @@ def _storage_of(tensors: Iterable[Tensor]) -> tuple[int, int]:
 
 
 def cache_storage(cache: Any) -> CacheStorage:
-    """Measure a cache: kvlab's :class:`~kvlab.integrations.PNMixModelCache` and
-    :class:`~kvlab.integrations.RelayModelCache`, ``transformers``' ``DynamicCache`` and
-    ``QuantizedCache`` (quanto / hqq).
+    """Measure a cache: kvlab's :class:`~kvlab.integrations.PNMixModelCache`,
+    :class:`~kvlab.integrations.RelayModelCache` and
+    :class:`~kvlab.integrations.composed_cache.ComposedModelCache`, ``transformers``'
+    ``DynamicCache`` and ``QuantizedCache`` (quanto / hqq).
 
     Raises:
         TypeError: an unsupported cache type.
     """
     from transformers.cache_utils import DynamicLayer, QuantizedLayer
 
+    from kvlab.integrations.composed_cache import ComposedLayer
     from kvlab.integrations.pnmix_cache import PNMixLayer
     from kvlab.integrations.relay_cache import RelayLayer
 
     actual = normalized = index = 0
     for layer in cache.layers:
-        if isinstance(layer, PNMixLayer):
-            size = layer.nbytes()
+        if isinstance(layer, (PNMixLayer, ComposedLayer)):
+            size = layer.nbytes()  # a composed layer: its PN-Mix store (no per-token index)
             actual += size
             normalized += size  # exact parts and scales already stored in 2 bytes
         elif isinstance(layer, RelayLayer):
-            a, n = _storage_of([*layer.keys_per_head, *layer.values_per_head])
-            actual += a
-            normalized += n
+            actual += layer.nbytes()  # used elements only; headroom is not stored data
+            normalized += layer.numel() * 2
             index += layer.index_bytes()
         elif isinstance(layer, QuantizedLayer):
             parts = [layer._quantized_keys, layer._quantized_values]

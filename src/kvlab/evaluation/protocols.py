@@ -1,4 +1,7 @@
-"""The two evaluation protocols of ``kvlab eval``.
+"""The ``prefill-score`` and ``stream`` protocols of ``kvlab eval`` (``needle``:
+:mod:`kvlab.evaluation.needle`). Each function runs one method on one token sequence; planning,
+executing many of them and reporting live in :mod:`~kvlab.evaluation.plan`,
+:mod:`~kvlab.evaluation.execute` and :mod:`~kvlab.evaluation.report`.
 
 ``prefill-score`` (:func:`score_window`): a fixed window of ``P + S`` tokens. The method's cache
 receives the first ``P`` tokens in one forward (the prefill — where eviction methods evict and
@@ -9,16 +12,17 @@ caches. The full-cache (``DynamicCache``) run of the same window is the referenc
 
 ``stream`` (:func:`stream_tokens`): ``N`` tokens go through the method's cache in chunks of
 ``chunk`` tokens (each chunk one forward); the logits of every chunk score the tokens that follow,
-so all ``N - 1`` next-token predictions are scored. Positions are whatever the cache reports
-(``get_seq_length``): the stream length for ``full`` and ``evict-no-relay``, synchronized
-positions inside the cache for RoPE-Relay.
+so all ``N - 1`` next-token predictions are scored. Tokens are rotated at the cache's own RoPE
+positions (:func:`_position_kwargs`): the stream length for ``full`` and ``evict-no-relay``,
+synchronized positions inside the cache for RoPE-Relay (``RelayModelCache.next_positions``,
+which differ from its ``get_seq_length``, the tokens seen).
 """
 
 from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +33,15 @@ from kvlab.evaluation.methods import Method
 from kvlab.evaluation.metrics import CacheStorage, cache_storage, kl_divergence, token_nll
 from kvlab.integrations.attention import use_attention
 
-__all__ = ["StreamScore", "WindowScore", "cache_keyword", "score_window", "stream_tokens"]
+__all__ = [
+    "StreamScore",
+    "WindowScore",
+    "accepts_keyword",
+    "cache_details",
+    "cache_keyword",
+    "score_window",
+    "stream_tokens",
+]
 
 
 def cache_keyword(model: Any) -> str:
@@ -39,7 +51,8 @@ def cache_keyword(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _accepts(model: Any, name: str) -> bool:
+def accepts_keyword(model: Any, name: str) -> bool:
+    """Whether ``model.forward`` takes keyword ``name``."""
     return name in inspect.signature(model.forward).parameters
 
 
@@ -67,22 +80,47 @@ class WindowScore:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def _details(cache: Any) -> dict[str, Any]:
+def cache_details(cache: Any) -> dict[str, Any]:
+    """Method-specific facts of a cache after a run (JSON-ready)."""
     from kvlab.integrations.pnmix_cache import PNMixModelCache
     from kvlab.integrations.relay_cache import RelayModelCache
 
     if isinstance(cache, RelayModelCache):
+        from kvlab.integrations.composed_cache import ComposedModelCache
+
         events = cache.events()
         per_head = [e.tokens_after for e in events[: len(cache.layers)]]
-        return {
+        details = {
             "evictions": len(events),
             "next_position": cache.next_position,
             "stream_length": cache.stream_length,
             "first_eviction_tokens_per_head": per_head,
         }
+        if isinstance(cache, ComposedModelCache):
+            details["packed_attention_calls"] = cache.attention_calls()
+        return details
     if isinstance(cache, PNMixModelCache):
         return {"packed_attention_calls": cache.attention_calls()}
     return {}
+
+
+def _position_kwargs(cache: Any, num_new: int) -> dict[str, Tensor]:
+    """``position_ids`` at the cache's own RoPE positions for a :class:`RelayModelCache` (the
+    model then rotates there directly, no re-rotation by the cache), else nothing."""
+    from kvlab.integrations.relay_cache import RelayModelCache
+
+    if isinstance(cache, RelayModelCache):
+        return {"position_ids": cache.position_ids(num_new)}
+    return {}
+
+
+def _rope_position(cache: Any) -> int:
+    """The RoPE position the next token would get."""
+    from kvlab.integrations.relay_cache import RelayModelCache
+
+    if isinstance(cache, RelayModelCache):
+        return cache.next_position
+    return int(cache.get_seq_length())
 
 
 @torch.no_grad()
@@ -96,6 +134,7 @@ def score_window(
     reference_logprobs: Tensor | None = None,
     keep_logprobs: bool = False,
     on_token: Callable[[int], None] | None = None,
+    prepared: Mapping[str, Any] | None = None,
 ) -> WindowScore:
     """Prefill ``prefill`` tokens into ``method``'s cache, then score ``score`` tokens one at a
     time (module docstring).
@@ -107,6 +146,7 @@ def score_window(
         reference_logprobs: float ``[score, V]`` full-cache log-softmax for the KL, or None.
         keep_logprobs: return this run's ``[score, V]`` log-softmax (for the reference run).
         on_token: progress callback, called with 1 after each scored token.
+        prepared: the method's prepared state (:meth:`Method.make_cache`), if it has one.
 
     Raises:
         ValueError: ``tokens`` shorter than ``prefill + score``, or ``prefill < 1``/``score < 1``.
@@ -115,9 +155,9 @@ def score_window(
         raise ValueError(f"prefill and score must be >= 1, got {prefill}, {score}")
     if tokens.numel() < prefill + score:
         raise ValueError(f"window has {tokens.numel()} tokens, needs {prefill + score}")
-    cache = method.make_cache(model.config)
+    cache = method.make_cache(model.config, prepared)
     key = cache_keyword(model)
-    extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    extra = {"logits_to_keep": 1} if accepts_keyword(model, "logits_to_keep") else {}
     targets = tokens[prefill : prefill + score]
     nll = torch.empty(score, dtype=torch.float64)
     kl = torch.empty(score, dtype=torch.float64) if reference_logprobs is not None else None
@@ -135,14 +175,20 @@ def score_window(
 
     with use_attention(model, method.attention):
         start = time.perf_counter()
-        out = model(tokens[:prefill].view(1, -1), use_cache=True, **{key: cache}, **extra)
+        out = model(
+            tokens[:prefill].view(1, -1),
+            use_cache=True,
+            **{key: cache},
+            **extra,
+            **_position_kwargs(cache, prefill),
+        )
         seconds += time.perf_counter() - start
         storage_prefill = cache_storage(cache)
         consume(0, out.logits[0, -1])
         for j in range(1, score):
             step = tokens[prefill + j - 1].view(1, 1)
             start = time.perf_counter()
-            out = model(step, use_cache=True, **{key: cache}, **extra)
+            out = model(step, use_cache=True, **{key: cache}, **extra, **_position_kwargs(cache, 1))
             seconds += time.perf_counter() - start
             consume(j, out.logits[0, -1])
     return WindowScore(
@@ -152,7 +198,7 @@ def score_window(
         storage_final=cache_storage(cache),
         model_seconds=seconds,
         reference_logprobs=torch.stack(kept) if kept is not None else None,
-        details=_details(cache),
+        details=cache_details(cache),
     )
 
 
@@ -164,7 +210,8 @@ class StreamScore:
         nll: float64 ``[N - 1]``: NLL of token ``t + 1`` given tokens ``0..t`` (as cached).
         peak_storage: the largest cache storage seen after any chunk.
         final_storage: the cache storage at the end.
-        final_position: the position the next token would get (``get_seq_length``).
+        final_position: the RoPE position the next token would get (for RoPE-Relay its
+            synchronized position, not the tokens seen).
         model_seconds: wall time of the model calls.
         details: method-specific facts.
     """
@@ -185,8 +232,10 @@ def stream_tokens(
     *,
     chunk: int,
     on_chunk: Callable[[int], None] | None = None,
+    prepared: Mapping[str, Any] | None = None,
 ) -> StreamScore:
-    """Stream ``tokens`` (int64 ``[N]``) through ``method``'s cache in chunks of ``chunk``.
+    """Stream ``tokens`` (int64 ``[N]``) through ``method``'s cache in chunks of ``chunk``
+    (``prepared``: the method's prepared state, if it has one).
 
     Raises:
         ValueError: ``chunk < 1`` or fewer than 2 tokens.
@@ -196,7 +245,7 @@ def stream_tokens(
     total = tokens.numel()
     if total < 2:
         raise ValueError("a stream needs at least 2 tokens")
-    cache = method.make_cache(model.config)
+    cache = method.make_cache(model.config, prepared)
     key = cache_keyword(model)
     nll_parts = []
     seconds = 0.0
@@ -205,7 +254,12 @@ def stream_tokens(
         for start in range(0, total - 1, chunk):
             piece = tokens[start : min(start + chunk, total - 1)]
             begin = time.perf_counter()
-            out = model(piece.view(1, -1), use_cache=True, **{key: cache})
+            out = model(
+                piece.view(1, -1),
+                use_cache=True,
+                **{key: cache},
+                **_position_kwargs(cache, piece.numel()),
+            )
             seconds += time.perf_counter() - begin
             targets = tokens[start + 1 : start + 1 + piece.numel()]
             nll_parts.append(token_nll(out.logits[0], targets))
@@ -218,7 +272,7 @@ def stream_tokens(
         nll=torch.cat(nll_parts),
         peak_storage=peak,
         final_storage=cache_storage(cache),
-        final_position=int(cache.get_seq_length()),
+        final_position=_rope_position(cache),
         model_seconds=seconds,
-        details=_details(cache),
+        details=cache_details(cache),
     )

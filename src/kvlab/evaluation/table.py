@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["format_bytes", "markdown_table", "prefill_score_table", "stream_table"]
+__all__ = [
+    "format_bytes",
+    "markdown_table",
+    "needle_table",
+    "prefill_score_table",
+    "stream_table",
+]
 
 
 def format_bytes(value: float) -> str:
@@ -105,4 +111,28 @@ def stream_table(summaries: Sequence[Mapping[str, Any]], context: int) -> str:
         ]
         for s in summaries
     ]
+    return markdown_table(headers, rows)
+
+
+def needle_table(
+    summaries: Sequence[Mapping[str, Any]], lengths: Sequence[int], depths: Sequence[float]
+) -> str:
+    """The needle table: one row per (method, prompt length), one column per needle depth;
+    each cell ``correct/trials`` (exact matches), then the row's accuracy."""
+    headers = ["method", "length (tokens)", *[f"depth {d:g} %" for d in depths], "accuracy"]
+    rows = []
+    for s in summaries:
+        cells = {(c["length"], c["depth"]): c for c in s["cells"]}
+        for length in lengths:
+            row_cells = [cells[(length, d)] for d in depths]
+            correct = sum(c["correct"] for c in row_cells)
+            trials = sum(c["trials"] for c in row_cells)
+            rows.append(
+                [
+                    s["method"],
+                    length,
+                    *[f"{c['correct']}/{c['trials']}" for c in row_cells],
+                    f"{correct / trials:.2f}",
+                ]
+            )
     return markdown_table(headers, rows)

@@ -5,6 +5,8 @@
 * :mod:`~kvlab.integrations.pnmix_cache` — :class:`PNMixModelCache`, PN-Mix for every layer.
 * :mod:`~kvlab.integrations.relay_cache` — :class:`RelayModelCache`, per-head eviction with
   RoPE-Relay (or without, as a baseline).
+* :mod:`~kvlab.integrations.composed_cache` — :class:`ComposedModelCache`, that eviction
+  followed by PN-Mix codes for the kept tokens.
 * :mod:`~kvlab.integrations.model_support` — :func:`plan_model`: which layers a cache compresses
   (full attention), which it keeps as an exact window (:class:`WindowLayer`), what it refuses.
 
@@ -21,6 +23,7 @@ from kvlab.integrations.attention import (
     register_kvlab_attention,
     use_attention,
 )
+from kvlab.integrations.composed_cache import ComposedModelCache
 from kvlab.integrations.model_support import ModelPlan, WindowLayer, plan_model
 from kvlab.integrations.pnmix_cache import PNMixModelCache, pnmix_config_for_model
 from kvlab.integrations.relay_cache import EvictionConfig, EvictionEvent, RelayModelCache
@@ -28,6 +31,7 @@ from kvlab.integrations.relay_cache import EvictionConfig, EvictionEvent, RelayM
 __all__ = [
     "KVLAB_ATTENTION",
     "CacheView",
+    "ComposedModelCache",
     "EvictionConfig",
     "EvictionEvent",
     "ModelPlan",

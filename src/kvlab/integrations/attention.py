@@ -94,8 +94,9 @@ class CacheView:
     #: Features of :data:`VIEW_FEATURES` that :meth:`attend` applies (read from its ``kwargs``:
     #: ``kwargs["softcap"]`` a float or None, ``kwargs["s_aux"]`` a ``[H_q]`` tensor or None).
     supported_features: ClassVar[frozenset[str]] = frozenset()
-    #: Whether :meth:`attend` handles a 2-D padding mask itself (PN-Mix views do); if False,
-    #: :func:`kvlab_attention_forward` refuses masks with zeros (and 4-D masks) before the call.
+    #: Whether :meth:`attend` handles a 2-D padding mask itself (PN-Mix and relay views do); if
+    #: False, :func:`kvlab_attention_forward` refuses masks with zeros (and 4-D masks) before
+    #: the call.
     supports_padding: ClassVar[bool] = False
 
     def attend(
@@ -416,8 +417,9 @@ def kvlab_attention_forward(
 
     Raises:
         ValueError: an attention argument kvlab does not implement (named); with a kvlab cache
-            view: a padded batch or a 4-D mask, dropout in training mode, ``is_causal=False``,
-            or a feature the view does not list in ``supported_features``.
+            view: a padded batch or a 4-D mask (unless its ``supports_padding``), dropout in
+            training mode, ``is_causal=False``, or a feature the view does not list in
+            ``supported_features``.
     """
     _check_kwargs(kwargs)
     if scaling is None:

@@ -35,6 +35,14 @@ already written are never rewritten.
 Per-layer group sizes: ``layer_group_tokens`` gives each decoder layer its own
 ``group_tokens`` (everything else as ``config``), e.g. an allocation from
 :func:`kvlab.integrations.pnmix_calibration.calibrate_group_tokens`.
+
+Position-aware (pre-RoPE) key codings: every full-attention layer gets the model's RoPE
+(:func:`kvlab.integrations.model_support.layer_rotary`); a full-attention layer without RoPE
+(NoPE) codes its keys in their own frame, which is position 0 already
+(:meth:`kvlab.pnmix.codecs.KeyCodec.without_positions`). A token's position is its row's
+stream index (plus the row's offset, 0 unless a relay sets it): what ``generate`` gives
+left-padded rows. Query-aware per-pair tables read the queries of the forward that computes
+them (the view hands them to the commit; docs/design.md, "Per-pair tables").
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlab.integrations.attention import CacheView, dense_causal_attention
 from kvlab.integrations.model_support import layer_rotary, plan_model
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
+from kvlab.rope import RotaryConfig
 
 __all__ = ["PNMixLayer", "PNMixModelCache", "PNMixView", "pnmix_config_for_model"]
 
@@ -237,7 +246,7 @@ class PNMixView(CacheView):
             )
             layer.columns += 1
             return out
-        exact = layer.commit(attention_mask)
+        exact = layer.commit(attention_mask, query)
         store = layer.store
         if store is None:
             raise RuntimeError("PNMixView used before its layer received any token")
@@ -274,11 +283,16 @@ class PNMixLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(
-        self, config: PNMixConfig, exact_prefill: bool = True, shared: _ForwardState | None = None
+        self,
+        config: PNMixConfig,
+        exact_prefill: bool = True,
+        shared: _ForwardState | None = None,
+        rotary: RotaryConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.exact_prefill = exact_prefill
+        self.rotary = rotary
         self._store: PNMixCache | None = None
         self.columns = 0
         self._pending: tuple[Tensor, Tensor] | None = None
@@ -305,6 +319,7 @@ class PNMixLayer(CacheLayerMixin):
             head_dim=head_dim,
             value_head_dim=value_states.shape[-1],
             device=key_states.device,
+            rotary=self.rotary,
         )
         self.device = key_states.device
         self.dtype = key_states.dtype
@@ -367,8 +382,11 @@ class PNMixLayer(CacheLayerMixin):
         self._shared.lengths(attention_mask, keys.shape[0], 1, self.columns, None)
         return keys, values, store
 
-    def commit(self, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        """Store the stashed tokens, dropping padding per ``attention_mask``.
+    def commit(
+        self, attention_mask: Tensor | None, query: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """Store the stashed tokens, dropping padding per ``attention_mask``; ``query`` (the
+        forward's rotated queries ``[B, H_q, Q, D]``) feeds query-aware per-pair tables.
 
         Returns:
             ``(keys, values, real)`` when this was an exact prefill (``real``: bool ``[B, Q]``
@@ -389,7 +407,9 @@ class PNMixLayer(CacheLayerMixin):
         lengths = self._shared.lengths(attention_mask, keys.shape[0], q, self.columns, stored)
         if q > 1:  # a multi-token forward checks every layer's deferred flags first
             self._shared.check()
-        store.append(keys, values, lengths, checks="deferred" if q == 1 else "eager")
+        if query is not None and tuple(query.shape[::2]) != (keys.shape[0], q):
+            query = None  # not this forward's queries (a caller's own attention)
+        store.append(keys, values, lengths, checks="deferred" if q == 1 else "eager", queries=query)
         first = stored is None and q > 1
         self.columns += q
         if not (first and self.exact_prefill):
@@ -516,13 +536,19 @@ class PNMixModelCache(Cache):
         # layer_group_tokens entries are unused. PN-Mix layers share one forward state.
         self.plan = plan
         shared = _ForwardState()
-        super().__init__(
-            layers=plan.build_layers(
-                lambda i: PNMixLayer(
-                    dataclasses.replace(config, group_tokens=groups[i]), exact_prefill, shared
+        codec = config.key_codec
+        rotary = layer_rotary(text_config) if codec.position_aware else None
+
+        def full_layer(i: int) -> PNMixLayer:
+            layer_config = dataclasses.replace(config, group_tokens=groups[i])
+            uses_rope = plan.layers[i].uses_rope
+            if codec.position_aware and not uses_rope:  # NoPE: its keys are position-0 keys
+                layer_config = dataclasses.replace(
+                    layer_config, key_coding=codec.without_positions(), key_outlier_fraction=0.0
                 )
-            )
-        )
+            return PNMixLayer(layer_config, exact_prefill, shared, rotary if uses_rope else None)
+
+        super().__init__(layers=plan.build_layers(full_layer))
         self._shared = shared
 
     def nbytes(self) -> int:

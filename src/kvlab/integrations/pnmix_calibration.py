@@ -28,9 +28,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.data import TextSource, default_text
 from kvlab.integrations.attention import use_attention
+from kvlab.integrations.model_support import layer_rotary
 from kvlab.integrations.pnmix_cache import PNMixLayer, pnmix_config_for_model
 from kvlab.pnmix.allocation import DEFAULT_GROUP_CANDIDATES, allocate_group_tokens
 from kvlab.pnmix.config import PNMixConfig
+from kvlab.rope import RotaryConfig
 
 __all__ = [
     "CALIBRATION_START",
@@ -41,13 +43,16 @@ __all__ = [
 
 
 def _prefix_cache(
-    prefix: list[tuple[Tensor, Tensor]], quantized: int | None, config: PNMixConfig | None
+    prefix: list[tuple[Tensor, Tensor]],
+    quantized: int | None,
+    config: PNMixConfig | None,
+    rotary: RotaryConfig | None = None,
 ) -> Cache:
     layers: list[Any] = []
     for i, (k, v) in enumerate(prefix):
         if i == quantized:
             assert config is not None
-            layer: Any = PNMixLayer(config, exact_prefill=False)
+            layer: Any = PNMixLayer(config, exact_prefill=False, rotary=rotary)
         else:
             layer = DynamicLayer()
         layer.update(k, v)
@@ -89,6 +94,7 @@ def layer_group_sensitivity(
         raise ValueError(f"prefill must be an int in 1..{n - 1}, got {prefill!r}")
     text_config = model.config.get_text_config(decoder=True)
     config = pnmix_config_for_model(text_config, config)
+    rotary = layer_rotary(text_config) if config.key_codec.position_aware else None
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     head, tail = ids[:, :prefill], ids[:, prefill:]
@@ -109,7 +115,7 @@ def layer_group_sensitivity(
             row: dict[int, float] = {}
             for g in sorted(set(candidates)):
                 cfg = dataclasses.replace(config, group_tokens=g)
-                approx = logprobs(_prefix_cache(prefix, layer, cfg))
+                approx = logprobs(_prefix_cache(prefix, layer, cfg, rotary))
                 row[g] = float((p * (exact - approx)).sum(-1).mean())
             result.append(row)
     return result

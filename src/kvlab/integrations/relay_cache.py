@@ -1,53 +1,71 @@
 """RoPE-Relay eviction inside a ``transformers`` model: a cache with ragged per-head storage.
 
 ``RelayModelCache(model.config, EvictionConfig(...))`` is a ``transformers.Cache``. Each layer
-stores, per kv head ``h``, its own ``[B, n_h, D]`` keys and ``[B, n_h, Dv]`` values (plus the
-tokens' stream indices and current rotary positions): evicted tokens are physically gone, so
-:meth:`RelayModelCache.nbytes` shrinks by the evicted fraction.
+keeps its tokens in a :class:`kvlab.relay.storage.RelayStore`: one flat key buffer and one flat
+value buffer with one segment per (sequence, kv head), so every head of every sequence keeps its
+own number of tokens and evicted tokens are physically gone (:meth:`RelayModelCache.nbytes`
+shrinks by the evicted fraction). Layout, growth and byte accounting: docs/design.md,
+"RoPE-Relay".
 
-Eviction happens inside the forward, in the ``"kvlab"`` attention function, right after a
-layer's attention over the current tokens (the prefill, or a streaming chunk), when the layer is
-due: once after the prefill (``EvictionConfig.ratio``) or whenever it holds more than
-``capacity`` tokens per head on average (``EvictionConfig.capacity``). Then:
+A forward through a layer (docs/design.md, "RoPE-Relay: A forward"):
 
-1. a scorer (:mod:`kvlab.relay.scorers`: recency, key norm, SnapKV) scores every token
-   of every head — SnapKV from the attention of the current forward's last ``window_tokens``
-   queries, which the attention function has at hand;
-2. the layer budget (``capacity`` or ``(1 - ratio) * tokens`` per head, times the kv heads; the
-   global budget is the sum over layers) is split into heterogeneous per-head counts
-   (:mod:`kvlab.relay.budgets`), sinks and the recent window always kept;
-3. with ``relay=True`` (RoPE-Relay, SPEC §2) the kept keys are relayed with
-   :func:`kvlab.relay.relay` — every head's kept tokens right-aligned at positions
-   ``E - k_h + 1 .. E``, keys rotated by the position delta (pure rotation, rotary channels
-   only: partial rotary, llama3 and yarn scaling through
+1. ``update`` only stashes the new keys and values and returns a :class:`RelayView`;
+2. the ``"kvlab"`` attention function calls :meth:`RelayView.attend` with the queries and the
+   2-D attention mask. The first layer of the forward checks every input (mask, position ids,
+   prompt length, ...) before any layer changes; then the layer commits the new tokens (left
+   padding dropped), attends with ONE call over all heads and sequences
+   (:func:`kvlab.relay.attention.ragged_attention`), and evicts when due: once after a
+   sequence's prefill (``EvictionConfig.ratio``) or whenever a sequence holds more than
+   ``capacity`` tokens per kv head on average (``EvictionConfig.capacity``).
+
+Eviction, per sequence (a row's result never depends on its batch neighbours; docs/design.md,
+"RoPE-Relay: Eviction policy"):
+
+1. the layer's budget in tokens per kv head — ``capacity``, or ``(1 - ratio) * tokens`` split
+   across layers by ``EvictionConfig.layer_budget`` (:mod:`kvlab.relay.layer_budgets`) — and
+   the protected recent window (``window_tokens``, or ``window_fraction`` of that budget) are
+   fixed first;
+2. a scorer (:mod:`kvlab.relay.scorers`: recency, key norm, SnapKV, ExpectedAttention, TOVA,
+   combinations) scores every token of every head — SnapKV and TOVA from the per-query-head
+   attention probabilities of the forward's last queries (the observation window), which the
+   attention function has at hand; ExpectedAttention from the forward's queries;
+3. the layer budget is split into per-head counts (:mod:`kvlab.relay.budgets`), sinks and the
+   recent window always kept;
+4. with ``relay=True`` (RoPE-Relay) the kept keys are relayed with :func:`kvlab.relay.relay` —
+   each head's kept tokens at positions ``E - k_h + 1 .. E``, keys rotated by the position
+   delta (pure rotation, rotary channels only: partial rotary, llama3 and yarn scaling through
    :meth:`kvlab.rope.RotaryConfig.from_hf_config`), values untouched — with one endpoint ``E``
-   shared by every head and layer (``E = slots - 1``, ``slots`` being the per-head cap), so the
-   next token sits at ``E + 1`` everywhere; with ``relay=False`` the same kept tokens keep their
-   original positions and later tokens continue from the original stream length.
+   shared by every head and layer (``E = slots - 1``), so the next token sits at ``E + 1``
+   everywhere; with ``relay=False`` the kept tokens keep their original positions. The kept
+   tokens are then compacted to the front of their segments, in stream order.
 
-Positions: :meth:`RelayModelCache.get_seq_length` returns the layer's next position (``E + 1``
-plus tokens appended since, or the stream length without relay), so a forward without
-``position_ids`` rotates new tokens at the synchronized positions. If a caller (e.g.
-``generate``, which counts tokens from its attention mask) passes other ``position_ids``, the
-layer re-rotates the new keys — and the attention function the queries — by the difference:
-a pure rotation, exact up to float rounding, so relay works under ``generate`` as well.
+Positions (docs/design.md, "RoPE-Relay: Positions"): :meth:`RelayModelCache.get_seq_length` is
+what ``transformers`` means by it — the tokens (columns, left padding included) the cache has
+seen — so multi-turn ``generate``, continuing a cached prefix and ``copy.deepcopy`` reuse work.
+The RoPE position of a sequence's next token is a separate quantity,
+:attr:`RelayModelCache.next_positions` (after a relay ``E + 1`` plus tokens appended since; the
+sequence's own token count without relay). New tokens arrive rotated at the model's
+``position_ids``; the cache re-rotates keys and queries by the difference — a pure rotation,
+exact up to float rounding. Pass :meth:`RelayModelCache.position_ids` to skip that rotation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlab.integrations.attention import CacheView, softmax_attention
+from kvlab.integrations.attention import CacheView
 from kvlab.integrations.model_support import layer_rotary, plan_model
+from kvlab.relay.attention import ragged_attention
 from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 from kvlab.relay.core import relay
+from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
 from kvlab.relay.scorers import ScoreInputs, Scorer, get_scorer
+from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
 __all__ = ["EvictionConfig", "EvictionEvent", "RelayLayer", "RelayModelCache", "RelayView"]
@@ -64,14 +82,29 @@ class EvictionConfig:
             of a layer): each layer keeps ``round((1 - ratio) * n) * H_kv`` tokens. In [0, 1).
         capacity: tokens per kv head (layer average) kept after every forward that leaves the
             layer above it (streaming).
-        scorer: ``"recency"``, ``"keynorm"``, ``"snapkv"`` or a :class:`Scorer`.
+        scorer: a name of :data:`kvlab.relay.SCORERS` (``"recency"``, ``"keynorm"``,
+            ``"snapkv"``, ``"expected-attention"``, ``"tova"``, ``"combined"``) or a
+            :class:`Scorer`.
         allocation: ``"adaptive"`` (heterogeneous per-head budgets), ``"uniform"``, or ``None``
             for the scorer's default (uniform for recency, adaptive otherwise).
         relay: RoPE-Relay the kept keys (True) or leave them at their original positions.
         sink_tokens: first stream tokens always kept (attention sinks).
-        window_tokens: most recent tokens always kept; also SnapKV's observation window.
+        window_tokens: most recent tokens always kept; also SnapKV's observation window
+            (unless ``observation_tokens`` is set; ``window_fraction`` replaces it).
         max_head_tokens: per-head cap (the relay's slots; ``E = slots - 1``). Default: the tokens
             a head holds at eviction (ratio) or ``2 * capacity`` (capacity).
+        observation_tokens: queries of the observation window the attention scorers read
+            (SnapKV), or ``None`` for ``window_tokens`` (the protected window is then also the
+            observation window). A scorer may fix its own (TOVA reads the last query only).
+        layer_budget: how the model's budget is split across layers (``ratio`` only):
+            ``"uniform"`` (every layer ``(1 - ratio) * n``), ``"pyramid"`` (PyramidKV, see
+            :mod:`kvlab.relay.layer_budgets`), or one positive weight per decoder layer
+            (budgets proportional to them, e.g. from a calibration); always the same total.
+            Anything but ``"uniform"`` needs every decoder layer to be full attention.
+        pyramid_beta: PyramidKV's steepness ``beta`` (``k_min = k / beta``), >= 1.
+        window_fraction: when set, the protected recent window of each eviction is this
+            fraction of the layer's per-head budget (``round(f * k)`` tokens, at most
+            ``k - sink_tokens``) instead of ``window_tokens``; in [0, 1).
     """
 
     ratio: float | None = None
@@ -82,6 +115,10 @@ class EvictionConfig:
     sink_tokens: int = 4
     window_tokens: int = 32
     max_head_tokens: int | None = None
+    observation_tokens: int | None = None
+    layer_budget: str | tuple[float, ...] = "uniform"
+    pyramid_beta: float = 20.0
+    window_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if (self.ratio is None) == (self.capacity is None):
@@ -101,6 +138,34 @@ class EvictionConfig:
             raise ValueError(f"allocation must be uniform, adaptive or None, got {self.allocation}")
         if self.max_head_tokens is not None and self.max_head_tokens < 1:
             raise ValueError("max_head_tokens must be >= 1")
+        if (
+            self.capacity is not None
+            and self.max_head_tokens is not None
+            and self.max_head_tokens < self.capacity
+        ):
+            # the layer keeps capacity * H_kv tokens, more than H_kv heads of this cap hold
+            raise ValueError(
+                f"max_head_tokens {self.max_head_tokens} is below capacity {self.capacity}"
+            )
+        if self.observation_tokens is not None and self.observation_tokens < 1:
+            raise ValueError(f"observation_tokens must be >= 1, got {self.observation_tokens}")
+        if isinstance(self.layer_budget, str):
+            if self.layer_budget not in ("uniform", "pyramid"):
+                raise ValueError(
+                    "layer_budget must be 'uniform', 'pyramid' or per-layer weights, got "
+                    f"{self.layer_budget!r}"
+                )
+        else:
+            weights = tuple(float(w) for w in self.layer_budget)
+            if not weights or any(not w > 0 for w in weights):
+                raise ValueError(f"layer_budget weights must be > 0, got {self.layer_budget}")
+            object.__setattr__(self, "layer_budget", weights)
+        if self.layer_budget != "uniform" and self.capacity is not None:
+            raise ValueError("layer_budget other than 'uniform' needs ratio (prefill eviction)")
+        if self.window_fraction is not None and not 0.0 <= self.window_fraction < 1.0:
+            raise ValueError(f"window_fraction must lie in [0, 1), got {self.window_fraction}")
+        if self.pyramid_beta < 1:
+            raise ValueError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
         get_scorer(self.scorer)  # validates the name
 
     def head_slots(self, tokens_per_head: int) -> int:
@@ -114,47 +179,66 @@ class EvictionConfig:
 
 @dataclass(frozen=True)
 class EvictionEvent:
-    """What one eviction did in one layer: ``tokens_before``/``tokens_after`` per head
-    (lists, length ``H_kv``), the shared ``endpoint`` (``None`` without relay) and the stream
-    length at the time."""
+    """What one eviction did to one sequence (``row``) of one layer: ``tokens_before`` /
+    ``tokens_after`` per kv head (lists, length ``H_kv``), the shared ``endpoint`` (``None``
+    without relay) and the sequence's stream length (its real tokens) at the time."""
 
     layer_idx: int
     stream_length: int
     tokens_before: list[int]
     tokens_after: list[int]
     endpoint: int | None
+    row: int = 0
 
 
-def _position_shift(position_ids: Tensor | None, expected_start: int, length: int) -> int:
-    """``expected_start - position_ids[..., 0]`` (0 when ``position_ids`` is None), after
-    checking the ids are consecutive and equal across the batch.
+@dataclass
+class _Pending:
+    """What ``update`` stashed for the attention call of the same layer and forward."""
 
-    Raises:
-        ValueError: non-consecutive or batch-dependent position ids.
-    """
-    if position_ids is None:
-        return 0
-    ids = position_ids.reshape(-1, position_ids.shape[-1])
-    if ids.shape[-1] != length:
-        raise ValueError(f"position_ids length {ids.shape[-1]} != {length} new tokens")
-    start = ids[:, :1]
-    ramp = torch.arange(length, device=ids.device).unsqueeze(0)
-    if not bool((ids == start + ramp).all()) or not bool((start == start[:1]).all()):
-        raise ValueError("kvlab relay caches need consecutive position_ids, equal across the batch")
-    return expected_start - int(start[0, 0])
+    keys: Tensor  # [B, H_kv, T, D], rotated by the model at its position ids
+    values: Tensor  # [B, H_kv, T, Dv]
+    position_ids: Tensor | None
+
+
+@dataclass
+class _ForwardPlan:
+    """One forward's checked inputs, shared by every layer (built by the first layer).
+
+    ``real[b]``: real (non-padding) new tokens of row ``b`` — the last ``real[b]`` of the
+    ``num_new`` columns; ``shift``: per-row RoPE delta (cache position - model position) as a
+    ``[B, 1, 1]`` device tensor, or ``None`` when known to be zero; ``first_eviction``: rows
+    whose prefill this is (ratio mode evicts them)."""
+
+    forward_index: int
+    batch: int
+    num_new: int
+    real: list[int]
+    shift: Tensor | None
+    first_eviction: list[int] = field(default_factory=list)
+
+    @property
+    def padded(self) -> bool:
+        return any(r != self.num_new for r in self.real)
+
+
+class _ForwardState:
+    """Shared by the layers of one :class:`RelayModelCache`: the current forward's plan."""
+
+    def __init__(self) -> None:
+        self.plan: _ForwardPlan | None = None
 
 
 class RelayView(CacheView):
-    """Returned by :meth:`RelayLayer.update`: attends head by head over the ragged storage and
-    runs the layer's eviction afterwards when it is due."""
+    """Returned by :meth:`RelayLayer.update`: commits the stashed tokens, attends over the
+    layer's ragged storage in one call, and evicts when due (:meth:`RelayLayer.attend`).
+    Handles left-padded batches (``supports_padding``)."""
 
+    supports_padding = True
     # model-matrix: Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
     supported_features = frozenset({"softcap", "s_aux"})
 
-    def __init__(self, layer: RelayLayer, num_new: int, shift: int) -> None:
+    def __init__(self, layer: RelayLayer) -> None:
         self.layer = layer
-        self.num_new = num_new
-        self.shift = shift
 
     def attend(
         self,
@@ -165,53 +249,35 @@ class RelayView(CacheView):
         attention_mask: Tensor | None,
         kwargs: dict[str, Any],
     ) -> Tensor:
-        """Causal attention of ``query`` ``[B, H_q, Q, D]`` over every head's tokens (GQA:
-        query head ``i`` reads kv head ``i // (H_q / H_kv)``), exact softmax (PyTorch SDPA),
-        then eviction if due. Returns ``[B, H_q, Q, Dv]`` in the query dtype."""
-        layer = self.layer
-        if self.shift:
-            query = rotate_by_delta(query, self.shift, layer.rotary)
-        batch, hq, q_len, _ = query.shape
-        heads = len(layer.keys_per_head)
-        if hq % heads:
-            raise ValueError(f"query heads {hq} must be a multiple of kv heads {heads}")
-        group = hq // heads
-        softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")  # model-matrix
-        outs = []
-        for h in range(heads):
-            keys, values = layer.keys_per_head[h], layer.values_per_head[h]
-            n = keys.shape[1]
-            q = query[:, h * group : (h + 1) * group]
-            mask = None
-            if q_len > 1:
-                rows = torch.arange(q_len, device=q.device).unsqueeze(-1) + (n - q_len)
-                mask = torch.arange(n, device=q.device).unsqueeze(0) <= rows
-            outs.append(
-                softmax_attention(  # model-matrix: was F.scaled_dot_product_attention
-                    q,
-                    keys.unsqueeze(1).expand(batch, group, n, keys.shape[-1]).to(q.dtype),
-                    values.unsqueeze(1).expand(batch, group, n, values.shape[-1]).to(q.dtype),
-                    mask=mask,
-                    scaling=scaling,
-                    softcap=softcap,
-                    s_aux=None if s_aux is None else s_aux[h * group : (h + 1) * group],
-                )
-            )
-        out = torch.cat(outs, dim=1)
-        if layer.eviction_due(self.num_new):
-            layer.evict(query, scaling)
-        return out
+        """See :meth:`RelayLayer.attend`."""
+        return self.layer.attend(
+            query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs
+        )
+
+
+def _leading_zeros(values: list[int]) -> int:
+    count = 0
+    for v in values:
+        if v:
+            break
+        count += 1
+    return count
 
 
 class RelayLayer(CacheLayerMixin):
-    """One decoder layer of a :class:`RelayModelCache` (ragged per-head storage).
+    """One full-attention decoder layer of a :class:`RelayModelCache`.
+
+    ``forward_state`` is shared by the layers of one cache (the first layer of a forward checks
+    its inputs for all); ``uses_rope=False`` (a NoPE layer, only with ``relay=False``) never
+    re-rotates keys or queries.
 
     Attributes:
-        keys_per_head / values_per_head: per kv head ``[B, n_h, D]`` / ``[B, n_h, Dv]``.
-        original_positions: per head ``[B, n_h]`` int64 stream index of each token.
-        rotary_positions: per head ``[B, n_h]`` int64 position each key is rotated at.
-        stream_length: tokens received so far.
-        next_position: position of the next token (the synchronized one after a relay).
+        store: the :class:`~kvlab.relay.storage.RelayStore` (``None`` before the first token).
+        seen_tokens: columns (tokens, left padding included) received: ``get_seq_length``.
+        padding: per row, the leading padding columns received.
+        stream_lengths: per row, real tokens received (the stream index of the next token).
+        next_positions: per row, RoPE position of the next token (synchronized after a relay).
+        forwards: forwards committed.
         events: the :class:`EvictionEvent` list of this layer.
     """
 
@@ -219,76 +285,73 @@ class RelayLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, config: EvictionConfig, rotary: RotaryConfig, layer_idx: int) -> None:
+    def __init__(
+        self,
+        config: EvictionConfig,
+        rotary: RotaryConfig,
+        layer_idx: int,
+        forward_state: _ForwardState | None = None,
+        *,
+        uses_rope: bool = True,
+    ) -> None:
         super().__init__()
         self.eviction = config
         self.rotary = rotary
+        self.uses_rope = uses_rope
         self.layer_idx = layer_idx
-        self.scorer = get_scorer(config.scorer)
+        self.scorer: Scorer = get_scorer(config.scorer)
         self.allocation = config.allocation or self.scorer.default_allocation
+        self.forward_state = forward_state if forward_state is not None else _ForwardState()
+        self.num_layers = 1  # set by RelayModelCache (per-layer budgets need it)
         self._clear()
 
     def _clear(self) -> None:
-        self.keys_per_head: list[Tensor] = []
-        self.values_per_head: list[Tensor] = []
-        self.original_positions: list[Tensor] = []
-        self.rotary_positions: list[Tensor] = []
-        self.stream_length = 0
-        self.next_position = 0
+        self.store: RelayStore | None = None
+        self.seen_tokens = 0
+        self.padding: list[int] = []
+        self.stream_lengths: list[int] = []
+        self.next_positions: list[int] = []
         self.forwards = 0
         self.events: list[EvictionEvent] = []
+        self._pending: _Pending | None = None
         self.is_initialized = False
 
     # ---------------------------------------------------------------- transformers API
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        batch, heads, _, _ = key_states.shape
+        """Create the empty store for ``[B, H_kv, T, D]`` keys / ``[B, H_kv, T, Dv]`` values."""
+        batch, heads, _, dim = key_states.shape
         self.device = key_states.device
         self.dtype = key_states.dtype
-        self.keys_per_head = [key_states[:, h, :0] for h in range(heads)]
-        self.values_per_head = [value_states[:, h, :0] for h in range(heads)]
-        empty = torch.zeros((batch, 0), dtype=torch.int64, device=self.device)
-        self.original_positions = [empty for _ in range(heads)]
-        self.rotary_positions = [empty for _ in range(heads)]
+        self.store = RelayStore(
+            batch, heads, dim, value_states.shape[-1], dtype=self.dtype, device=self.device
+        )
+        self.padding = [0] * batch
+        self.stream_lengths = [0] * batch
+        self.next_positions = [0] * batch
         self.is_initialized = True
 
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
     ) -> tuple[RelayView, RelayView]:
-        """Append ``[B, H_kv, T, D]`` rotated keys and ``[B, H_kv, T, Dv]`` values.
+        """Stash ``[B, H_kv, T, D]`` rotated keys and ``[B, H_kv, T, Dv]`` values for this
+        forward's :meth:`attend` (nothing is stored yet).
 
-        If the model rotated them at positions other than the layer's next position (its
-        ``position_ids``, found in the attention kwargs), they are re-rotated by the difference.
+        Raises:
+            ValueError: shapes, dtype or device that differ from what the layer stores.
         """
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._check_states(key_states, value_states)
         inner = kwargs.get("kwargs") or {}
-        t = key_states.shape[2]
-        shift = _position_shift(inner.get("position_ids"), self.next_position, t)
-        if shift:
-            key_states = rotate_by_delta(key_states, shift, self.rotary)
-        batch = key_states.shape[0]
-        orig = torch.arange(self.stream_length, self.stream_length + t, device=self.device)
-        rot = torch.arange(self.next_position, self.next_position + t, device=self.device)
-        orig, rot = orig.expand(batch, t), rot.expand(batch, t)
-        for h in range(len(self.keys_per_head)):
-            self.keys_per_head[h] = torch.cat([self.keys_per_head[h], key_states[:, h]], dim=1)
-            self.values_per_head[h] = torch.cat(
-                [self.values_per_head[h], value_states[:, h]], dim=1
-            )
-            self.original_positions[h] = torch.cat([self.original_positions[h], orig], dim=1)
-            self.rotary_positions[h] = torch.cat([self.rotary_positions[h], rot], dim=1)
-        self.stream_length += t
-        self.next_position += t
-        self.forwards += 1
-        view = RelayView(self, t, shift)
+        self._pending = _Pending(key_states, value_states, inner.get("position_ids"))
+        view = RelayView(self)
         return view, view
 
     def get_seq_length(self) -> int:
-        """The next position (synchronized after a relay; the stream length without relay)."""
-        return self.next_position
+        """Tokens seen (columns, left padding included) — what ``transformers`` means; the RoPE
+        positions are :attr:`next_positions`."""
+        return self.seen_tokens
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.max_tokens() + query_length, 0
+        return self.seen_tokens + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -302,24 +365,24 @@ class RelayLayer(CacheLayerMixin):
     def reset(self) -> None:
         self._clear()
 
-    def _select_rows(self, index: Tensor) -> None:
-        for name in ("keys_per_head", "values_per_head", "original_positions", "rotary_positions"):
-            tensors = getattr(self, name)
-            setattr(self, name, [t.index_select(0, index.to(t.device)) for t in tensors])
+    def _select_rows(self, rows: list[int]) -> None:
+        if self.store is None:
+            return
+        self.store.select_rows(rows)
+        self.padding = [self.padding[b] for b in rows]
+        self.stream_lengths = [self.stream_lengths[b] for b in rows]
+        self.next_positions = [self.next_positions[b] for b in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row-select every head's buffers by ``beam_idx`` (beam search)."""
-        if self.is_initialized:
-            self._select_rows(beam_idx)
+        """Row-select the storage by ``beam_idx`` (beam search; reads the indices to the host)."""
+        self._select_rows([int(i) for i in torch.as_tensor(beam_idx).tolist()])
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        if self.is_initialized:
-            self._select_rows(torch.as_tensor(indices))
+        self._select_rows([int(i) for i in torch.as_tensor(indices).tolist()])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            batch = self.keys_per_head[0].shape[0]
-            self._select_rows(torch.arange(batch).repeat_interleave(repeats))
+        rows = range(len(self.stream_lengths))
+        self._select_rows([b for b in rows for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:
         """Only ``crop(0)`` is supported.
@@ -331,77 +394,342 @@ class RelayLayer(CacheLayerMixin):
             raise NotImplementedError("relay caches cannot be cropped")
 
     # ---------------------------------------------------------------- sizes
-    def tokens_per_head(self) -> list[int]:
-        """Tokens stored per kv head."""
-        return [int(k.shape[1]) for k in self.keys_per_head]
+    def tokens_per_head(self, row: int = 0) -> list[int]:
+        """Tokens stored per kv head of sequence ``row`` (empty before the first token)."""
+        return [] if self.store is None else self.store.counts(row)
 
     def max_tokens(self) -> int:
-        return max(self.tokens_per_head(), default=0)
+        """The most tokens any (sequence, kv head) stores."""
+        return 0 if self.store is None else max(self.store.lengths, default=0)
+
+    def segment(self, row: int, head: int) -> Any:
+        """Views of the stored tokens of (``row``, kv ``head``):
+        :class:`kvlab.relay.storage.Segment` (``keys [n, D]``, ``values [n, Dv]``,
+        ``original_positions`` and ``rotary_positions`` int64 ``[n]``, stream order).
+
+        Raises:
+            RuntimeError: before the first token.
+        """
+        if self.store is None:
+            raise RuntimeError("the layer stores nothing yet")
+        return self.store.segment(row, head)
 
     def nbytes(self) -> int:
-        """Bytes of the stored key and value tensors (``numel * element_size``)."""
-        return sum(
-            k.numel() * k.element_size() + v.numel() * v.element_size()
-            for k, v in zip(self.keys_per_head, self.values_per_head, strict=True)
-        )
+        """Bytes of the stored (used) keys and values (headroom excluded)."""
+        return 0 if self.store is None else self.store.nbytes()
 
     def numel(self) -> int:
         """Stored key and value elements."""
-        return sum(
-            k.numel() + v.numel()
-            for k, v in zip(self.keys_per_head, self.values_per_head, strict=True)
-        )
+        return 0 if self.store is None else self.store.numel()
+
+    def reserved_bytes(self) -> int:
+        """Bytes allocated for keys and values (used + headroom)."""
+        return 0 if self.store is None else self.store.reserved_bytes()
 
     def index_bytes(self) -> int:
-        """Bytes of the position bookkeeping (stream index and rotary position per token)."""
-        return sum(
-            a.numel() * a.element_size() + b.numel() * b.element_size()
-            for a, b in zip(self.original_positions, self.rotary_positions, strict=True)
-        )
+        """Bytes of the used position bookkeeping (two int64 per stored token)."""
+        return 0 if self.store is None else self.store.index_bytes()
 
-    # ---------------------------------------------------------------- eviction
-    def eviction_due(self, num_new: int) -> bool:
-        """Whether the forward that just appended ``num_new`` tokens must be followed by an
-        eviction (see :class:`EvictionConfig`)."""
-        counts = self.tokens_per_head()
+    # ---------------------------------------------------------------- checks (no state change)
+    def _check_states(self, keys: Tensor, values: Tensor) -> None:
+        if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must be "
+                "[B, H_kv, T, D] and [B, H_kv, T, Dv]"
+            )
+        store = self.store
+        if store is None:
+            return
+        expected = (store.batch, store.heads, store.head_dim, store.value_dim)
+        got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+        if got != expected:
+            raise ValueError(
+                f"layer {self.layer_idx} stores [B, H_kv, D, Dv] = {expected}, got {got} "
+                "(a new batch needs a new cache or reset())"
+            )
+        if keys.dtype != store.dtype or values.dtype != store.dtype:
+            raise ValueError(f"layer {self.layer_idx} stores {store.dtype}, got {keys.dtype}")
+        if keys.device != store.device:
+            raise ValueError(f"layer {self.layer_idx} stores on {store.device}, got {keys.device}")
+
+    def _plan(
+        self, pending: _Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
+    ) -> _ForwardPlan:
+        """Check this forward's inputs against the layer's state and derive the plan. Reads the
+        device at most once per forward (one transfer: the mask check and new columns, the
+        position ids), and not at all when neither is given.
+
+        Raises:
+            ValueError: a mask that is not 2-D ``[B, seen + T]``, not left padding, or
+                disagrees with the padding stored; position ids that are not ``[1|B, T]`` or not
+                consecutive over a row's real tokens; a prompt too short for the first
+                eviction.
+        """
+        batch, heads, t, _ = pending.keys.shape
+        seen = self.seen_tokens
+        stream = self.stream_lengths or [0] * batch
+        nexts = self.next_positions or [0] * batch
+        padding = self.padding or [0] * batch
+        device = pending.keys.device
+        position_ids = pending.position_ids
+        if position_ids is None:
+            position_ids = kwargs.get("position_ids")
+
+        parts: list[Tensor] = []
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, seen + t):
+                raise ValueError(
+                    "RelayModelCache takes a 2-D attention_mask [B, seen + new] = "
+                    f"[{batch}, {seen + t}] (left padding), got {tuple(attention_mask.shape)}"
+                )
+            mask = attention_mask.to(device=device, dtype=torch.bool)
+            column = torch.arange(seen, device=device)
+            expected = column.view(1, -1) >= torch.tensor(padding, device=device).view(-1, 1)
+            parts += [(mask[:, :seen] == expected).all(-1, keepdim=True), mask[:, seen:]]
+        if position_ids is not None:
+            if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch):
+                raise ValueError(
+                    f"RelayModelCache needs position_ids [1 or B, T], got "
+                    f"{tuple(position_ids.shape)}"
+                )
+            if position_ids.shape[-1] != t:
+                raise ValueError(f"position_ids length {position_ids.shape[-1]} != {t} new tokens")
+            parts.append(position_ids.to(device).expand(batch, t))
+        host = torch.cat([p.to(torch.int64) for p in parts], 1).tolist() if parts else None
+
+        real = [t] * batch
+        if attention_mask is not None:
+            assert host is not None
+            for b in range(batch):
+                if not host[b][0]:
+                    raise ValueError(
+                        f"attention_mask row {b}: its first {seen} columns differ from the "
+                        f"padding the cache stored ({padding[b]} leading zeros, then ones)"
+                    )
+                new = host[b][1 : 1 + t]
+                zeros = _leading_zeros(new)
+                if not all(new[zeros:]):
+                    raise ValueError(
+                        f"attention_mask row {b} has a zero after a one: RelayModelCache "
+                        "supports left padding only"
+                    )
+                if zeros and stream[b] > 0:
+                    raise ValueError(
+                        f"attention_mask row {b} pads after real tokens; left padding must "
+                        "come before a sequence's first token"
+                    )
+                real[b] = t - zeros
+
+        if position_ids is None:
+            # transformers' default: positions seen + 0 .. T - 1
+            deltas = [nexts[b] - (seen + t - real[b]) for b in range(batch)]
+        else:
+            assert host is not None
+            offset = 1 + t if attention_mask is not None else 0
+            deltas = []
+            for b in range(batch):
+                ids = host[b][offset + t - real[b] : offset + t]
+                if any(ids[j] != ids[0] + j for j in range(len(ids))):
+                    raise ValueError(
+                        f"RelayModelCache needs consecutive position_ids over each row's real "
+                        f"tokens; row {b} has {ids[:8]}{'...' if len(ids) > 8 else ''}"
+                    )
+                deltas.append(nexts[b] - ids[0] if ids else 0)
+        shift = None
+        if any(deltas):
+            shift = torch.tensor(deltas, dtype=torch.int64, device=device).view(-1, 1, 1)
+
+        first = []
         if self.eviction.ratio is not None:
-            return self.forwards == 1 and self.stream_length == num_new and num_new > 1
-        assert self.eviction.capacity is not None
-        return sum(counts) > self.eviction.capacity * len(counts)
-
-    def _padded(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Left-aligned padded copies: keys, values ``[B, H, S, *]``, valid, original and rotary
-        positions ``[B, H, S]``."""
-        counts = self.tokens_per_head()
-        slots = max(counts)
-        keys, values, orig, rot = [], [], [], []
-        for h, n in enumerate(counts):
-            pad = slots - n
-            keys.append(F.pad(self.keys_per_head[h], (0, 0, 0, pad)))
-            values.append(F.pad(self.values_per_head[h], (0, 0, 0, pad)))
-            orig.append(F.pad(self.original_positions[h], (0, pad), value=-1))
-            rot.append(F.pad(self.rotary_positions[h], (0, pad), value=0))
-        index = torch.arange(slots, device=self.device)
-        valid = index.unsqueeze(0) < torch.tensor(counts, device=self.device).unsqueeze(-1)
-        batch = self.keys_per_head[0].shape[0]
-        return (
-            torch.stack(keys, 1),
-            torch.stack(values, 1),
-            valid.unsqueeze(0).expand(batch, -1, -1),
-            torch.stack(orig, 1),
-            torch.stack(rot, 1),
+            first = [b for b in range(batch) if stream[b] == 0 and real[b] > 1]
+            for b in first:
+                self._check_first_eviction(real[b], heads, b)
+        return _ForwardPlan(
+            forward_index=self.forwards,
+            batch=batch,
+            num_new=t,
+            real=real,
+            shift=shift,
+            first_eviction=first,
         )
+
+    def _layer_budget(self, before: list[int]) -> tuple[int, int]:
+        """``(tokens each kv head keeps on average, per-head cap)`` for an eviction of heads
+        holding ``before`` tokens (see :class:`EvictionConfig`; with ``ratio``, this layer's
+        share of the model's budget, :meth:`_layer_tokens_per_head`)."""
+        cfg = self.eviction
+        slots = cfg.head_slots(max(before))
+        if cfg.ratio is not None:
+            return self._layer_tokens_per_head(max(before), slots), slots
+        assert cfg.capacity is not None
+        return cfg.capacity, slots
+
+    def _check_first_eviction(self, tokens: int, heads: int, row: int) -> None:
+        """Run the budget checks of the first eviction (ratio mode) of every layer on a
+        synthetic prefill of ``tokens`` tokens, so an impossible budget fails before anything
+        is stored."""
+        cfg = self.eviction
+        positions = torch.arange(tokens).expand(1, heads, tokens)
+        valid = torch.ones(1, heads, tokens, dtype=torch.bool)
+        try:
+            slots = cfg.head_slots(tokens)
+            for per_head in sorted(set(self._layer_budgets(tokens, slots))):
+                protected = protected_mask(
+                    positions,
+                    valid,
+                    stream_length=tokens,
+                    sink_tokens=cfg.sink_tokens,
+                    window_tokens=self._protected_window(per_head),
+                )
+                allocate_counts(
+                    torch.zeros(1, heads, tokens),
+                    valid,
+                    protected,
+                    total=per_head * heads,
+                    allocation=self.allocation,
+                    cap=slots,
+                )
+        except ValueError as error:
+            raise ValueError(
+                f"RelayModelCache cannot evict after the {tokens}-token prefill of row {row} "
+                f"(ratio {cfg.ratio}, sink_tokens {cfg.sink_tokens}, "
+                f"window_tokens {cfg.window_tokens}, window_fraction {cfg.window_fraction}, "
+                f"layer_budget {cfg.layer_budget!r}): {error}; use a longer prompt, "
+                "a smaller ratio or fewer protected tokens"
+            ) from None
+
+    # ---------------------------------------------------------------- the forward
+    def attend(
+        self,
+        query: Tensor,
+        *,
+        scaling: float,
+        attention_mask: Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        """This layer's part of a forward: check (first layer), commit, attend, evict.
+
+        Args:
+            query: ``[B, H_q, T, D]`` rotated by the model at its ``position_ids``.
+            scaling: the model's softmax scale.
+            attention_mask: ``None`` or the 2-D keep mask ``[B, seen + T]`` (left padding).
+            kwargs: the attention kwargs (``position_ids``; ``softcap`` and ``s_aux``, see
+                :func:`kvlab.relay.attention.ragged_attention`).
+
+        Returns:
+            ``[B, H_q, T, Dv]`` in the query dtype; padding queries give zeros.
+
+        Raises:
+            ValueError: see :meth:`_plan`; raised by the first layer of a forward, before any
+                layer changes.
+            RuntimeError: ``attend`` without a preceding ``update``.
+        """
+        pending, plan = self._take_pending(attention_mask, kwargs)
+        keys = pending.keys
+        if plan.shift is not None and self.uses_rope:
+            keys = rotate_by_delta(keys, plan.shift, self.rotary)
+            query = rotate_by_delta(query, plan.shift, self.rotary)
+        self._commit(keys, pending.values, plan)
+        assert self.store is not None
+        out = ragged_attention(
+            query,
+            self.store,
+            scale=scaling,
+            query_lengths=plan.real if plan.padded else None,
+            softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
+            s_aux=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
+        )
+        due = self._rows_due(plan)
+        for b in due:
+            self.evict(query[b : b + 1, :, plan.num_new - plan.real[b] :], scaling, row=b)
+        if due:
+            self.store.shrink()
+        return out
+
+    def _take_pending(
+        self, attention_mask: Tensor | None, kwargs: dict[str, Any]
+    ) -> tuple[_Pending, _ForwardPlan]:
+        """The stash of this forward and its plan: the one the forward's first layer built
+        (shared through :attr:`forward_state`), or a new one (:meth:`_plan`, which checks every
+        input before any layer changes).
+
+        Raises:
+            RuntimeError: no stash (``attend`` without a preceding ``update``).
+            ValueError: see :meth:`_plan`.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("RelayView.attend called without a preceding update()")
+        plan = self.forward_state.plan
+        if (
+            plan is None
+            or plan.forward_index != self.forwards
+            or (plan.batch, plan.num_new) != tuple(pending.keys.shape[0:3:2])
+        ):
+            plan = self._plan(pending, attention_mask, kwargs)
+            self.forward_state.plan = plan
+        return pending, plan
+
+    def _commit(self, keys: Tensor, values: Tensor, plan: _ForwardPlan) -> None:
+        """Append each row's real new tokens at its stream indices and RoPE positions."""
+        if self.store is None:
+            self.lazy_initialization(keys, values)
+        assert self.store is not None
+        self.store.append(
+            keys,
+            values,
+            real=plan.real,
+            original_start=self.stream_lengths,
+            rotary_start=self.next_positions,
+        )
+        self._advance(plan)
+
+    def _advance(self, plan: _ForwardPlan) -> None:
+        """Count the forward's tokens: padding, stream lengths, RoPE positions, columns seen."""
+        for b, r in enumerate(plan.real):
+            self.padding[b] += plan.num_new - r
+            self.stream_lengths[b] += r
+            self.next_positions[b] += r
+        self.seen_tokens += plan.num_new
+        self.forwards += 1
+
+    def _rows_due(self, plan: _ForwardPlan) -> list[int]:
+        """Rows to evict after this forward (see :class:`EvictionConfig`)."""
+        if self.eviction.ratio is not None:
+            return plan.first_eviction
+        assert self.eviction.capacity is not None and self.store is not None
+        limit = self.eviction.capacity * self.store.heads
+        return [b for b in range(self.store.batch) if sum(self.store.counts(b)) > limit]
+
+    # ---------------------------------------------------------------- eviction policy inputs
+    def _protected_window(self, per_head: int) -> int:
+        """The protected recent window (tokens) of an eviction to ``per_head`` tokens per head
+        (layer average): ``window_tokens``, or ``round(window_fraction * per_head)`` capped at
+        ``per_head - sink_tokens`` when ``window_fraction`` is set."""
+        cfg = self.eviction
+        if cfg.window_fraction is None:
+            return cfg.window_tokens
+        return max(0, min(round(cfg.window_fraction * per_head), per_head - cfg.sink_tokens))
+
+    def _observation_tokens(self, recent: int) -> int:
+        """Queries in the observation window: the scorer's own, else ``observation_tokens``,
+        else the protected recent window ``recent``."""
+        cfg = self.eviction
+        if self.scorer.observation_tokens is not None:
+            return self.scorer.observation_tokens
+        return cfg.observation_tokens if cfg.observation_tokens is not None else recent
 
     def _window_attention(
-        self, query: Tensor, scaling: float, keys: Tensor, valid: Tensor
+        self, query: Tensor, scaling: float, keys: Tensor, valid: Tensor, window: int
     ) -> Tensor:
-        """Softmax attention mass ``[B, H, S]`` that the last ``window_tokens`` queries pay to
-        each slot of the padded ``keys`` (summed over those queries and the GQA group); the
-        queries are the newest tokens of every head, rotated at cache positions."""
+        """Softmax probabilities ``[B, H, G, w, S]`` (float32) of the last ``w = window``
+        queries (at most the forward's) over the padded ``keys``, per query head ``g`` of each
+        GQA group; the queries are the newest tokens of every head, rotated at cache
+        positions, and see the slots up to their own (causal)."""
         batch, hq, q_len, dim = query.shape
         heads = keys.shape[1]
         group = hq // heads
-        w = max(1, min(self.eviction.window_tokens, q_len))
+        w = max(1, min(window, q_len))
         q = query[:, :, q_len - w :].float().reshape(batch, heads, group * w, dim)
         logits = q @ keys.float().transpose(-1, -2) * scaling  # [B, H, G*w, S]
         counts = valid[0].sum(-1)  # [H]
@@ -412,22 +740,77 @@ class RelayLayer(CacheLayerMixin):
         allowed = slot.view(1, 1, -1) <= limit.unsqueeze(-1)  # [H, G*w, S]
         allowed = allowed.unsqueeze(0) & valid.unsqueeze(2)
         probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-        return probs.sum(2)
+        return probs.reshape(batch, heads, group, w, keys.shape[2])
 
-    def evict(self, query: Tensor, scaling: float) -> EvictionEvent:
-        """Score, allocate, select, relay (or not) and physically rebuild the storage.
+    def _layer_budgets(self, tokens: int, slots: int) -> list[int]:
+        """Every layer's budget in tokens per kv head for a ratio eviction of heads holding
+        ``tokens`` (``EvictionConfig.layer_budget``; the sum over layers is the same for every
+        setting: ``L * max(1, round((1 - ratio) * tokens))``). Each layer keeps at least its
+        sinks and ``window_tokens`` (one recent token with ``window_fraction``) and at most
+        ``min(slots, tokens)``.
 
-        Args:
-            query: the current forward's queries ``[B, H_q, Q, D]`` at cache positions.
-            scaling: the model's softmax scale.
+        Raises:
+            ValueError: per-layer weights whose count is not :attr:`num_layers`, or a total
+                the bounds cannot meet (:func:`kvlab.relay.layer_budgets.split_layer_budget`).
         """
         cfg = self.eviction
-        before = self.tokens_per_head()
+        assert cfg.ratio is not None
+        mean = max(1, round((1.0 - cfg.ratio) * tokens))
+        if cfg.layer_budget == "uniform" or self.num_layers == 1:
+            return [mean] * self.num_layers
+        top = min(slots, tokens)
+        recent = cfg.window_tokens if cfg.window_fraction is None else 1
+        floor = min(top, cfg.sink_tokens + recent)
+        if cfg.layer_budget == "pyramid":
+            weights = pyramid_layer_budgets(
+                mean, self.num_layers, beta=cfg.pyramid_beta, max_tokens=top
+            )
+        else:
+            weights = list(cfg.layer_budget)
+            if len(weights) != self.num_layers:
+                raise ValueError(
+                    f"layer_budget has {len(weights)} weights for {self.num_layers} layers"
+                )
+        return split_layer_budget(
+            mean * self.num_layers,
+            weights,
+            low=[floor] * self.num_layers,
+            high=[top] * self.num_layers,
+        )
+
+    def _layer_tokens_per_head(self, tokens: int, slots: int) -> int:
+        """This layer's entry of :meth:`_layer_budgets`."""
+        budgets = self._layer_budgets(tokens, slots)
+        return budgets[self.layer_idx] if len(budgets) > 1 else budgets[0]
+
+    # ---------------------------------------------------------------- eviction
+    def evict(self, query: Tensor, scaling: float, row: int = 0) -> EvictionEvent:
+        """Evict in sequence ``row``: budget and protected window, score, allocate, select,
+        relay (or not), compact (docs/design.md, "RoPE-Relay: Eviction policy").
+
+        Args:
+            query: that row's real queries of the current forward ``[1, H_q, Q, D]`` at cache
+                positions (the scorers' observation window and ExpectedAttention's queries).
+            scaling: the model's softmax scale.
+            row: the sequence.
+        """
+        assert self.store is not None
+        cfg = self.eviction
+        before = self.store.counts(row)
         heads = len(before)
-        keys, values, valid, orig, rot = self._padded()
-        window = None
+        # the budget and the protected window first: the observation window follows them
+        per_head, slots = self._layer_budget(before)
+        recent = self._protected_window(per_head)
+        view = self.store.padded([row])
+        keys, values, valid = view.keys, view.values, view.valid
+        orig, rot = view.original_positions, view.rotary_positions
+        window = probs = None
         if self.scorer.needs_window_attention:
-            window = self._window_attention(query, scaling, keys, valid)
+            probs = self._window_attention(
+                query, scaling, keys, valid, self._observation_tokens(recent)
+            )
+            window = probs.sum((2, 3))
+        q_len, next_position = query.shape[2], self.next_positions[row]
         scores = self.scorer.score(
             ScoreInputs(
                 keys=keys,
@@ -435,21 +818,22 @@ class RelayLayer(CacheLayerMixin):
                 valid=valid,
                 original_positions=orig,
                 window_attention=window,
+                window_probs=probs,
+                queries=query if self.scorer.needs_queries else None,
+                query_positions=torch.arange(
+                    next_position - q_len, next_position, device=query.device
+                ),
+                rotary=self.rotary if self.uses_rope else None,  # None: a NoPE layer
+                next_position=next_position,
             )
         )
         protected = protected_mask(
             orig,
             valid,
-            stream_length=self.stream_length,
+            stream_length=self.stream_lengths[row],
             sink_tokens=cfg.sink_tokens,
-            window_tokens=cfg.window_tokens,
+            window_tokens=recent,
         )
-        if cfg.ratio is not None:
-            per_head = max(1, round((1.0 - cfg.ratio) * max(before)))
-        else:
-            assert cfg.capacity is not None
-            per_head = cfg.capacity
-        slots = cfg.head_slots(max(before))
         counts = allocate_counts(
             scores,
             valid,
@@ -460,47 +844,50 @@ class RelayLayer(CacheLayerMixin):
             comparable_across_heads=self.scorer.comparable_across_heads,
         )
         keep = select_keep(scores, valid, protected, counts)
+        kept = [int(k) for k in counts.tolist()]
         endpoint: int | None = None
+        s = keys.shape[2]
         if cfg.relay:
             endpoint = slots - 1
             out = relay(keys, values, rot, keep, self.rotary, endpoint=endpoint)
-            s = keys.shape[2]
-            source = out.source_index.clamp_min(0)
-            new_orig = orig.gather(-1, source)
-            for h in range(heads):
-                k = int(counts[h])
-                self.keys_per_head[h] = out.keys[:, h, s - k :].clone()
-                self.values_per_head[h] = out.values[:, h, s - k :].clone()
-                self.original_positions[h] = new_orig[:, h, s - k :].clone()
-                self.rotary_positions[h] = out.positions[:, h, s - k :].clone()
-            self.next_position = out.next_position
+            new_orig = orig.gather(-1, out.source_index.clamp_min(0))
+            # relayed tokens are right-aligned in the padded output: slots s - k .. s - 1
+            self.store.write_front(
+                row,
+                kept,
+                [s - k for k in kept],
+                out.keys[0],
+                out.values[0],
+                new_orig[0],
+                out.positions[0],
+            )
+            self.next_positions[row] = out.next_position
         else:
             # kept slots first, in stream order (stable sort on the keep flag)
-            order = torch.argsort((~keep).to(torch.uint8), dim=-1, stable=True)
-            for h in range(heads):
-                k = int(counts[h])
-                idx = order[:, h, :k]
-                self.keys_per_head[h] = keys[:, h].gather(
-                    1, idx.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-                )
-                self.values_per_head[h] = values[:, h].gather(
-                    1, idx.unsqueeze(-1).expand(-1, -1, values.shape[-1])
-                )
-                self.original_positions[h] = orig[:, h].gather(1, idx)
-                self.rotary_positions[h] = rot[:, h].gather(1, idx)
+            order = torch.argsort((~keep).to(torch.uint8), dim=-1, stable=True)[0]  # [H, S]
+            self.store.write_front(
+                row,
+                kept,
+                [0] * heads,
+                keys[0].gather(1, order.unsqueeze(-1).expand(-1, -1, keys.shape[-1])),
+                values[0].gather(1, order.unsqueeze(-1).expand(-1, -1, values.shape[-1])),
+                orig[0].gather(1, order),
+                rot[0].gather(1, order),
+            )
         event = EvictionEvent(
             layer_idx=self.layer_idx,
-            stream_length=self.stream_length,
+            stream_length=self.stream_lengths[row],
             tokens_before=before,
-            tokens_after=self.tokens_per_head(),
+            tokens_after=self.store.counts(row),
             endpoint=endpoint,
+            row=row,
         )
         self.events.append(event)
         return event
 
 
 class RelayModelCache(Cache):
-    """A ``transformers`` cache that evicts per (layer, kv head) and relays kept keys.
+    """A ``transformers`` cache that evicts per (layer, sequence, kv head) and relays kept keys.
 
     Args:
         model_config: the model's ``PretrainedConfig`` (layers, RoPE).
@@ -516,8 +903,9 @@ class RelayModelCache(Cache):
     Raises:
         ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
             unsupported (linear-attention or KV-sharing layers, latent attention), full-attention
-            layers without RoPE when ``config.relay``, or an unsupported RoPE (dynamic,
-            longrope, ...).
+            layers without RoPE when ``config.relay``, an unsupported RoPE (dynamic,
+            longrope, ...), or per-layer budgets (``config.layer_budget``) with window layers or
+            with a weight count other than the decoder layers'.
     """
 
     def __init__(
@@ -532,14 +920,41 @@ class RelayModelCache(Cache):
         # reason); full-attention layers evict, sliding/chunked layers keep only their window.
         plan = plan_model(text_config)
         plan.check(type(self).__name__, rotates_keys=config.relay)
+        layers = len(plan.layers)
+        if config.layer_budget != "uniform":
+            # per-layer budgets split the model's budget over evicting layers: all of them
+            if plan.window_layers:
+                raise ValueError(
+                    f"EvictionConfig.layer_budget {config.layer_budget!r} needs every decoder "
+                    f"layer to be full attention; layers {list(plan.window_layers)} are "
+                    "sliding/chunked (they keep their window and do not evict)"
+                )
+            if not isinstance(config.layer_budget, str) and len(config.layer_budget) != layers:
+                raise ValueError(
+                    f"layer_budget has {len(config.layer_budget)} weights for {layers} layers"
+                )
         self.plan = plan
         self.eviction = config
         self.rotary = rotary or layer_rotary(text_config)
+        state = self._forward_state()  # shared by the relay layers: one input check per forward
         super().__init__(
             layers=plan.build_layers(
-                lambda i: RelayLayer(config, self.rotary, i),
+                lambda i: self._full_layer(i, state),
                 rotary=lambda layer_type: layer_rotary(text_config, layer_type),
             )
+        )
+        for layer in self._relay_layers():
+            layer.num_layers = layers
+
+    def _forward_state(self) -> _ForwardState:
+        """The forward state the full-attention layers share (a subclass may extend it)."""
+        return _ForwardState()
+
+    def _full_layer(self, index: int, state: _ForwardState) -> RelayLayer:
+        """The cache layer of full-attention decoder layer ``index`` (a subclass's layer kind,
+        e.g. :class:`kvlab.integrations.composed_cache.ComposedLayer`)."""
+        return RelayLayer(
+            self.eviction, self.rotary, index, state, uses_rope=self.plan.layers[index].uses_rope
         )
 
     def _relay_layers(self) -> list[RelayLayer]:
@@ -547,30 +962,62 @@ class RelayModelCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, RelayLayer)]
 
     def nbytes(self) -> int:
-        """Bytes of every layer's stored key and value tensors."""
+        """Bytes of every layer's stored (used) keys and values; see :meth:`reserved_bytes`."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def numel(self) -> int:
         """Stored key and value elements over all layers."""
         return sum(layer.numel() for layer in self.layers)
 
+    def reserved_bytes(self) -> int:
+        """Bytes allocated for keys and values over all layers (used + headroom; a window
+        layer's tensors as held)."""
+        return sum(
+            layer.reserved_bytes() if isinstance(layer, RelayLayer) else layer.nbytes()
+            for layer in self.layers
+        )
+
     def index_bytes(self) -> int:
         """Bytes of the per-token position bookkeeping over all layers."""
         return sum(layer.index_bytes() for layer in self._relay_layers())
 
     @property
-    def stream_length(self) -> int:
-        """Tokens received so far (original stream length)."""
+    def stream_lengths(self) -> list[int]:
+        """Per sequence, real tokens received (left padding excluded)."""
         relay_layers = self._relay_layers()
-        if relay_layers:
-            return relay_layers[0].stream_length
-        return self.get_seq_length(0) if self.layers else 0
+        return list(relay_layers[0].stream_lengths) if relay_layers else []
+
+    @property
+    def next_positions(self) -> list[int]:
+        """Per sequence, the RoPE position of its next token (the same in every
+        full-attention layer)."""
+        relay_layers = self._relay_layers()
+        return list(relay_layers[0].next_positions) if relay_layers else []
+
+    @staticmethod
+    def _single(values: list[int], name: str) -> int:
+        if len(set(values)) > 1:
+            raise ValueError(f"the sequences of the batch differ in {name} {values}")
+        return values[0] if values else 0
+
+    @property
+    def stream_length(self) -> int:
+        """Real tokens received, when every sequence has the same number (else ValueError)."""
+        return self._single(self.stream_lengths, "stream_lengths")
 
     @property
     def next_position(self) -> int:
-        """Position of the next token (same in every full-attention layer)."""
-        relay_layers = self._relay_layers()
-        return relay_layers[0].next_position if relay_layers else self.stream_length
+        """RoPE position of the next token, when equal for every sequence (else ValueError)."""
+        return self._single(self.next_positions, "next_positions")
+
+    def position_ids(self, num_new: int, device: torch.device | str | None = None) -> Tensor:
+        """The cache's own RoPE positions for ``num_new`` new tokens of every sequence,
+        int64 ``[B, num_new]`` (``[1, num_new]`` before the first forward): passing them as
+        ``position_ids`` makes the model rotate at the cache's positions, so no re-rotation is
+        needed (a forward that adds no padding)."""
+        starts = self.next_positions or [0]
+        ramp = torch.arange(num_new, dtype=torch.int64, device=device)
+        return torch.tensor(starts, dtype=torch.int64, device=device).view(-1, 1) + ramp
 
     def events(self) -> list[EvictionEvent]:
         """Every eviction of every layer, in layer order."""

@@ -7,7 +7,10 @@ from kvlab.models.loading import (
     SMOLLM2_SPEC,
     LoadedModel,
     ModelNotAvailableError,
+    checkpoint_label,
+    checkpoint_sha256,
     load_model,
+    load_tokenizer,
     smollm2_gguf_path,
 )
 
@@ -16,6 +19,9 @@ __all__ = [
     "SMOLLM2_SPEC",
     "LoadedModel",
     "ModelNotAvailableError",
+    "checkpoint_label",
+    "checkpoint_sha256",
     "load_model",
+    "load_tokenizer",
     "smollm2_gguf_path",
 ]

@@ -1,9 +1,11 @@
 """PN-Mix: a mixed-precision quantized KV cache for RoPE transformers (docs/design.md, "PN-Mix").
 
 Exact sink tokens, an exact recent residual window, and packed ``bits``-bit codes for the
-rest; each rotary pair of a key is coded either Cartesian (per-channel min-max, KIVI-style)
-or Phase–Norm (polar: min-max norm, phase over the group's shortest covering arc), chosen
-once at prefill by a saliency test; values are quantized per token. Attention
+rest. Key codecs: Cartesian (per-channel min-max, KIVI-style), Phase–Norm (polar: min-max
+norm, phase over the group's shortest covering arc) and their per-pair mix (by first-group
+saliency or by query-weighted logit error), on rotated or pre-RoPE keys, and per-pair code
+widths with exact sparse outliers (:class:`~kvlab.pnmix.width_codec.BitAllocCodec`, the
+recommended ``pn-mix``); values per token, optionally of Hadamard-rotated channels. Attention
 (:func:`pnmix_attention`) reads the packed codes directly.
 
 Modules: :mod:`~kvlab.pnmix.packing` (bitstream packing), :mod:`~kvlab.pnmix.quantizers`
@@ -12,7 +14,10 @@ seam every key coding goes through), :mod:`~kvlab.pnmix.store` (contiguous per-l
 :mod:`~kvlab.pnmix.config` (the configuration), :mod:`~kvlab.pnmix.cache` (the one-layer
 cache), :mod:`~kvlab.pnmix.attention` (packed attention: the torch reference, the dispatch and
 the fused decode step), :mod:`~kvlab.pnmix.kernels` (the compiled backends: a C++ CPU kernel and
-a Triton kernel), :mod:`~kvlab.pnmix.allocation` (per-layer group sizes under a byte budget).
+a Triton kernel), :mod:`~kvlab.pnmix.allocation` (per-layer group sizes under a byte budget),
+:mod:`~kvlab.pnmix.width_codec` (per-pair widths and outliers), :mod:`~kvlab.pnmix.values`
+(value codecs), :mod:`~kvlab.pnmix.bitalloc`, :mod:`~kvlab.pnmix.outliers`,
+:mod:`~kvlab.pnmix.prerope`, :mod:`~kvlab.pnmix.hadamard` (the functions those build on).
 """
 
 from __future__ import annotations
@@ -28,20 +33,28 @@ from kvlab.pnmix.cache import PackedGroup, PNMixCache
 from kvlab.pnmix.codecs import (
     CartesianCodec,
     KeyCodec,
+    KeyCodes,
     KeyLayout,
     MixCodec,
     PairCodec,
     PerTokenCodec,
     PhaseNormCodec,
+    TableStatistics,
     first_group_error_saliency,
+    query_logit_saliency,
 )
 from kvlab.pnmix.config import KeyCoding, PNMixConfig
 from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
 from kvlab.pnmix.store import PackedStore, StoreGeometry
+from kvlab.pnmix.values import HadamardValueCodec, PerTokenValueCodec, ValueCodec
+from kvlab.pnmix.width_codec import BitAllocCodec
 
 __all__ = [
+    "BitAllocCodec",
     "CartesianCodec",
+    "HadamardValueCodec",
     "KeyCodec",
+    "KeyCodes",
     "KeyCoding",
     "KeyLayout",
     "MixCodec",
@@ -52,8 +65,11 @@ __all__ = [
     "PackedStore",
     "PairCodec",
     "PerTokenCodec",
+    "PerTokenValueCodec",
     "PhaseNormCodec",
     "StoreGeometry",
+    "TableStatistics",
+    "ValueCodec",
     "allocate_group_tokens",
     "first_group_error_saliency",
     "pack_codes",
@@ -61,5 +77,6 @@ __all__ = [
     "packed_length",
     "pnmix_attention",
     "pnmix_decode_step",
+    "query_logit_saliency",
     "unpack_codes",
 ]

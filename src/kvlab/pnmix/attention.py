@@ -4,21 +4,28 @@
 The torch reference (:func:`packed_attention_reference`) takes the raw buffers of a
 :class:`~kvlab.pnmix.store.PackedStore` plus the per-row counts and the codec description
 (:class:`PackedKV`), which is what a compiled kernel reads too; :func:`pnmix_attention` is the
-public entry point and dispatches to a backend (``"torch"`` today).
+public entry point and dispatches to a backend: the reference, or a compiled kernel
+(:mod:`kvlab.pnmix.kernels`) for the configurations that kernel supports (docs/design.md,
+"Kernels").
 
 Algorithm (split-K softmax, as FlashDecoding): the stream of every row — exact sinks, quantized
 groups, exact residual — is cut into segments: the exact tokens (sinks and residual together)
 and blocks of ``block_groups`` group slots. Per segment: logits ``q · (k - mu)`` in float32,
-where a block's keys are first decoded to float32 by the key codec's ``decode`` (element for
-element what :meth:`~kvlab.pnmix.cache.PNMixCache.dequantize` computes) and ``mu`` is one
+where a block's keys are first decoded to float32 (element for element what
+:meth:`~kvlab.pnmix.cache.PNMixCache.dequantize` computes) in separable steps — the codec's
+``unpack`` and ``decode`` (:func:`decode_key_block`), its payload (exact sparse entries,
+:func:`apply_key_payload`), and for a position-aware codec the rotation of each decoded
+key to its RoPE position (:func:`rotate_to_positions`) — and ``mu`` is one
 stored key of the row: the softmax is unchanged, while float32 rounding becomes relative to the
 spread of the row's keys rather than their magnitude (large zero points do not cancel); logits
 are masked where a slot lies beyond the row's count or, causally, beyond what a query may see;
 then the segment's maximum ``m``, ``l = Σ exp(logit - m)`` and ``Σ exp(logit - m) v``. Values
 of a block are read from their codes in the per-token affine form ``Σ_t p_t z_t + Σ_t (p_t s_t)
 c_t`` (the terms of ``Σ_t p_t (z_t + s_t c_t)`` regrouped; float32 rounding relative to the
-values' scale). Segments are merged with weights ``exp(m - max m)``. A query row that sees
-nothing (a padding query) returns zeros.
+values' scale); a value codec that codes values in a rotated frame (Hadamard) has the
+attention-weighted sum of a query row's decoded values of all blocks mapped back once
+(:func:`transform_values`). Segments are merged with weights ``exp(m - max m)``. A query row
+that sees nothing (a padding query) returns zeros.
 
 Memory: the largest temporaries are one block's decoded keys and unpacked value codes
 (``B * H_kv * block_groups * group_tokens * (D + Dv)`` floats) and its logits; nothing grows
@@ -28,6 +35,7 @@ with the context beyond one block except the per-segment ``(m, l, acc)`` triples
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,14 +48,20 @@ from kvlab.pnmix.cache import PNMixCache
 from kvlab.pnmix.codecs import KeyCodec, KeyLayout
 from kvlab.pnmix.kernels.dispatch import BACKENDS, select_backend
 from kvlab.pnmix.packing import unpack_codes
+from kvlab.pnmix.values import ValueCodec
+from kvlab.rope import RotaryConfig, rotate_by_delta
 
 __all__ = [
     "BACKENDS",
     "PackedKV",
+    "apply_key_payload",
+    "decode_key_block",
     "packed_attention_reference",
     "packed_kv",
     "pnmix_attention",
     "pnmix_decode_step",
+    "rotate_to_positions",
+    "transform_values",
 ]
 
 _DEFAULT_BLOCK_TOKENS = 4096
@@ -68,8 +82,16 @@ class PackedKV:
         sink_lengths, group_counts, residual_lengths: host int64 ``[B, H]``.
         bits, group_tokens: code width and ``T``.
         codec, layout: the key codec and the head's rotary pairs.
-        mask: bool ``[B, H, P]`` mix mask (``None`` for other codecs).
+        mask: the codec's per-pair table ``[B, H, P]``: a mix's bool mask, per-pair widths
+            (uint8 bits); ``None`` for codecs without a table.
         active_pairs: int64 ``[U]`` pairs set in some row's mask (``None`` = all pairs).
+        key_payload: uint8 ``[B, H, G_cap, E]`` per-group key side data (exact outliers), or
+            ``None`` / ``E = 0``.
+        position_offsets: host int64 ``[B, H]`` RoPE position offsets of the rows (a token at
+            stream index ``i`` sits at ``offset + i``); read for position-aware codecs.
+        sink_tokens: ``S``: group slot ``g`` starts at stream index ``S + g * T``.
+        rotary: the layer's RoPE (position-aware codecs), or ``None``.
+        value_codec: the value codec (``None``: per-token min-max of the values themselves).
     """
 
     sink_keys: Tensor
@@ -89,6 +111,11 @@ class PackedKV:
     layout: KeyLayout
     mask: Tensor | None = None
     active_pairs: Tensor | None = None
+    key_payload: Tensor | None = None
+    position_offsets: np.ndarray | None = None
+    sink_tokens: int = 0
+    rotary: RotaryConfig | None = None
+    value_codec: ValueCodec | None = None
 
     @property
     def seq_lengths(self) -> np.ndarray:
@@ -117,6 +144,11 @@ def packed_kv(cache: PNMixCache) -> PackedKV:
         layout=cache.layout,
         mask=cache.codec_mask(),
         active_pairs=cache.active_pairs(),
+        key_payload=s.key_payload if s.geometry.key_payload_bytes else None,
+        position_offsets=s.position_offsets.copy(),
+        sink_tokens=s.geometry.sink_tokens,
+        rotary=cache.rotary,
+        value_codec=cache.value_codec,
     )
 
 
@@ -162,6 +194,65 @@ def _limits(kv: PackedKV, nq: int, rep: int, causal: bool, device: torch.device)
     return torch.from_numpy(np.stack([sinks, groups, res])[..., None]).to(device)
 
 
+def decode_key_block(kv: PackedKV, g0: int, g1: int) -> Tensor:
+    """Step 1 of a block's keys: group slots ``g0 .. g1 - 1`` of every row unpacked and decoded
+    by the key codec, float32 ``[B, H, n * T, D]`` in the codec's frame (no payload, no
+    rotation)."""
+    b, h = kv.sink_keys.shape[:2]
+    d, t, n = kv.sink_keys.shape[-1], kv.group_tokens, g1 - g0
+    packed = kv.key_codes[:, :, g0:g1]
+    mask = kv.mask
+    if kv.codec.uniform_code_width:
+        codes = _unpack_float(packed, kv.bits, t * d).reshape(b, h, n, t, d)
+    else:  # per-pair widths: the codec's own layout
+        table = None if mask is None else mask[:, :, None]
+        codes = kv.codec.unpack(packed, t, kv.layout, table).float()
+    if mask is not None:
+        mask = mask.unsqueeze(2).expand(-1, -1, n, -1)
+    keys = kv.codec.decode(codes, kv.key_scalars[:, :, g0:g1], kv.layout, mask, kv.active_pairs)
+    return keys.reshape(b, h, n * t, d)
+
+
+def apply_key_payload(keys: Tensor, kv: PackedKV, g0: int, g1: int) -> Tensor:
+    """Step 2 (codecs with a payload): the block's decoded keys ``[B, H, n * T, D]`` with the
+    codec's per-group side data applied — exact sparse outliers written back."""
+    if kv.key_payload is None or kv.key_payload.shape[-1] == 0:
+        return keys
+    b, h, _, d = keys.shape
+    n, t = g1 - g0, kv.group_tokens
+    grouped = keys.reshape(b, h, n, t, d)
+    out = kv.codec.apply_payload(grouped, kv.key_payload[:, :, g0:g1], kv.sink_keys.dtype)
+    return out.reshape(b, h, n * t, d)
+
+
+def rotate_to_positions(keys: Tensor, kv: PackedKV, g0: int, g1: int) -> Tensor:
+    """Step 3 (position-aware codecs): the block's decoded pre-RoPE keys ``[B, H, n * T, D]``
+    rotated to their RoPE positions ``offset + S + g * T + t`` (:func:`kvlab.rope.
+    rotate_by_delta`: angles in float64, rotation in float32)."""
+    if not kv.codec.position_aware:
+        return keys
+    assert kv.rotary is not None and kv.position_offsets is not None
+    t = kv.group_tokens
+    local = kv.sink_tokens + np.arange(g0 * t, g1 * t, dtype=np.int64)
+    pos = torch.from_numpy(kv.position_offsets[..., None] + local).to(keys.device)
+    return rotate_by_delta(keys, pos, kv.rotary)
+
+
+def transform_values(acc: Tensor, kv: PackedKV) -> Tensor:
+    """The value codec's output transform of an attention-weighted sum of decoded values
+    ``[..., Dv]`` (Hadamard: ``@ H^T``; identity for per-token min-max)."""
+    codec = kv.value_codec
+    return acc if codec is None else codec.output_transform(acc)
+
+
+def _key_block(kv: PackedKV, g0: int, g1: int) -> Tensor:
+    """Decoded float32 keys of group slots ``g0 .. g1 - 1`` at their positions: the three
+    steps above."""
+    keys = decode_key_block(kv, g0, g1)
+    keys = apply_key_payload(keys, kv, g0, g1)
+    return rotate_to_positions(keys, kv, g0, g1)
+
+
 def _reference_keys(kv: PackedKV) -> Tensor:
     """A stored key of every row, float32 ``[B, H, 1, D]``: the first sink slot, else the first
     residual slot, else the decoded first token of group slot 0. Logits are computed against
@@ -174,13 +265,10 @@ def _reference_keys(kv: PackedKV) -> Tensor:
     if kv.residual_keys.shape[2]:
         return kv.residual_keys[:, :, :1].float()
     b, h = kv.sink_keys.shape[:2]
-    d, t = kv.sink_keys.shape[-1], kv.group_tokens
+    d = kv.sink_keys.shape[-1]
     if kv.key_codes.shape[2] == 0:
         return kv.sink_keys.new_zeros((b, h, 1, d), dtype=torch.float32)
-    codes = _unpack_float(kv.key_codes[:, :, 0], kv.bits, t * d).reshape(b * h, t, d)
-    mask = None if kv.mask is None else kv.mask.reshape(b * h, -1)
-    first = kv.codec.decode(codes, kv.key_scalars[:, :, 0].reshape(b * h, -1), kv.layout, mask)
-    return first[:, :1].reshape(b, h, 1, d)
+    return _key_block(kv, 0, 1)[:, :, :1]
 
 
 class _Partials:
@@ -190,6 +278,7 @@ class _Partials:
         self.m: list[Tensor] = []
         self.l: list[Tensor] = []
         self.acc: list[Tensor] = []
+        self.coded: list[bool] = []  # acc in the value codec's frame (a quantized block)
 
     def logits(self, s: Tensor, hidden: Tensor | None) -> Tensor:
         """Mask logits ``[B, H, M, w]`` where ``hidden`` (bool, broadcastable); return the
@@ -202,14 +291,29 @@ class _Partials:
         self.l.append(p.sum(dim=-1, keepdim=True))
         return p
 
-    def merge(self) -> Tensor:
-        if len(self.m) == 1:
-            return self.acc[0] / self.l[0].clamp_min(torch.finfo(torch.float32).tiny)
+    def merge(self, transform: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """``Σ w acc / Σ w l``; ``transform`` maps the summed accumulators of the quantized
+        blocks (in the value codec's frame) back, once per query row."""
+        tiny = torch.finfo(torch.float32).tiny
+        coded = self.coded + [False] * (len(self.acc) - len(self.coded))
+        if transform is None or not any(coded):
+            if len(self.m) == 1:
+                return self.acc[0] / self.l[0].clamp_min(tiny)
+            m = torch.stack(self.m)
+            w = torch.exp(m - m.amax(dim=0))
+            l_sum = (w * torch.stack(self.l)).sum(dim=0)
+            acc = (w * torch.stack(self.acc)).sum(dim=0)
+            return acc / l_sum.clamp_min(tiny)
         m = torch.stack(self.m)
         w = torch.exp(m - m.amax(dim=0))
         l_sum = (w * torch.stack(self.l)).sum(dim=0)
-        acc = (w * torch.stack(self.acc)).sum(dim=0)
-        return acc / l_sum.clamp_min(torch.finfo(torch.float32).tiny)
+        parts = [wi * a for wi, a in zip(w, self.acc, strict=True)]
+        exact = [p for p, c in zip(parts, coded, strict=True) if not c]
+        quantized = torch.stack([p for p, c in zip(parts, coded, strict=True) if c]).sum(dim=0)
+        acc = transform(quantized)
+        if exact:
+            acc = acc + torch.stack(exact).sum(dim=0)
+        return acc / l_sum.clamp_min(tiny)
 
 
 def packed_attention_reference(
@@ -270,17 +374,13 @@ def packed_attention_reference(
             hidden = torch.where(cols < n_sink, cols >= limits[0], (cols - n_sink) >= limits[2])
         p = parts.logits(transform(q @ keys.float().sub_(mu).mT), hidden)
         parts.acc.append(p @ values.float())
+        parts.coded.append(False)
     n_groups = int(kv.group_counts.max(initial=0))
     dv = kv.sink_values.shape[-1]
     for g0 in range(0, n_groups, block_groups):
         g1 = min(g0 + block_groups, n_groups)
         n = g1 - g0
-        codes = _unpack_float(kv.key_codes[:, :, g0:g1], kv.bits, t * d).reshape(b, hkv, n, t, d)
-        mask = kv.mask
-        if mask is not None:
-            mask = mask.unsqueeze(2).expand(-1, -1, n, -1)
-        keys = kv.codec.decode(codes, kv.key_scalars[:, :, g0:g1], kv.layout, mask, kv.active_pairs)
-        keys = keys.reshape(b, hkv, n * t, d).sub_(mu)
+        keys = _key_block(kv, g0, g1).sub_(mu)
         hidden = None
         if limits is not None:
             hidden = torch.arange(g0 * t, g1 * t, device=dev) >= limits[1]
@@ -290,6 +390,7 @@ def packed_attention_reference(
         v_scale = vs[..., :t].reshape(b, hkv, 1, n * t)
         v_zero = vs[..., t:].reshape(b, hkv, 1, n * t)
         parts.acc.append((p * v_scale) @ vcodes + (p * v_zero).sum(dim=-1, keepdim=True))
+        parts.coded.append(True)
     if sink_logits is not None:  # row r * Q + j of kv head h is query head h * rep + r
         sinks = sink_logits.detach().to(device=dev, dtype=torch.float32).view(1, hkv, rep, 1)
         sinks = sinks.expand(b, hkv, rep, nq).reshape(b, hkv, rep * nq, 1)
@@ -298,7 +399,10 @@ def packed_attention_reference(
         parts.m.append(sinks)
         parts.l.append(torch.ones_like(sinks))
         parts.acc.append(sinks.new_zeros((b, hkv, rep * nq, kv.sink_values.shape[-1])))
-    return parts.merge().reshape(b, hq, nq, -1)
+        parts.coded.append(False)
+    coded_frame = kv.value_codec is not None and kv.value_codec.transforms_output
+    post = (lambda acc: transform_values(acc, kv)) if coded_frame else None
+    return parts.merge(post).reshape(b, hq, nq, -1)
 
 
 def pnmix_attention(
@@ -430,7 +534,8 @@ def pnmix_decode_step(
     logit_softcap: float | None = None,
     sink_logits: Tensor | None = None,
 ) -> Tensor:
-    """One decode step of one layer: ``cache.append(keys, values, checks="deferred")``, then
+    """One decode step of one layer: ``cache.append(keys, values, checks="deferred",
+    queries=query)`` (the queries when they match the tokens' ``[B, ., T, .]``), then
     ``pnmix_attention(query, cache, causal=True, ...)`` over the rows including the new token.
 
     When the backend is ``"cpu"`` and the append only writes one residual slot per row
@@ -487,7 +592,18 @@ def pnmix_decode_step(
             cache.commit_single_token()
             cache._record_attention_call()
             return out if out.dtype == query.dtype else out.to(query.dtype)
-    cache.append(keys, values, checks="deferred")
+    # the forward's queries feed a query-aware per-pair table computed by this append (a row's
+    # first flush), exactly as the two-call path of the model integration passes them
+    queries = (
+        query
+        if isinstance(query, Tensor)
+        and isinstance(keys, Tensor)
+        and query.dim() == 4
+        and keys.dim() == 4
+        and tuple(query.shape[::2]) == (keys.shape[0], keys.shape[2])
+        else None
+    )
+    cache.append(keys, values, checks="deferred", queries=queries)
     return pnmix_attention(
         query,
         cache,

@@ -4,9 +4,10 @@ Per row ``(b, h)`` (sequence ``b`` of the batch, kv head ``h``) the cache holds,
 
 1. **Sinks** — the first ``sink_tokens`` tokens, exact in the storage dtype.
 2. **Quantized groups** — blocks of ``group_tokens`` consecutive tokens coded by the key codec
-   (:mod:`kvlab.pnmix.codecs`; Cartesian per channel, Phase–Norm, per token, or a mix of two
-   pair codecs) and, for values, per token over the head's channels (KIVI, Liu et al. 2024:
-   per-channel keys, per-token values), packed ``bits``-bit codes plus per-group scalars.
+   (:mod:`kvlab.pnmix.codecs`; Cartesian per channel, Phase–Norm, per token, a mix of two
+   pair codecs, per-pair widths with exact outliers — rotated or pre-RoPE) and, for values,
+   per token over the head's channels by the value codec (KIVI, Liu et al. 2024: per-channel
+   keys, per-token values), packed ``bits``-bit codes plus per-group scalars (and payload).
 3. **Residual** — the most recent tokens, exact. When it reaches
    ``residual_tokens + group_tokens`` tokens the oldest ``group_tokens`` are quantized as one
    group. Which tokens form which group depends on the row's total length only, each group is
@@ -17,13 +18,20 @@ Storage is a :class:`~kvlab.pnmix.store.PackedStore` (contiguous buffers
 ``[B, H_kv, groups, ...]``, per-row counts on the host). Rows may hold different numbers of
 tokens (padded batches: :meth:`PNMixCache.append` takes per-row ``lengths``).
 
-The mix mask (``key_coding="mix"``) holds one bit per (kv head, rotary pair) per sequence:
-True = the mix's second codec (Phase–Norm). It is computed once per row, by the codec's
-saliency rule (default: reconstruction error on the row's **first quantized group**, tokens
-``sink_tokens .. sink_tokens + group_tokens - 1``, ties to Cartesian) when that group is
-flushed, and frozen. Any prefill of at least ``sink_tokens + residual_tokens + group_tokens``
-tokens flushes that group, so the mask comes from prefill keys; like every other stored byte
-it does not depend on how the tokens arrived (docs/design.md, "The mix mask").
+Per-pair tables: a key codec may keep one table per row — a mix's mask (one bit per rotary
+pair: True = the mix's second codec, Phase–Norm) or per-pair code widths (``"bit_alloc"``). A
+row's table is computed once, in the append that flushes its first group, from every group the
+row flushes there and that append's queries (``append(..., queries=...)``), and frozen
+(docs/design.md, "Per-pair tables"). The default mix rule reads only the row's **first
+quantized group**, so its mask does not depend on how tokens arrived; the query-aware rules do
+(the queries of the append that flushes first), and :meth:`PNMixCache.set_pair_table` replays a
+table. Every other stored byte depends on the tokens only.
+
+Positions: a position-aware (pre-RoPE) key codec codes keys rotated back to position 0; the
+token at stream index ``i`` of a row sits at the row's position offset plus ``i``, and
+:meth:`PNMixCache.set_position_offsets` moves a row's tokens without re-quantizing
+(docs/design.md, "Positions"). Values go through the value codec (per token, or per token of
+Hadamard-rotated channels).
 
 Host syncs: an append checks its inputs (finite, within the storage range; key scalars
 finite) with one device-to-host read (``checks="eager"``, the default), or, with
@@ -41,16 +49,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvlab.pnmix.codecs import KeyCodec, KeyLayout, MixCodec, PairCodec, PhaseNormCodec
+from kvlab.pnmix.codecs import (
+    KeyCodec,
+    KeyLayout,
+    MixCodec,
+    PairCodec,
+    PhaseNormCodec,
+    TableStatistics,
+)
 from kvlab.pnmix.config import KeyCoding, PNMixConfig, check_int
 from kvlab.pnmix.kernels.spec import KernelKeyDecode, kernel_key_decode
 from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
-from kvlab.pnmix.quantizers import (
-    minmax_dequantize,
-    minmax_quantize,
-    storage_range_message,
-)
+from kvlab.pnmix.quantizers import storage_range_message
 from kvlab.pnmix.store import AppendPlan, EncodedGroups, PackedStore, StoreGeometry
+from kvlab.pnmix.values import ValueCodec
+from kvlab.rope import RotaryConfig, rotate_by_delta
 
 __all__ = ["KeyCoding", "PNMixCache", "PNMixConfig", "PackedGroup"]
 
@@ -70,8 +83,12 @@ class PackedGroup:
             for channel-wise codecs (per channel / pair slot), ``[B, H_kv, T]`` for per-token.
         value_codes: uint8 ``[B, H_kv, ceil(T * Dv * bits / 8)]``, token-major ``[T, Dv]``.
         value_scale, value_zero: storage dtype ``[B, H_kv, T]`` (per token).
+        key_payload: uint8 ``[B, H_kv, E]``, the key codec's per-group side data (``E = 0``
+            for most codecs).
 
     Rows that hold fewer groups read zeros. Do not modify the tensors in place.
+    :meth:`key_code_matrix` assumes fixed-width codes (use the cache's
+    :meth:`PNMixCache.decode_groups` for per-pair widths).
     """
 
     start: int
@@ -85,6 +102,7 @@ class PackedGroup:
     value_codes: Tensor
     value_scale: Tensor
     value_zero: Tensor
+    key_payload: Tensor | None = None
 
     def key_code_matrix(self) -> Tensor:
         """Unpacked key codes: uint8 ``[B, H_kv, T, D]``."""
@@ -99,8 +117,8 @@ class PackedGroup:
         return codes.reshape(*codes.shape[:-1], self.num_tokens, self.value_head_dim)
 
     def tensors(self) -> dict[str, Tensor]:
-        """The stored tensors by field name."""
-        return {
+        """The stored tensors by field name (``key_payload`` only when the codec stores one)."""
+        out = {
             "key_codes": self.key_codes,
             "key_scale": self.key_scale,
             "key_zero": self.key_zero,
@@ -108,6 +126,9 @@ class PackedGroup:
             "value_scale": self.value_scale,
             "value_zero": self.value_zero,
         }
+        if self.key_payload is not None and self.key_payload.shape[-1]:
+            out["key_payload"] = self.key_payload
+        return out
 
 
 Checks = Literal["eager", "deferred"]
@@ -123,10 +144,18 @@ class PNMixCache:
         head_dim: key channels ``D`` (>= 1, >= rotary_dim).
         value_head_dim: value channels ``Dv`` (default ``head_dim``).
         device: device of the storage; ``None`` = the device of the first appended keys.
+        rotary: the layer's RoPE (:class:`kvlab.rope.RotaryConfig`; partial rotary,
+            interleaved layouts and scaled frequencies included), required by a
+            position-aware (pre-RoPE) key codec; its ``head_dim``, ``rotary_dim`` and
+            ``layout`` must match the cache's. Token positions are the row's position offset
+            (0 unless :meth:`set_position_offsets`) plus its stream index (docs/design.md,
+            "Positions").
 
     Raises:
-        ValueError: bad sizes, or ``rotary_dim`` (``config.rotary_dim`` or ``head_dim``) not an
-            even number ``<= head_dim``.
+        ValueError: bad sizes; ``rotary_dim`` (``config.rotary_dim`` or ``head_dim``) not an
+            even number ``<= head_dim``; a position-aware codec without ``rotary`` or a
+            ``rotary`` that does not match; a value codec that cannot code ``value_head_dim``
+            channels; a key payload the group cannot address.
     """
 
     def __init__(
@@ -138,6 +167,7 @@ class PNMixCache:
         head_dim: int,
         value_head_dim: int | None = None,
         device: torch.device | str | None = None,
+        rotary: RotaryConfig | None = None,
     ) -> None:
         if not isinstance(config, PNMixConfig):
             raise ValueError(f"config must be a PNMixConfig, got {type(config).__name__}")
@@ -153,9 +183,30 @@ class PNMixCache:
                 f"rotary_dim must be even and <= head_dim={head_dim}, got {rotary_dim}"
                 + (" (head_dim is odd: set config.rotary_dim)" if config.rotary_dim is None else "")
             )
+        codec = config.key_codec
+        if rotary is not None:
+            if not isinstance(rotary, RotaryConfig):
+                raise ValueError(f"rotary must be a RotaryConfig, got {type(rotary).__name__}")
+            got = (rotary.head_dim, rotary.rotary_dim, rotary.layout)
+            want = (head_dim, rotary_dim, config.rotary_layout)
+            if got != want:
+                raise ValueError(
+                    f"rotary (head_dim, rotary_dim, layout) = {got} does not match the cache's "
+                    f"{want}"
+                )
+        elif codec.position_aware:
+            raise ValueError(
+                f"key coding {codec} is position-aware (pre-RoPE): pass the layer's "
+                "RotaryConfig as rotary="
+            )
+        value_codec = config.value_codec
+        value_codec.check_head_dim(value_head_dim)
+        payload = codec.payload_bytes(config.group_tokens, head_dim, config.storage_dtype)
         self._config = config
-        self._codec = config.key_codec
-        self._kernel_decode = kernel_key_decode(self._codec)
+        self._codec = codec
+        self._kernel_decode = kernel_key_decode(codec, value_codec, payload)
+        self._value_codec = value_codec
+        self._rotary = rotary
         self._num_heads = num_key_value_heads
         self._head_dim = head_dim
         self._value_head_dim = value_head_dim
@@ -173,9 +224,14 @@ class PNMixCache:
             sink_tokens=config.sink_tokens,
             residual_tokens=config.residual_tokens,
             group_tokens=config.group_tokens,
-            key_scalar_count=self._codec.scalar_count(config.group_tokens, head_dim),
+            key_scalar_count=codec.scalar_count(config.group_tokens, head_dim),
             storage_dtype=config.storage_dtype,
-            mask_bytes=packed_length(num_key_value_heads * p, 1) if self.is_mix else 0,
+            mask_bytes=(
+                packed_length(num_key_value_heads * p, codec.table_bits) if codec.table_bits else 0
+            ),
+            key_payload_bytes=payload,
+            table_bits=codec.table_bits,
+            key_code_bytes=codec.code_bytes(config.group_tokens, head_dim),
         )
         self._saliency_computations = 0
         self._attention_calls = 0
@@ -186,9 +242,10 @@ class PNMixCache:
         self._store = PackedStore(g, device)
         self._layout = self._layout.to(device)
         p = self._layout.num_pairs
-        # derived (not counted) copies of the mask: unpacked on the device, and on the host
+        # derived (not counted) copies of the per-pair table: on the device (the codec's table
+        # dtype: a mix's bool mask, widths), and, for a mix, its mask on the host
         self._mask_bool = torch.zeros(
-            (g.batch_size, g.num_key_value_heads, p), dtype=torch.bool, device=device
+            (g.batch_size, g.num_key_value_heads, p), dtype=self._codec.table_dtype, device=device
         )
         self._mask_host = np.zeros((g.batch_size, g.num_key_value_heads, p), dtype=bool)
         self._mask_host_known = np.ones((g.batch_size, g.num_key_value_heads), dtype=bool)
@@ -209,13 +266,34 @@ class PNMixCache:
     @property
     def kernel_decode(self) -> KernelKeyDecode | str:
         """The codec as compiled kernels decode it, or why they cannot
-        (:func:`kvlab.pnmix.kernels.spec.kernel_key_decode`)."""
+        (:func:`kvlab.pnmix.kernels.spec.kernel_key_decode`; decided once, at construction)."""
         return self._kernel_decode
+
+    @property
+    def value_codec(self) -> ValueCodec:
+        """The value codec."""
+        return self._value_codec
+
+    @property
+    def rotary(self) -> RotaryConfig | None:
+        """The layer's RoPE (``None`` when not given)."""
+        return self._rotary
 
     @property
     def is_mix(self) -> bool:
         """Whether the key codec is a :class:`~kvlab.pnmix.codecs.MixCodec` (a mask is kept)."""
         return isinstance(self._codec, MixCodec)
+
+    @property
+    def has_table(self) -> bool:
+        """Whether the key codec keeps a per-pair table (a mix mask or per-pair widths)."""
+        return self._codec.table_bits > 0
+
+    @property
+    def position_offsets(self) -> np.ndarray:
+        """int64 ``[B, H_kv]`` (host): each row's RoPE position offset; the token at stream
+        index ``i`` sits at position ``offset + i`` (docs/design.md, "Positions")."""
+        return self._store.position_offsets.copy()
 
     @property
     def layout(self) -> KeyLayout:
@@ -344,6 +422,7 @@ class PNMixCache:
                     value_codes=s.value_codes[:, :, i],
                     value_scale=vs[..., :t],
                     value_zero=vs[..., t:],
+                    key_payload=s.key_payload[:, :, i],
                 )
             )
         return tuple(out)
@@ -371,9 +450,10 @@ class PNMixCache:
     # ------------------------------------------------------------------ mask
     @property
     def mask_packed(self) -> Tensor | None:
-        """The stored mix mask, uint8 ``[B, ceil(H_kv * P / 8)]`` (bit ``h * P + p`` of each
-        sequence's little-endian bitstream); ``None`` before any row has one and for codecs
-        other than a mix. Rows without a mask yet read zeros."""
+        """The stored per-pair table (a mix mask; per-pair width indices), uint8 ``[B,
+        ceil(H_kv * P * table_bits / 8)]`` (entry ``h * P + p`` of each sequence's
+        little-endian bitstream); ``None`` before any row has one and for codecs without a
+        table. Rows without a table yet read zeros."""
         s = self._store
         return s.mask if s.mask is not None and s.mask_rows.any() else None
 
@@ -383,11 +463,30 @@ class PNMixCache:
         unpacked from :attr:`mask_packed`; ``None`` before the first group is flushed and for
         codecs other than a mix. Rows without a mask yet read False
         (:attr:`mask_rows` says which have one)."""
-        packed = self.mask_packed
-        if packed is None:
+        if not self.is_mix:
             return None
-        bits = unpack_codes(packed, 1, self._num_heads * self.num_pairs)
-        return bits.reshape(packed.shape[0], self._num_heads, self.num_pairs).bool()
+        return self.pair_table
+
+    @property
+    def pair_table(self) -> Tensor | None:
+        """The per-pair table ``[B, H_kv, P]`` in the codec's table dtype (a mix's bool mask;
+        per-pair widths in bits, uint8), decoded from :attr:`mask_packed`; ``None`` before any
+        row has one and for codecs without a table."""
+        if self.mask_packed is None:
+            return None
+        entries = self._store.read_table_entries(self.num_pairs)
+        return self._codec.table_from_entries(entries)
+
+    @property
+    def pair_widths(self) -> Tensor | None:
+        """Per-pair key code widths in bits, int64 ``[B, H_kv, P]`` for codecs with per-pair
+        widths (``None`` before the first table and for other codecs)."""
+        from kvlab.pnmix.width_codec import BitAllocCodec
+
+        if not isinstance(self._codec, BitAllocCodec) or not self._codec.table_bits:
+            return None
+        table = self.pair_table
+        return None if table is None else table.long()
 
     @property
     def mask_rows(self) -> np.ndarray:
@@ -417,9 +516,11 @@ class PNMixCache:
         return None
 
     def codec_mask(self) -> Tensor | None:
-        """The mask a mix codec's ``decode`` needs for every row, bool ``[B, H_kv, P]`` on the
-        storage device (``None`` for other codecs). Derived from the stored mask."""
-        return self._mask_bool if self.is_mix else None
+        """The per-pair table the codec's ``decode`` / ``unpack`` need for every row, ``[B,
+        H_kv, P]`` on the storage device in the codec's table dtype (a mix: bool mask; per-pair
+        widths: uint8 bits), or ``None`` for codecs without a table. Derived from the stored
+        table; rows without one read zeros."""
+        return self._mask_bool if self.has_table else None
 
     def active_pairs(self) -> Tensor | None:
         """int64 ``[U]`` pairs whose mask bit is set in some row (known on the host without a
@@ -435,10 +536,79 @@ class PNMixCache:
             self._active_pairs_valid = True
         return self._active_pairs
 
+    def set_pair_table(self, table: Tensor) -> None:
+        """Set the per-pair table of every row (instead of computing it at the first flush),
+        e.g. to replay a table: docs/design.md, "Per-pair tables".
+
+        Args:
+            table: ``[B, H_kv, P]`` (or broadcastable, e.g. ``[H_kv, P]``) in the codec's table
+                dtype: a mix's bool mask (True = second codec) or per-pair widths in bits (each
+                row's widths within its budget).
+
+        Raises:
+            ValueError: a codec without a table, a table of the wrong shape, dtype or values,
+                or a row that already holds a group (its codes depend on its table). Nothing
+                changes then.
+        """
+        if not self.has_table:
+            raise ValueError(f"key coding {self._codec} keeps no per-pair table")
+        if int(self._store.group_counts.max(initial=0)) > 0:
+            raise ValueError("rows already hold quantized groups coded with their own tables")
+        if not isinstance(table, Tensor):
+            raise ValueError(f"table must be a tensor, got {type(table).__name__}")
+        shape = (self.batch_size, self._num_heads, self.num_pairs)
+        try:
+            full = torch.broadcast_to(table.to(self.device), shape)
+        except RuntimeError as exc:
+            raise ValueError(f"table of shape {tuple(table.shape)} does not fit {shape}") from exc
+        self._codec.check_table(full, self._layout)
+        rows = np.argwhere(np.ones(shape[:2], dtype=bool))
+        flat = full.reshape(-1, self.num_pairs).to(self._codec.table_dtype)
+        self._record_tables(rows, flat, "eager", computed=False)
+
+    def set_position_offsets(self, offsets: Any) -> None:
+        """Move the rows' tokens to new RoPE positions (a relay): the token at stream index
+        ``i`` of row ``(b, h)`` is at position ``offsets[b, h] + i`` afterwards.
+
+        Codes are not touched (they hold position-0 keys: nothing is re-quantized); exact
+        sink and residual keys are rotated by the change (float32, rounded to the storage
+        dtype). Attention rotates decoded keys to the new positions (docs/design.md,
+        "Positions").
+
+        Args:
+            offsets: host ints ``[B]`` or ``[B, H_kv]`` (list, numpy or CPU tensor).
+
+        Raises:
+            ValueError: a key codec that is not position-aware (its codes would need
+                re-quantization), or offsets of the wrong shape or type. Nothing changes then.
+        """
+        if not self._codec.position_aware:
+            raise ValueError(
+                f"key coding {self._codec} stores keys rotated at their positions: moving them "
+                "would re-quantize; use a position-aware (pre-RoPE) coding"
+            )
+        if isinstance(offsets, Tensor):
+            if offsets.device.type != "cpu":
+                raise ValueError("offsets must be host integers (a list, numpy or CPU tensor)")
+            offsets = offsets.numpy()
+        arr = np.asarray(offsets)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"offsets must hold integers, got dtype {arr.dtype}")
+        b, h = self.batch_size, self._num_heads
+        if arr.shape == (b,):
+            arr = np.repeat(arr[:, None], h, axis=1)
+        if arr.shape != (b, h):
+            raise ValueError(f"offsets must have shape [B] or [B, H] = [{b}, {h}], got {arr.shape}")
+        assert self._rotary is not None
+        self._store.shift_positions(
+            arr.astype(np.int64) - self._store.position_offsets, self._rotary
+        )
+
     @property
     def saliency_computations(self) -> int:
-        """How many saliency-rule calls computed mix masks (one call covers every row whose
-        first group flushed in the same append: 0 or 1 for equal-length rows)."""
+        """How many table-rule calls computed per-pair tables (mix masks, widths; one call
+        covers every row whose first group flushed in the same append: 0 or 1 for
+        equal-length rows)."""
         return self._saliency_computations
 
     @property
@@ -464,7 +634,7 @@ class PNMixCache:
 
     @property
     def key_bytes(self) -> int:
-        """Bytes of key storage (sinks, residual, codes, scalars, mask)."""
+        """Bytes of key storage (sinks, residual, codes, scalars, payload, table)."""
         return sum(v for k, v in self.nbytes().items() if k.startswith("key_"))
 
     @property
@@ -539,6 +709,8 @@ class PNMixCache:
         lengths: Any = None,
         *,
         checks: Checks = "eager",
+        queries: Tensor | None = None,
+        query_lengths: Any = None,
     ) -> None:
         """Append tokens to every row.
 
@@ -554,22 +726,39 @@ class PNMixCache:
                 stored (atomic); ``"deferred"`` stores without any device read and records
                 the validity on the device for :meth:`check_values` (the decode path; an
                 eager append or :meth:`check_values` raises if a deferred append was bad).
+            queries: the RoPE-rotated queries of these tokens, ``[B, H_q, T, D]`` (``H_q`` a
+                multiple of ``H_kv``, GQA; query ``j`` of a row is real where token ``j`` is):
+                read only by query-aware per-pair tables computed in this append
+                (docs/design.md, "Per-pair tables"); ``None``: such tables use plain key
+                errors.
+            query_lengths: real queries per sequence, host ints ``[B]``: the LAST
+                ``query_lengths[b]`` of the ``T_q`` queries of sequence ``b`` are real, and
+                ``queries`` may then have any token count ``T_q`` (e.g. a whole prefill's
+                queries for the tokens an eviction kept: docs/design.md, "Eviction composed
+                with PN-Mix"). Default ``None``: query ``j`` is real where token ``j`` is.
 
         Each row's first ``sink_tokens`` tokens fill its sinks; the rest enter its residual,
-        which flushes every full ``group_tokens`` beyond ``residual_tokens``. With a mix codec
-        the append that flushes a row's first group computes that row's mask from that group.
-        All groups flushed by one append are coded by one codec call. ``T = 0`` stores
-        nothing. Atomic: on an error nothing is stored.
+        which flushes every full ``group_tokens`` beyond ``residual_tokens``. With a codec
+        that keeps a per-pair table (a mix mask, per-pair widths) the append that flushes a
+        row's first group computes that row's table. A position-aware codec codes each
+        flushed key rotated back to position 0. All groups flushed by one append are coded by
+        one codec call. ``T = 0`` stores nothing. Atomic: on an error nothing is stored.
 
         Raises:
-            ValueError: wrong type, dtype, rank or shape; bad ``lengths`` or ``checks``; and
-                with ``checks="eager"``: NaN/inf; a value beyond the storage dtype's range
-                (the float16 message names bfloat16 storage); a key scalar beyond it (e.g. a
-                Phase–Norm pair norm); or an earlier deferred append's bad values.
+            ValueError: wrong type, dtype, rank or shape (keys, values or queries); bad
+                ``lengths``, ``query_lengths`` or ``checks``; and with ``checks="eager"``:
+                NaN/inf; a value beyond the storage dtype's range (the float16 message names
+                bfloat16 storage); a stored scalar or pre-RoPE key beyond it (e.g. a Phase–Norm
+                pair norm); or an earlier deferred append's bad values.
         """
         self._check_input(keys, values)
         if checks not in ("eager", "deferred"):
             raise ValueError(f"checks must be 'eager' or 'deferred', got {checks!r}")
+        real_queries = None
+        if queries is not None:
+            real_queries = self._check_queries(queries, keys.shape[2], query_lengths)
+        elif query_lengths is not None:
+            raise ValueError("query_lengths needs queries")
         if checks == "eager":
             self.check_values()
         if not self._device_fixed:
@@ -581,7 +770,7 @@ class PNMixCache:
         dt = cfg.storage_dtype
         k_in, v_in = keys.to(dev), values.to(dev)
         k, v = k_in.to(dt), v_in.to(dt)
-        state: dict[str, Any] = {}
+        state: dict[str, Any] = {"queries": queries, "query_lengths": real_queries}
 
         def encode(plan: AppendPlan, groups: tuple[Tensor, Tensor] | None) -> EncodedGroups | None:
             enc, ok = (None, None) if groups is None else self._encode(plan, *groups, state)
@@ -594,7 +783,9 @@ class PNMixCache:
                 if not bool(ok):
                     self._raise_input_error(k_in, v_in, plan)
                     raise ValueError(
-                        storage_range_message("a stored key scalar (a Phase–Norm pair norm)", dt)
+                        storage_range_message(
+                            "a stored scalar or pre-RoPE key (e.g. a Phase–Norm pair norm)", dt
+                        )
                     )
             else:
                 self._pending_ok = ok if self._pending_ok is None else self._pending_ok & ok
@@ -604,62 +795,181 @@ class PNMixCache:
             return
         self._store.append(k, v, lengths, encode=encode)
         if "mask_rows" in state:
-            rows, bits = state["mask_rows"], state["mask_bits"]
-            self._store.write_mask(rows, bits)
-            self._mask_bool[
-                torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)
-            ] = bits
-            self._saliency_computations += 1
-            self._active_pairs_valid = False
-            if checks == "eager":
-                host = np.asarray(bits.tolist(), dtype=bool).reshape(rows.shape[0], -1)
-                self._mask_host[rows[:, 0], rows[:, 1]] = host
-            else:
-                self._mask_host_known[rows[:, 0], rows[:, 1]] = False
+            self._record_tables(state["mask_rows"], state["mask_bits"], checks)
+
+    def _record_tables(
+        self, rows: np.ndarray, table: Tensor, checks: Checks, *, computed: bool = True
+    ) -> None:
+        """Store the tables ``table [n, P]`` of rows ``rows [n, 2]`` (packed entries and the
+        derived device copy; for a mix, the host copy when the append was eager)."""
+        dev = self.device
+        self._store.write_mask(rows, self._codec.table_entries(table))
+        self._mask_bool[
+            torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)
+        ] = table.to(device=dev, dtype=self._codec.table_dtype)
+        self._saliency_computations += int(computed)
+        self._active_pairs_valid = False
+        if not self.is_mix:
+            return
+        if checks == "eager":
+            host = np.asarray(table.tolist(), dtype=bool).reshape(rows.shape[0], -1)
+            self._mask_host[rows[:, 0], rows[:, 1]] = host
+        else:
+            self._mask_host_known[rows[:, 0], rows[:, 1]] = False
+
+    def _check_queries(
+        self, queries: Tensor, tokens: int, query_lengths: Any = None
+    ) -> np.ndarray | None:
+        """Check ``queries`` (and ``query_lengths``); return the real queries per sequence as
+        host int64 ``[B]``, or ``None`` when they follow the tokens' ``lengths``."""
+        if not isinstance(queries, Tensor) or not queries.is_floating_point() or queries.dim() != 4:
+            raise ValueError("queries must be a 4-D floating tensor [B, H_q, T, D]")
+        b, hq, t, d = queries.shape
+        if b != self.batch_size or d != self._head_dim or (query_lengths is None and t != tokens):
+            want_t = f"T={tokens}" if query_lengths is None else "T_q"
+            raise ValueError(
+                f"queries must be [B={self.batch_size}, H_q, {want_t}, D={self._head_dim}], "
+                f"got {tuple(queries.shape)}"
+            )
+        if hq % self._num_heads:
+            raise ValueError(
+                f"query heads {hq} must be a multiple of num_key_value_heads {self._num_heads}"
+            )
+        if query_lengths is None:
+            return None
+        if isinstance(query_lengths, Tensor):
+            if query_lengths.device.type != "cpu":
+                raise ValueError("query_lengths must be host integers (list, numpy or CPU tensor)")
+            query_lengths = query_lengths.numpy()
+        arr = np.asarray(query_lengths)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) or arr.shape != (b,):
+            raise ValueError(
+                f"query_lengths must be {b} integers (one per sequence), got {arr.tolist()}"
+            )
+        if arr.min() < 0 or arr.max() > t:
+            raise ValueError(f"query_lengths must lie in 0..{t} (the queries given), got {arr}")
+        return arr.astype(np.int64)
+
+    def _query_moment(
+        self,
+        queries: Tensor,
+        plan: AppendPlan,
+        rows: np.ndarray,
+        query_lengths: np.ndarray | None = None,
+    ) -> Tensor:
+        """float64 ``[n, D, D]``: per row ``(b, h)`` of ``rows [n, 2]``, the mean of ``q q^T``
+        over the append's real queries of the row's GQA group (the last ``query_lengths[b]``,
+        or those of the row's real tokens; no device read)."""
+        dev = self.device
+        b, hq, t, d = queries.shape
+        h = self._num_heads
+        rep = hq // h
+        q = queries.to(dev).double().reshape(b, h, rep, t, d)
+        rb = torch.from_numpy(rows[:, 0]).to(dev)
+        rh = torch.from_numpy(rows[:, 1]).to(dev)
+        picked = q[rb, rh]  # [n, rep, T, D]
+        if query_lengths is None:
+            real = plan.lengths[rows[:, 0], rows[:, 1]]  # host [n]
+        else:
+            real = query_lengths[rows[:, 0]]
+        first = torch.from_numpy(t - real).to(dev)
+        real_q = torch.arange(t, device=dev)[None, :] >= first[:, None]  # [n, T]
+        picked = torch.where(real_q[:, None, :, None], picked, torch.zeros_like(picked))
+        total = torch.einsum("nrtd,nrte->nde", picked, picked)
+        count = torch.from_numpy(np.maximum(real, 1) * rep).to(dev).double()
+        return total / count[:, None, None]
+
+    def _to_frame(self, keys: Tensor, positions: Tensor) -> Tensor:
+        """Storage-rounded keys ``[N, T, D]`` rotated back from ``positions [N, T]`` to
+        position 0 and rounded to the storage dtype (no device read)."""
+        assert self._rotary is not None
+        return rotate_by_delta(keys, -positions, self._rotary).to(self._config.storage_dtype)
 
     def _encode(
         self, plan: AppendPlan, gk: Tensor, gv: Tensor, state: dict[str, Any]
     ) -> tuple[EncodedGroups, Tensor]:
         """Code the flushed groups (one codec call); returns them and a device flag that every
-        key scalar is finite. Mix masks of rows flushing their first group go to ``state``."""
-        cfg = self._config
-        dt = cfg.storage_dtype
+        stored scalar and pre-RoPE key is finite. Tables of rows flushing their first group
+        go to ``state``."""
+        codec, lay = self._codec, self._layout
+        dt = self._config.storage_dtype
+        dev = gk.device
         n = plan.num_groups
         rows = plan.group_rows
-        mask = None
-        if isinstance(self._codec, MixCodec):
-            mask_all = self._mask_bool
-            new = ~self._store.mask_rows[rows[:, 0], rows[:, 1]] & (
-                rows[:, 2] == self._store.group_counts[rows[:, 0], rows[:, 1]]
-            )
-            if new.any():
-                pick = np.flatnonzero(new)
-                pick_t = torch.from_numpy(pick).to(gk.device)
-                bits = self._codec.compute_mask(gk[pick_t], dt, self._layout)
-                new_rows = rows[pick, :2]
-                mask_all = mask_all.clone()
-                mask_all[
-                    torch.from_numpy(new_rows[:, 0]).to(gk.device),
-                    torch.from_numpy(new_rows[:, 1]).to(gk.device),
-                ] = bits
-                state["mask_rows"], state["mask_bits"] = new_rows, bits
+        positions: Tensor | None = None
+        ok = torch.ones((), dtype=torch.bool, device=dev)
+        if codec.position_aware:
+            pos_host = self._store.stream_positions(rows[:, :2], rows[:, 2])
+            positions = torch.from_numpy(pos_host).to(dev)
+            gk = self._to_frame(gk, positions)
+            ok = ok & torch.isfinite(gk).all()
+        table = None
+        if codec.table_bits:
+            table_all = self._mask_bool
+            member = ~self._store.mask_rows[rows[:, 0], rows[:, 1]]
+            if member.any():
+                table_all = table_all.clone()
+                new_table, new_rows = self._compute_tables(plan, gk, positions, member, state)
+                table_all[
+                    torch.from_numpy(new_rows[:, 0]).to(dev),
+                    torch.from_numpy(new_rows[:, 1]).to(dev),
+                ] = new_table
+                state["mask_rows"], state["mask_bits"] = new_rows, new_table
             if plan.uniform:
                 f = int(plan.flush[0, 0])
-                mask = mask_all.unsqueeze(2).expand(-1, -1, f, -1).reshape(n, -1)
+                table = table_all.unsqueeze(2).expand(-1, -1, f, -1).reshape(n, -1)
             else:
-                mask = mask_all[
-                    torch.from_numpy(rows[:, 0]).to(gk.device),
-                    torch.from_numpy(rows[:, 1]).to(gk.device),
+                table = table_all[
+                    torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)
                 ]
-        codes, scalars = self._codec.encode(gk, dt, self._layout, mask)
-        ok = torch.isfinite(scalars).all()
-        vq = minmax_quantize(gv, cfg.bits, -1, dt)
+        coded = codec.encode_groups(gk, dt, lay, table)
+        ok = ok & torch.isfinite(coded.scalars).all()
+        vcodes, vscalars = self._value_codec.encode(gv, dt)
+        ok = ok & torch.isfinite(vscalars).all()
+        payload = coded.payload if coded.payload.shape[-1] else None
         return EncodedGroups(
-            pack_codes(codes.reshape(n, -1), cfg.bits, check=False),
-            scalars,
-            pack_codes(vq.codes.reshape(n, -1), cfg.bits, check=False),
-            torch.cat([vq.scale, vq.zero], dim=-1),
+            codec.pack(coded.codes, lay, table),
+            coded.scalars,
+            pack_codes(vcodes.reshape(n, -1), self._config.bits, check=False),
+            vscalars,
+            payload,
         ), ok
+
+    def _compute_tables(
+        self,
+        plan: AppendPlan,
+        gk: Tensor,
+        positions: Tensor | None,
+        member: np.ndarray,
+        state: dict[str, Any],
+    ) -> tuple[Tensor, np.ndarray]:
+        """Tables of the rows whose groups ``member`` marks (rows without a table: each flushes
+        its first group here), from every group they flush and the append's queries."""
+        rows = plan.group_rows
+        dev = gk.device
+        pick = np.flatnonzero(member)
+        picked = rows[pick]
+        keys_rows, owner = np.unique(picked[:, :2], axis=0, return_inverse=True)
+        owner = owner.reshape(-1)
+        first = np.flatnonzero(picked[:, 2] == self._store.group_counts[picked[:, 0], picked[:, 1]])
+        pick_t = torch.from_numpy(pick).to(dev)
+        queries = state.get("queries")
+        stats = TableStatistics(
+            keys=gk.index_select(0, pick_t),
+            owner=torch.from_numpy(owner).to(dev),
+            first=torch.from_numpy(first).to(dev),
+            storage_dtype=self._config.storage_dtype,
+            layout=self._layout,
+            moment=(
+                None
+                if queries is None
+                else self._query_moment(queries, plan, keys_rows, state.get("query_lengths"))
+            ),
+            positions=None if positions is None else positions.index_select(0, pick_t),
+            rotary=self._rotary,
+        )
+        table = self._codec.compute_table(stats).to(self._codec.table_dtype)
+        return table, keys_rows
 
     def check_values(self, *, assume_valid: bool = False) -> None:
         """Raise if a ``checks="deferred"`` append stored non-finite or out-of-range values
@@ -728,29 +1038,52 @@ class PNMixCache:
         return self._pending_ok
 
     # ------------------------------------------------------------------ reading
+    def group_positions(self, start: int, stop: int) -> Tensor:
+        """RoPE positions (tokens) of group slots ``start .. stop - 1`` of every row, int64
+        ``[B, H_kv, (stop - start) * T]`` on the storage device: ``offset + S + g * T + t``
+        (docs/design.md, "Positions"; slots beyond a row's count get positions too)."""
+        g = self._geometry
+        t = g.group_tokens
+        local = g.sink_tokens + np.arange(start * t, stop * t, dtype=np.int64)
+        pos = self._store.position_offsets[..., None] + local[None, None, :]
+        return torch.from_numpy(pos).to(self.device)
+
     def decode_groups(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
         """Float32 keys ``[B, H_kv, (stop - start) * T, D]`` and values ``[..., Dv]`` of group
         slots ``start .. stop - 1`` of every row, decoded exactly as :meth:`dequantize` does
-        (slots beyond a row's count decode whatever they hold)."""
+        (slots beyond a row's count decode whatever they hold): codes unpacked and decoded,
+        the payload applied, position-aware keys rotated to their positions, values mapped
+        back by the value codec's output transform."""
         s, g = self._store, self._geometry
         b, h, t = g.batch_size, g.num_key_value_heads, g.group_tokens
         n = stop - start
-        kc = unpack_codes(s.key_codes[:, :, start:stop], g.bits, t * g.head_dim)
-        mask = self.codec_mask()
-        if mask is not None:
-            mask = mask.unsqueeze(2).expand(-1, -1, n, -1).reshape(b * h * n, mask.shape[-1])
+        table = self.codec_mask()
+        kc = self._codec.unpack(
+            s.key_codes[:, :, start:stop],
+            t,
+            self._layout,
+            None if table is None else table[:, :, None],
+        )
+        if table is not None:
+            table = table.unsqueeze(2).expand(-1, -1, n, -1).reshape(b * h * n, table.shape[-1])
         keys = self._codec.decode(
             kc.reshape(b * h * n, t, g.head_dim),
             s.key_scalars[:, :, start:stop].reshape(b * h * n, g.key_scalar_count),
             self._layout,
-            mask,
+            table,
         )
+        payload = s.key_payload[:, :, start:stop].reshape(b * h * n, g.key_payload_bytes)
+        keys = self._codec.apply_payload(keys, payload, g.storage_dtype)
+        keys = keys.reshape(b, h, n * t, g.head_dim)
+        if self._codec.position_aware:
+            assert self._rotary is not None
+            keys = rotate_by_delta(keys, self.group_positions(start, stop), self._rotary)
         vc = unpack_codes(s.value_codes[:, :, start:stop], g.bits, t * g.value_head_dim)
-        vs = s.value_scalars[:, :, start:stop]
-        values = minmax_dequantize(
-            vc.reshape(b, h, n, t, g.value_head_dim), vs[..., :t], vs[..., t:], -1
+        values = self._value_codec.decode(
+            vc.reshape(b, h, n, t, g.value_head_dim), s.value_scalars[:, :, start:stop]
         )
-        return keys.reshape(b, h, n * t, g.head_dim), values.reshape(b, h, n * t, g.value_head_dim)
+        values = self._value_codec.output_transform(values)
+        return keys, values.reshape(b, h, n * t, g.value_head_dim)
 
     def dequantize(self) -> tuple[Tensor, Tensor]:
         """The whole cache in float32, each row in stream order (sinks, groups, residual).

@@ -7,10 +7,16 @@ from typing import Literal
 
 import torch
 
-from kvlab.pnmix.codecs import KeyCodec, MixCodec, PairCodec, key_codec_from_name
+from kvlab.pnmix.codecs import (
+    KEY_CODING_NAMES,
+    KeyCodec,
+    PerTokenCodec,
+    key_codec_from_name,
+)
 from kvlab.pnmix.quantizers import STORAGE_DTYPES
+from kvlab.pnmix.values import VALUE_CODING_NAMES, ValueCodec, value_codec_from_name
 
-__all__ = ["KeyCoding", "PNMixConfig", "check_int"]
+__all__ = ["KeyCoding", "PNMixConfig", "ValueCoding", "check_int"]
 
 
 def check_int(name: str, value: object, minimum: int) -> None:
@@ -19,8 +25,20 @@ def check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-KeyCoding = Literal["mix", "cartesian", "phase_norm", "per_token"]
-_KEY_CODINGS = ("mix", "cartesian", "phase_norm", "per_token")
+KeyCoding = Literal[
+    "mix",
+    "cartesian",
+    "phase_norm",
+    "per_token",
+    "prerope_cartesian",
+    "prerope_phase_norm",
+    "prerope_mix",
+    "qmix",
+    "prerope_qmix",
+    "bit_alloc",
+]
+_KEY_CODINGS = KEY_CODING_NAMES
+ValueCoding = Literal["per_token", "hadamard"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +59,19 @@ class PNMixConfig:
             (every rotary pair Phase–Norm: ablation) or ``"per_token"`` (keys per token over
             the head's channels, like values) — or a :class:`~kvlab.pnmix.codecs.KeyCodec`
             whose ``bits`` equal ``bits``. ``"cartesian"`` and ``"phase_norm"`` store the same
-            bytes as ``"mix"`` minus its mask.
+            bytes as ``"mix"`` minus its mask. Position-aware (pre-RoPE) codings —
+            ``"prerope_cartesian"``, ``"prerope_phase_norm"``, ``"prerope_mix"``,
+            ``"prerope_qmix"``, ``"bit_alloc"`` (widths 0/2/3/4 per rotary pair, pre-RoPE) —
+            need the layer's :class:`~kvlab.rope.RotaryConfig` (``PNMixCache(rotary=...)``);
+            ``"qmix"`` / ``"prerope_qmix"`` choose Cartesian or Phase–Norm per pair by the
+            query-weighted logit error (docs/design.md, "Key codecs").
+        key_outlier_fraction: fraction of each group's key elements kept exact in a sparse
+            side table (KVQuant dense-and-sparse), in ``[0, 1)``; only with ``"bit_alloc"``,
+            ``"cartesian"`` or ``"prerope_cartesian"`` named codings (0: none).
+        value_coding: ``"per_token"`` (default: per-token min-max) or ``"hadamard"``
+            (per-token min-max of Hadamard-rotated values; the value head dim must be a power
+            of two), or a :class:`~kvlab.pnmix.values.ValueCodec` whose ``bits`` equal
+            ``bits``.
         rotary_dim: rotary channels of a key (even; ``None`` = the head_dim); channels
             ``rotary_dim .. head_dim - 1`` are always Cartesian.
         rotary_layout: ``"half"`` pairs ``(i, i + rotary_dim/2)``, ``"interleaved"`` pairs
@@ -59,6 +89,8 @@ class PNMixConfig:
     key_coding: KeyCoding | KeyCodec = "mix"
     rotary_dim: int | None = None
     rotary_layout: Literal["half", "interleaved"] = "half"
+    key_outlier_fraction: float = 0.0
+    value_coding: ValueCoding | ValueCodec = "per_token"
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits not in (2, 3, 4):
@@ -73,6 +105,26 @@ class PNMixConfig:
         elif self.key_coding not in _KEY_CODINGS:
             raise ValueError(
                 f"key_coding must be one of {_KEY_CODINGS} or a KeyCodec, got {self.key_coding!r}"
+            )
+        fraction = self.key_outlier_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise ValueError(f"key_outlier_fraction must be a number, got {fraction!r}")
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"key_outlier_fraction must lie in [0, 1), got {fraction!r}")
+        if fraction and isinstance(self.key_coding, KeyCodec):
+            raise ValueError(
+                "key_outlier_fraction applies to named key codings; a KeyCodec object carries "
+                "its own outliers"
+            )
+        if isinstance(self.value_coding, ValueCodec):
+            if self.value_coding.bits != self.bits:
+                raise ValueError(
+                    f"value codec bits {self.value_coding.bits} differ from config bits {self.bits}"
+                )
+        elif self.value_coding not in VALUE_CODING_NAMES:
+            raise ValueError(
+                f"value_coding must be one of {VALUE_CODING_NAMES} or a ValueCodec, got "
+                f"{self.value_coding!r}"
             )
         check_int("group_tokens", self.group_tokens, 1)
         minimum = self.key_codec.min_group_tokens
@@ -99,9 +151,16 @@ class PNMixConfig:
         """The key codec: ``key_coding`` itself, or the codec its name stands for."""
         if isinstance(self.key_coding, KeyCodec):
             return self.key_coding
-        return key_codec_from_name(self.key_coding, self.bits)
+        return key_codec_from_name(self.key_coding, self.bits, float(self.key_outlier_fraction))
+
+    @property
+    def value_codec(self) -> ValueCodec:
+        """The value codec: ``value_coding`` itself, or the codec its name stands for."""
+        if isinstance(self.value_coding, ValueCodec):
+            return self.value_coding
+        return value_codec_from_name(self.value_coding, self.bits)
 
     @property
     def channelwise_keys(self) -> bool:
         """True when keys are coded per channel/pair over a group (every coding but per_token)."""
-        return isinstance(self.key_codec, (PairCodec, MixCodec))
+        return not isinstance(self.key_codec, PerTokenCodec)

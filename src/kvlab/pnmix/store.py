@@ -14,12 +14,15 @@ of the batch, kv head ``h``), its stream of tokens in order:
   row is the slice ``[b, h, g]`` and starts at stream index ``S + g * T``;
 * residual — the most recent tokens, exact: ``residual_keys [B, H, R + T - 1, D]``,
   ``residual_values`` likewise, oldest first;
-* for a mix codec, the packed mask ``mask [B, ceil(H * P / 8)]`` uint8 (bit ``h * P + p`` of
-  row ``b``'s little-endian bitstream, True = the mix's second codec).
+* for a codec with a per-pair table (a mix's mask, per-pair widths), the packed table
+  ``mask [B, ceil(H * P * table_bits / 8)]`` uint8 (entry ``h * P + p`` of row ``b``'s
+  little-endian bitstream of ``table_bits``-bit entries).
 
 Per-row counts live on the host (numpy int64 ``[3, B, H]`` :attr:`counts`, also as a CPU tensor
 sharing its memory for kernels; views :attr:`sink_lengths`, :attr:`group_counts`,
-:attr:`residual_lengths`), never read back from the device. Group buffers
+:attr:`residual_lengths`), never read back from the device, and so do the rows' RoPE position
+offsets (:attr:`position_offsets`): the token at stream index ``i`` of row ``(b, h)`` sits at
+position ``position_offsets[b, h] + i``. Group buffers
 grow by doubling; slots beyond a row's count hold zeros or stale finite data and are never read
 as tokens. Flush rule (per row): when the residual reaches ``residual_tokens + group_tokens``
 tokens the oldest ``group_tokens`` become one group; which tokens form which group depends only
@@ -40,7 +43,7 @@ from torch import Tensor
 
 from kvlab.pnmix.packing import packed_length
 
-__all__ = ["AppendPlan", "EncodedGroups", "PackedStore", "StoreGeometry"]
+__all__ = ["GROUP_BUFFERS", "AppendPlan", "EncodedGroups", "PackedStore", "StoreGeometry"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,10 @@ class StoreGeometry:
         sink_tokens, residual_tokens, group_tokens: ``S``, ``R``, ``T`` (tokens).
         key_scalar_count: storage-dtype key scalars per row and group ``S_k``.
         storage_dtype: dtype of exact tokens and scalars.
-        mask_bytes: bytes of the packed mix mask per sequence (0: no mask).
+        mask_bytes: bytes of the packed per-pair table per sequence (0: no table).
+        key_payload_bytes: ``E``, bytes of the key codec's per-group payload per row.
+        table_bits: bits per entry of the packed per-pair table (0: no table).
+        key_code_bytes: ``Kb`` (default ``ceil(T * D * bits / 8)``).
     """
 
     batch_size: int
@@ -69,11 +75,16 @@ class StoreGeometry:
     key_scalar_count: int
     storage_dtype: torch.dtype
     mask_bytes: int = 0
+    key_payload_bytes: int = 0
+    table_bits: int = 0
+    key_code_bytes: int = -1
 
-    @property
-    def key_code_bytes(self) -> int:
-        """``Kb``: packed key-code bytes of one row's group."""
-        return packed_length(self.group_tokens * self.head_dim, self.bits)
+    def __post_init__(self) -> None:
+        if self.key_code_bytes < 0:
+            kb = packed_length(self.group_tokens * self.head_dim, self.bits)
+            object.__setattr__(self, "key_code_bytes", kb)
+        if self.mask_bytes and not self.table_bits:
+            object.__setattr__(self, "table_bits", 1)
 
     @property
     def value_code_bytes(self) -> int:
@@ -89,12 +100,18 @@ class StoreGeometry:
 class EncodedGroups(NamedTuple):
     """Coded groups, one row per flushed group (``N`` rows, in the plan's order):
     ``key_codes`` uint8 ``[N, Kb]`` (packed), ``key_scalars`` ``[N, S_k]``, ``value_codes``
-    uint8 ``[N, Vb]``, ``value_scalars`` ``[N, 2 * T]`` (storage dtype)."""
+    uint8 ``[N, Vb]``, ``value_scalars`` ``[N, 2 * T]`` (storage dtype), ``key_payload``
+    uint8 ``[N, E]`` (``None`` when ``E = 0``)."""
 
     key_codes: Tensor
     key_scalars: Tensor
     value_codes: Tensor
     value_scalars: Tensor
+    key_payload: Tensor | None = None
+
+
+#: The per-group buffers of a store, in :class:`EncodedGroups` order.
+GROUP_BUFFERS = ("key_codes", "key_scalars", "value_codes", "value_scalars", "key_payload")
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,14 +206,18 @@ class PackedStore:
         r = g.residual_capacity
         self.residual_keys = torch.zeros((b, h, r, g.head_dim), dtype=dt, device=dev)
         self.residual_values = torch.zeros((b, h, r, g.value_head_dim), dtype=dt, device=dev)
-        self.key_codes, self.key_scalars, self.value_codes, self.value_scalars = (
-            self._group_buffers(b, 0, dev)
-        )
+        self.key_codes: Tensor
+        self.key_scalars: Tensor
+        self.value_codes: Tensor
+        self.value_scalars: Tensor
+        self.key_payload: Tensor
+        self._set_group_buffers(self._group_buffers(b, 0, dev))
         self.mask: Tensor | None = (
             torch.zeros((b, g.mask_bytes), dtype=torch.uint8, device=dev) if g.mask_bytes else None
         )
         self._set_counts(np.zeros((3, b, h), dtype=np.int64))
         self.mask_rows = np.zeros((b, h), dtype=bool)
+        self.position_offsets = np.zeros((b, h), dtype=np.int64)
 
     # ------------------------------------------------------------------ counts
     def _set_counts(self, counts: np.ndarray) -> None:
@@ -267,6 +288,14 @@ class PackedStore:
             + self.residual_lengths
         )
 
+    def stream_positions(self, rows: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """RoPE positions (host int64 ``[n, T]``) of the tokens of group slots ``slots [n]`` of
+        rows ``rows [n, 2]`` (``(b, h)``): ``position_offsets[b, h] + S + slot * T + t``."""
+        g = self.geometry
+        t = g.group_tokens
+        base = self.position_offsets[rows[:, 0], rows[:, 1]] + g.sink_tokens + slots * t
+        return base[:, None] + np.arange(t)[None, :]
+
     def is_uniform(self) -> bool:
         """Whether every row holds the same counts (then slices address every row alike)."""
         return all(
@@ -277,16 +306,17 @@ class PackedStore:
     # ------------------------------------------------------------------ bytes
     def nbytes(self) -> dict[str, int]:
         """USED bytes by component, from the host counts (docs/design.md, "Byte accounting"):
-        ``key_sink``, ``key_residual``, ``key_codes``, ``key_scales``, ``key_mask`` (the mask
-        bytes of every sequence that has a mask), ``value_sink``, ``value_residual``,
-        ``value_codes``, ``value_scales``."""
+        ``key_sink``, ``key_residual``, ``key_codes``, ``key_scales``, ``key_mask`` (the packed
+        per-pair table of every sequence that has one), ``value_sink``, ``value_residual``,
+        ``value_codes``, ``value_scales``, and ``key_payload`` (the key codec's per-group side
+        data, e.g. exact outliers) for codecs that store one."""
         g = self.geometry
         es = torch.finfo(g.storage_dtype).bits // 8
         sinks = int(self.sink_lengths.sum())
         groups = int(self.group_counts.sum())
         res = int(self.residual_lengths.sum())
         masked = int(self.mask_rows.any(axis=1).sum())
-        return {
+        out = {
             "key_sink": sinks * g.head_dim * es,
             "key_residual": res * g.head_dim * es,
             "key_codes": groups * g.key_code_bytes,
@@ -297,6 +327,9 @@ class PackedStore:
             "value_codes": groups * g.value_code_bytes,
             "value_scales": groups * 2 * g.group_tokens * es,
         }
+        if g.key_payload_bytes:  # only codecs that store one (the seed's dict is pinned)
+            out["key_payload"] = groups * g.key_payload_bytes
+        return out
 
     def reserved_bytes(self) -> dict[str, int]:
         """ALLOCATED bytes by buffer (capacity, including unused slots)."""
@@ -309,6 +342,7 @@ class PackedStore:
                 ("key_scalars", self.key_scalars),
                 ("value_codes", self.value_codes),
                 ("value_scalars", self.value_scalars),
+                ("key_payload", self.key_payload),
                 ("residual_keys", self.residual_keys),
                 ("residual_values", self.residual_values),
             )
@@ -319,15 +353,24 @@ class PackedStore:
     # ------------------------------------------------------------------ capacity
     def _group_buffers(
         self, batch: int, capacity: int, device: torch.device
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Zero buffers in :data:`GROUP_BUFFERS` order."""
         g = self.geometry
-        h, dt = g.num_key_value_heads, g.storage_dtype
+        h, dt, u8 = g.num_key_value_heads, g.storage_dtype, torch.uint8
         return (
-            torch.zeros((batch, h, capacity, g.key_code_bytes), dtype=torch.uint8, device=device),
+            torch.zeros((batch, h, capacity, g.key_code_bytes), dtype=u8, device=device),
             torch.zeros((batch, h, capacity, g.key_scalar_count), dtype=dt, device=device),
-            torch.zeros((batch, h, capacity, g.value_code_bytes), dtype=torch.uint8, device=device),
+            torch.zeros((batch, h, capacity, g.value_code_bytes), dtype=u8, device=device),
             torch.zeros((batch, h, capacity, 2 * g.group_tokens), dtype=dt, device=device),
+            torch.zeros((batch, h, capacity, g.key_payload_bytes), dtype=u8, device=device),
         )
+
+    def _group_tensors(self) -> tuple[Tensor, ...]:
+        return tuple(getattr(self, name) for name in GROUP_BUFFERS)
+
+    def _set_group_buffers(self, buffers: tuple[Tensor, ...]) -> None:
+        for name, t in zip(GROUP_BUFFERS, buffers, strict=True):
+            setattr(self, name, t)
 
     def reserve_groups(self, groups: int) -> None:
         """Make room for ``groups`` group slots per row (capacity at least doubles)."""
@@ -337,10 +380,9 @@ class PackedStore:
         new_cap = max(groups, 2 * cap, 4)
         used = int(self.group_counts.max(initial=0))
         fresh = self._group_buffers(self.batch_size, new_cap, self.device)
-        old = (self.key_codes, self.key_scalars, self.value_codes, self.value_scalars)
-        for new, cur in zip(fresh, old, strict=True):
+        for new, cur in zip(fresh, self._group_tensors(), strict=True):
             new[:, :, :used] = cur[:, :, :used]
-        self.key_codes, self.key_scalars, self.value_codes, self.value_scalars = fresh
+        self._set_group_buffers(fresh)
 
     # ------------------------------------------------------------------ appending
     def plan(self, tokens: int, lengths: Any = None) -> AppendPlan:
@@ -460,12 +502,9 @@ class PackedStore:
             self.sink_values[:, :, n_sink : n_sink + take] = values[:, :, start : start + take]
         if f:
             assert enc is not None
-            for buf, data in zip(
-                (self.key_codes, self.key_scalars, self.value_codes, self.value_scalars),
-                enc,
-                strict=True,
-            ):
-                buf[:, :, n_g : n_g + f] = data.reshape(b, h, f, -1)
+            for buf, data in zip(self._group_tensors(), enc, strict=True):
+                if data is not None:
+                    buf[:, :, n_g : n_g + f] = data.reshape(b, h, f, -1)
         new = start + take
         for x, res in ((keys, self.residual_keys), (values, self.residual_values)):
             if f == 0:
@@ -503,12 +542,9 @@ class PackedStore:
         if plan.num_groups:
             assert enc is not None
             rb, rh, slot = (dev_index(a) for a in plan.group_rows.T)
-            for buf, data in zip(
-                (self.key_codes, self.key_scalars, self.value_codes, self.value_scalars),
-                enc,
-                strict=True,
-            ):
-                buf[rb, rh, slot] = data
+            for buf, data in zip(self._group_tensors(), enc, strict=True):
+                if data is not None:
+                    buf[rb, rh, slot] = data
         # residual: every row's new residual = virtual positions [flush * T, flush * T + after)
         rows, offs = _expand(plan.residual_after.reshape(-1))
         if rows.size == 0:
@@ -544,26 +580,56 @@ class PackedStore:
         self.write(plan, keys, values, encoded)
         return plan
 
-    # ------------------------------------------------------------------ mask
-    def write_mask(self, rows: np.ndarray, bits: Tensor) -> None:
-        """Set the mask of rows ``(b, h)`` (int64 ``[n, 2]``) to ``bits`` (bool ``[n, P]``)."""
+    # ------------------------------------------------------------------ per-pair table
+    def write_mask(self, rows: np.ndarray, entries: Tensor) -> None:
+        """Set the per-pair table of rows ``(b, h)`` (int64 ``[n, 2]``) to ``entries`` (``[n,
+        P]``, bool or uint8 ``< 2 ** table_bits``; a mix mask is its bool mask)."""
         from kvlab.pnmix.packing import pack_codes, unpack_codes
 
         assert self.mask is not None
         if rows.shape[0] == 0:
             return
         h = self.geometry.num_key_value_heads
-        p = bits.shape[-1]
+        nbits = self.geometry.table_bits
+        p = entries.shape[-1]
         seqs = np.unique(rows[:, 0])
         pos = np.searchsorted(seqs, rows[:, 0])
         dev = self.mask.device
         seq_idx = torch.from_numpy(seqs).to(dev)
-        current = unpack_codes(self.mask[seq_idx], 1, h * p).reshape(len(seqs), h, p)
-        current[torch.from_numpy(pos).to(dev), torch.from_numpy(rows[:, 1]).to(dev)] = bits.to(
-            torch.uint8
+        current = unpack_codes(self.mask[seq_idx], nbits, h * p).reshape(len(seqs), h, p)
+        current[torch.from_numpy(pos).to(dev), torch.from_numpy(rows[:, 1]).to(dev)] = entries.to(
+            device=dev, dtype=torch.uint8
         )
-        self.mask[seq_idx] = pack_codes(current.reshape(len(seqs), h * p), 1, check=False)
+        self.mask[seq_idx] = pack_codes(current.reshape(len(seqs), h * p), nbits, check=False)
         self.mask_rows[rows[:, 0], rows[:, 1]] = True
+
+    def read_table_entries(self, num_pairs: int) -> Tensor:
+        """The stored table entries, uint8 ``[B, H, P]`` (rows without a table read 0)."""
+        from kvlab.pnmix.packing import unpack_codes
+
+        assert self.mask is not None
+        h = self.geometry.num_key_value_heads
+        entries = unpack_codes(self.mask, self.geometry.table_bits, h * num_pairs)
+        return entries.reshape(self.batch_size, h, num_pairs)
+
+    # ------------------------------------------------------------------ positions
+    def shift_positions(self, delta: np.ndarray, rotary: Any) -> None:
+        """Move every token of row ``(b, h)`` by ``delta[b, h]`` positions (host int64 ``[B,
+        H]``): the position offsets change and the exact sink and residual keys (stored
+        rotated at their positions) are rotated by ``delta`` (:func:`kvlab.rope.
+        rotate_by_delta`, float32, rounded to the storage dtype). Codes are not touched: a
+        position-aware codec's codes hold position-0 keys (docs/design.md, "Positions")."""
+        from kvlab.rope import rotate_by_delta
+
+        delta = np.asarray(delta, dtype=np.int64)
+        if not delta.any():
+            return
+        d = torch.from_numpy(delta).to(self.device)[..., None]  # [B, H, 1]
+        for name in ("sink_keys", "residual_keys"):
+            buf = getattr(self, name)
+            if buf.shape[2]:
+                buf.copy_(rotate_by_delta(buf.float(), d, rotary).to(buf.dtype))
+        self.position_offsets = self.position_offsets + delta
 
     # ------------------------------------------------------------------ beams
     def select_batch(self, index: np.ndarray) -> None:
@@ -575,14 +641,12 @@ class PackedStore:
             "sink_values",
             "residual_keys",
             "residual_values",
-            "key_codes",
-            "key_scalars",
-            "value_codes",
-            "value_scalars",
+            *GROUP_BUFFERS,
         ):
             setattr(self, name, getattr(self, name).index_select(0, idx))
         if self.mask is not None:
             self.mask = self.mask.index_select(0, idx)
         self.mask_rows = self.mask_rows[index].copy()
+        self.position_offsets = self.position_offsets[index].copy()
         self.geometry = dataclasses.replace(self.geometry, batch_size=int(index.shape[0]))
         self._set_counts(self.counts[:, index].copy())

@@ -1,4 +1,5 @@
-"""RoPE-Relay: heterogeneous per-head eviction with a relay to one shared endpoint.
+"""RoPE-Relay: heterogeneous per-head eviction with a relay to one shared endpoint
+(docs/design.md, "RoPE-Relay: Relay").
 
 After eviction every (batch, kv head) keeps its own number ``r_h`` of tokens. The relay moves
 the survivors of each head, in their original order, into the right-most slots

@@ -16,12 +16,17 @@ Scorers (``SCORERS``):
   the norm, so the score does not depend on positions. Norms are not on a common scale across
   heads, so the adaptive allocation compares per-head standardized scores.
 * ``"snapkv"`` — the softmax attention that the last ``window`` queries of the current forward
-  (the observation window) pay to each cached token, summed over those queries and over the
-  query heads of the GQA group, then max-pooled over neighbouring tokens with ``kernel_size``
-  7 (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation",
-  arXiv:2404.14469, Alg. 1). Probabilities share one scale across heads, which lets the
-  adaptive allocation give concentrated heads fewer tokens (Feng et al. 2024, "Ada-KV",
-  arXiv:2407.11550).
+  (the observation window) pay to each cached token, summed over those queries, reduced over
+  the query heads of the GQA group (sum by default; kvpress averages, which only rescales),
+  then pooled over neighbouring tokens (max-pooling with ``kernel_size`` 7 by default; Li et
+  al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv:2404.14469,
+  Alg. 1, whose reference code and kvpress average-pool with 5), optionally times the value
+  norm. Probabilities share one scale across heads, which lets the adaptive allocation give
+  concentrated heads fewer tokens (Feng et al. 2024, "Ada-KV", arXiv:2407.11550).
+
+Two more scorers live in their own modules and register here when :mod:`kvlab.relay` is
+imported: ``"expected-attention"`` (:mod:`kvlab.relay.expected_attention`) and ``"tova"``
+(:mod:`kvlab.relay.tova`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab.rope import RotaryConfig
+
 __all__ = [
     "SCORERS",
     "KeyNormScorer",
@@ -40,6 +47,7 @@ __all__ = [
     "Scorer",
     "SnapKVScorer",
     "get_scorer",
+    "pool_scores",
 ]
 
 
@@ -56,6 +64,15 @@ class ScoreInputs:
         original_positions: ``[B, H, S]`` int64 stream index of each token (-1 when invalid).
         window_attention: ``[B, H, S]`` float32 attention mass from the observation window's
             queries (summed over queries and the GQA group), or ``None`` when not computed.
+        window_probs: ``[B, H, G, w, S]`` float32 softmax probabilities of the observation
+            window's ``w`` queries, per query head ``g`` of the GQA group (zero at invalid and
+            causally masked slots); ``window_attention`` is their sum over ``G`` and ``w``.
+        queries: ``[B, H_q, Q, D]`` the current forward's queries, rotated at
+            ``query_positions`` (for scorers with ``needs_queries``), or ``None``.
+        query_positions: ``[Q]`` int64 rotary positions of ``queries``.
+        rotary: the layer's :class:`~kvlab.rope.RotaryConfig` (to undo or average RoPE), or
+            ``None`` for a layer without RoPE (NoPE: queries and keys are not rotated).
+        next_position: rotary position the next token will get (where future queries start).
     """
 
     keys: Tensor
@@ -63,15 +80,25 @@ class ScoreInputs:
     valid: Tensor
     original_positions: Tensor
     window_attention: Tensor | None = None
+    window_probs: Tensor | None = None
+    queries: Tensor | None = None
+    query_positions: Tensor | None = None
+    rotary: RotaryConfig | None = None
+    next_position: int | None = None
 
 
 class Scorer:
     """Base class. Attributes: ``name``; ``needs_window_attention`` (the cache then computes
-    :attr:`ScoreInputs.window_attention`); ``comparable_across_heads`` (whether raw scores of
-    different heads share a scale); ``default_allocation`` (``"adaptive"`` or ``"uniform"``)."""
+    :attr:`ScoreInputs.window_attention` and ``window_probs``); ``observation_tokens`` (the
+    observation window this scorer needs, or ``None`` for the cache's setting);
+    ``needs_queries`` (the cache then passes the forward's queries and positions);
+    ``comparable_across_heads`` (whether raw scores of different heads share a scale);
+    ``default_allocation`` (``"adaptive"`` or ``"uniform"``)."""
 
     name: str = "base"
     needs_window_attention: bool = False
+    observation_tokens: int | None = None
+    needs_queries: bool = False
     comparable_across_heads: bool = True
     default_allocation: str = "adaptive"
 
@@ -103,38 +130,94 @@ class KeyNormScorer(Scorer):
         return -torch.linalg.vector_norm(inputs.keys.float(), dim=-1)
 
 
+_POOLINGS = ("max", "avg")
+_GROUP_REDUCTIONS = ("sum", "mean")
+
+
+def pool_scores(scores: Tensor, valid: Tensor, kernel_size: int, pooling: str) -> Tensor:
+    """Pool ``[B, H, S]`` scores over ``kernel_size`` neighbouring slots (stride 1, same size).
+
+    ``"max"``: max-pooling; ``"avg"``: the mean over the window, invalid slots and the padding
+    beyond the ends counting as 0 (``F.avg_pool1d`` with ``count_include_pad``, as SnapKV's code
+    and kvpress). ``kernel_size`` 1 returns the masked scores unchanged.
+    """
+    x = scores.float().masked_fill(~valid, 0.0)
+    if kernel_size == 1:
+        return x
+    b, h, s = x.shape
+    flat = x.reshape(b * h, 1, s)
+    pad = kernel_size // 2
+    if pooling == "max":
+        out = F.max_pool1d(flat, kernel_size, stride=1, padding=pad)
+    else:
+        out = F.avg_pool1d(flat, kernel_size, stride=1, padding=pad, count_include_pad=True)
+    return out.reshape(b, h, s)
+
+
 class SnapKVScorer(Scorer):
-    """Observation-window attention, max-pooled over ``kernel_size`` neighbours (SnapKV).
+    """Observation-window attention, pooled over ``kernel_size`` neighbours (SnapKV).
 
     Args:
-        kernel_size: odd pooling width in tokens (SnapKV uses 7); 1 disables pooling.
+        kernel_size: odd pooling width in tokens (SnapKV's paper uses 7); 1 disables pooling.
+        pooling: ``"max"`` (SnapKV's paper) or ``"avg"`` (SnapKV's code, kvpress).
+        group_reduction: ``"sum"`` or ``"mean"`` over the query heads of a GQA group.
+        value_norm: multiply the pooled score by ``||v||_2`` of the token (the value-norm
+            rescaling of ExpectedAttention / CriticalKV).
+        observation_tokens: the observation window in queries, or ``None`` for the cache's
+            ``EvictionConfig`` setting.
 
     Raises:
-        ValueError: an even or non-positive ``kernel_size``.
+        ValueError: an even or non-positive ``kernel_size``, an unknown ``pooling`` or
+            ``group_reduction``, or ``observation_tokens < 1``.
     """
 
     name = "snapkv"
     needs_window_attention = True
 
-    def __init__(self, kernel_size: int = 7) -> None:
+    def __init__(
+        self,
+        kernel_size: int = 7,
+        *,
+        pooling: str = "max",
+        group_reduction: str = "sum",
+        value_norm: bool = False,
+        observation_tokens: int | None = None,
+    ) -> None:
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be an odd int >= 1, got {kernel_size}")
+        if pooling not in _POOLINGS:
+            raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
+        if group_reduction not in _GROUP_REDUCTIONS:
+            raise ValueError(
+                f"group_reduction must be one of {_GROUP_REDUCTIONS}, got {group_reduction!r}"
+            )
+        if observation_tokens is not None and observation_tokens < 1:
+            raise ValueError(f"observation_tokens must be >= 1, got {observation_tokens}")
         self.kernel_size = kernel_size
+        self.pooling = pooling
+        self.group_reduction = group_reduction
+        self.value_norm = value_norm
+        self.observation_tokens = observation_tokens
 
     def score(self, inputs: ScoreInputs) -> Tensor:
         if inputs.window_attention is None:
             raise ValueError("the snapkv scorer needs window_attention (observation-window probs)")
-        attn = inputs.window_attention.float().masked_fill(~inputs.valid, 0.0)
-        if self.kernel_size == 1:
-            return attn
-        b, h, s = attn.shape
-        pooled = F.max_pool1d(
-            attn.reshape(b * h, 1, s), self.kernel_size, stride=1, padding=self.kernel_size // 2
-        )
-        return pooled.reshape(b, h, s)
+        attn = inputs.window_attention.float()
+        if self.group_reduction == "mean":
+            if inputs.window_probs is None:
+                raise ValueError("group_reduction='mean' needs window_probs")
+            attn = inputs.window_probs.float().sum(3).mean(2)
+        out = pool_scores(attn, inputs.valid, self.kernel_size, self.pooling)
+        if self.value_norm:
+            out = out * torch.linalg.vector_norm(inputs.values.float(), dim=-1)
+        return out
 
     def __repr__(self) -> str:
-        return f"SnapKVScorer(kernel_size={self.kernel_size})"
+        return (
+            f"SnapKVScorer(kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
+            f"group_reduction={self.group_reduction!r}, value_norm={self.value_norm}, "
+            f"observation_tokens={self.observation_tokens})"
+        )
 
 
 SCORERS: dict[str, type[Scorer]] = {

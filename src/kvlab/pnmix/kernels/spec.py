@@ -15,9 +15,8 @@ they understand, or says why it cannot:
 
 Extension points (docs/design.md, "Kernels"): a codec class that the kernels can decode is
 registered with :func:`register_pair_mode` (pair codecs) or described by a new decode kind.
-Position-aware (pre-RoPE) codecs and codecs with exact sparse entries per group are recognised
-(``KeyCodec.position_aware``; a ``sparse_entries`` attribute) and refused with a reason until
-the kernels' rotate and sparse-add steps exist; the dispatcher then uses the torch reference.
+Configurations without kernel support (docs/design.md, "Kernels", "Capabilities") are
+recognised and refused with a reason; the dispatcher then uses the torch reference.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.pnmix.codecs import CartesianCodec, KeyCodec, MixCodec, PerTokenCodec, PhaseNormCodec
+from kvlab.pnmix.values import PerTokenValueCodec, ValueCodec
 
 __all__ = [
     "KEYS_PER_CHANNEL",
@@ -78,15 +78,22 @@ class KernelKeyDecode:
     sparse_entries: int = 0
 
 
-def kernel_key_decode(codec: KeyCodec) -> KernelKeyDecode | str:
-    """The :class:`KernelKeyDecode` of ``codec``, or a sentence saying why compiled kernels
-    cannot decode it (then the torch reference must)."""
+def kernel_key_decode(
+    codec: KeyCodec, value_codec: ValueCodec | None = None, payload_bytes: int = 0
+) -> KernelKeyDecode | str:
+    """The :class:`KernelKeyDecode` of a cache's key codec ``codec``, value codec
+    ``value_codec`` (``None``: per-token min-max values) and key payload bytes per group
+    (``codec.payload_bytes`` at the cache's geometry), or a sentence saying why compiled
+    kernels cannot run that configuration (then the torch reference must). Evaluated once per
+    cache (docs/design.md, "Kernels", "Capabilities"); reads no tensor."""
+    if value_codec is not None and type(value_codec) is not PerTokenValueCodec:
+        return f"value coding {value_codec} has no kernel step (only per-token min-max values)"
     if codec.position_aware:
         return (
             f"codec {codec} is position-aware (pre-RoPE): the kernels' rotate-to-position step "
             "is not built yet"
         )
-    if int(getattr(codec, "sparse_entries", 0) or 0):
+    if payload_bytes:
         return f"codec {codec} adds exact sparse entries: the kernels' sparse step is not built yet"
     kind = type(codec)
     if kind is PerTokenCodec:

@@ -1,0 +1,51 @@
+"""One error style for every ``kvlab`` command: ``error: <one line>`` on stderr, exit code 2
+(Ctrl-C: ``interrupted: ...``, exit code 130); no traceback for a user's mistake."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import typer
+
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "err_console", "fail", "user_errors"]
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def err_console() -> Any:
+    """A rich console on stderr that never wraps a message."""
+    from rich.console import Console
+
+    return Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """Print ``error: message`` on stderr and exit with ``code``."""
+    err_console().print(f"[red]error:[/] {message}", markup=True)
+    raise typer.Exit(code)
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc) or type(exc).__name__
+
+
+@contextmanager
+def user_errors(interrupted: str | None = None) -> Iterator[None]:
+    """Turn the errors a user can cause (bad values, missing files or models)
+    into :func:`fail`; Ctrl-C prints ``interrupted`` (what was kept, how to resume)."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        sys.stderr.write("\n")
+        err_console().print(f"interrupted{': ' + interrupted if interrupted else ''}")
+        raise typer.Exit(EXIT_INTERRUPTED) from exc
+    except (ValueError, OSError, KeyError) as exc:
+        fail(_message(exc))

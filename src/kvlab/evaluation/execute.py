@@ -1,0 +1,359 @@
+"""Executing a plan's tasks: the per-process runtime, the task store, and the schedule.
+
+* :class:`Runtime` — what one process (the driver, or a Ray worker) keeps between tasks: the
+  loaded model (one at a time) and the prepared states. :meth:`Runtime.run` runs one
+  :class:`~kvlab.evaluation.plan.Task` through its protocol and returns a JSON-ready result.
+* :class:`TaskStore` — one JSON file per finished task, ``<folder>/<key>.json``, written
+  atomically (:func:`kvlab.artifacts.write_json_atomic`) as soon as the task finishes; a rerun
+  skips every task whose file exists (resumable runs; an interrupted run loses at most the
+  tasks that were running).
+* :class:`Schedule` — which jobs still have to run and when each is ready: preparations
+  first, a prefill-score method task once the ``full`` task of its window has produced its
+  log-probabilities (kept in memory only until the window's last dependent finished). A
+  ``full`` task that a previous run stored is run again (its stored result kept) when a
+  dependent still needs its log-probabilities.
+
+Executors (:mod:`kvlab.evaluation.executors`) drive a schedule in one process or on Ray.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvlab.artifacts.io import read_json, write_json_atomic
+from kvlab.evaluation.plan import ModelRef, Plan, PrepTask, Task
+
+__all__ = ["ExecutionContext", "Job", "Runtime", "Schedule", "TaskStore"]
+
+
+@dataclass(frozen=True)
+class ExecutionContext:
+    """How workers run tasks (picklable).
+
+    Attributes:
+        cpu_threads: torch CPU threads per worker (``None``: leave torch's default).
+        calibration_cache: the calibration cache folder, or ``None`` for none.
+    """
+
+    cpu_threads: int | None = None
+    calibration_cache: str | None = None
+
+
+def _storage(storage: Any) -> dict[str, int]:
+    return {
+        "kv_bytes": storage.kv_bytes,
+        "kv_bytes_16bit": storage.kv_bytes_16bit,
+        "index_bytes": storage.index_bytes,
+    }
+
+
+class Runtime:
+    """Per-process state of an executor (module docstring).
+
+    Args:
+        context: the execution context.
+        announce: called with a line to show (model loads), or ``None``.
+    """
+
+    def __init__(
+        self, context: ExecutionContext, announce: Callable[[str], None] | None = None
+    ) -> None:
+        self.context = context
+        self.announce = announce
+        self._model_key: tuple[str, str, str] | None = None
+        self._loaded: Any = None
+        self.load_seconds: float | None = None
+        self._prepared: dict[str, dict[str, Any]] = {}
+        if context.cpu_threads is not None:
+            import torch
+
+            torch.set_num_threads(context.cpu_threads)
+
+    def loaded(self, ref: ModelRef) -> Any:
+        """The :class:`~kvlab.models.LoadedModel` of ``ref`` (loaded once; one at a time)."""
+        key = (ref.spec, ref.dtype, ref.device)
+        if self._model_key != key:
+            import torch
+
+            from kvlab.models import load_model, load_tokenizer
+
+            self._loaded = None
+            loaded = load_model(
+                ref.spec,
+                device=ref.device,
+                dtype=getattr(torch, ref.dtype),
+                tokenizer=load_tokenizer(ref.spec),
+            )
+            if loaded.checkpoint != ref.checkpoint:
+                raise RuntimeError(
+                    f"model {ref.spec!r} changed since the plan was made: "
+                    f"{loaded.checkpoint} != {ref.checkpoint}"
+                )
+            self._loaded, self._model_key = loaded, key
+            self.load_seconds = loaded.load_seconds
+            if self.announce is not None:
+                self.announce(
+                    f"model {ref.spec}: {loaded.checkpoint} loaded in {loaded.load_seconds:.1f} s"
+                )
+        return self._loaded
+
+    def prepare(
+        self, prep: PrepTask, progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, Any]:
+        """Run (or reuse: in memory, then the calibration cache) a preparation."""
+        from kvlab.evaluation.calibration import prepare_method
+
+        if prep.key not in self._prepared:
+            loaded = self.loaded(prep.model)
+            cache = self.context.calibration_cache
+            self._prepared[prep.key] = prepare_method(
+                prep.method,
+                loaded.model,
+                loaded.tokenizer,
+                checkpoint_sha256=prep.model.checkpoint_sha256,
+                dtype=prep.model.dtype,
+                cache_dir=Path(cache) if cache is not None else None,
+                progress=progress,
+            )
+        return self._prepared[prep.key]
+
+    def run(
+        self,
+        task: Task,
+        *,
+        prepared: Mapping[str, Any] | None = None,
+        reference_logprobs: Any = None,
+        keep_logprobs: bool = False,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> tuple[dict[str, Any], Any]:
+        """Run ``task``; returns its JSON-ready result and, with ``keep_logprobs``, the
+        float32 ``[S, V]`` log-softmax of a prefill-score run (else ``None``).
+
+        Raises:
+            ValueError: a prefill-score method task without its reference log-probabilities.
+        """
+        import torch
+
+        from kvlab.evaluation.needle import run_needle
+        from kvlab.evaluation.protocols import score_window, stream_tokens
+
+        loaded = self.loaded(task.model)
+        model = loaded.model
+        device = next(model.parameters()).device
+        tokens = torch.tensor(task.tokens, dtype=torch.int64, device=device)
+        common = {
+            "context": int(getattr(model.config, "max_position_embeddings", 0) or 0),
+            "model_load_seconds": self.load_seconds,
+            "worker_pid": os.getpid(),
+            "prepared": dict(prepared) if prepared is not None else None,
+        }
+        logprobs = None
+        if task.protocol == "prefill-score":
+            if task.reference is not None and reference_logprobs is None:
+                raise ValueError(f"task {task.label} needs its window's full-cache reference")
+            score = score_window(
+                model,
+                tokens,
+                task.method,
+                prefill=task.unit["prefill"],
+                score=task.unit["score"],
+                reference_logprobs=reference_logprobs,
+                keep_logprobs=keep_logprobs,
+                on_token=on_tokens,
+                prepared=prepared,
+            )
+            kl = score.kl if score.kl is not None else torch.zeros_like(score.nll)
+            logprobs = score.reference_logprobs
+            result = {
+                "nll": score.nll.tolist(),
+                "kl": kl.tolist(),
+                "storage_prefill": _storage(score.storage_prefill),
+                "storage_final": _storage(score.storage_final),
+                "model_seconds": score.model_seconds,
+                "details": score.details,
+            }
+        elif task.protocol == "stream":
+            stream = stream_tokens(
+                model,
+                tokens,
+                task.method,
+                chunk=task.unit["chunk"],
+                on_chunk=on_tokens,
+                prepared=prepared,
+            )
+            result = {
+                "nll": stream.nll.tolist(),
+                "peak_storage": _storage(stream.peak_storage),
+                "final_storage": _storage(stream.final_storage),
+                "final_position": stream.final_position,
+                "model_seconds": stream.model_seconds,
+                "details": stream.details,
+            }
+        elif task.protocol == "needle":
+            result = run_needle(
+                model,
+                loaded.tokenizer,
+                task.tokens,
+                task.method,
+                passkey=task.unit["passkey"],
+                chunk=task.unit["chunk"],
+                max_new_tokens=task.unit["max_new_tokens"],
+                prepared=prepared,
+                on_tokens=on_tokens,
+            )
+        else:
+            raise ValueError(f"unknown protocol {task.protocol!r}")
+        return {**result, **common}, logprobs
+
+
+class TaskStore:
+    """Finished task results, one JSON file per task key (module docstring).
+
+    Args:
+        folder: where the files live, or ``None`` to keep nothing on disk.
+    """
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = None if folder is None else Path(folder)
+
+    def path(self, key: str) -> Path:
+        if self.folder is None:
+            raise ValueError("this task store keeps nothing on disk")
+        return self.folder / f"{key}.json"
+
+    def load(self, key: str) -> dict[str, Any] | None:
+        """The stored result of task ``key``, or ``None`` (also for an unreadable or foreign
+        file, which the rerun then replaces)."""
+        if self.folder is None:
+            return None
+        path = self.path(key)
+        if not path.is_file():
+            return None
+        try:
+            data = read_json(path)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("key") != key:
+            return None
+        return data.get("result")
+
+    def save(self, task: Task, result: Mapping[str, Any]) -> None:
+        """Write ``task``'s result atomically (no-op without a folder)."""
+        if self.folder is not None:
+            write_json_atomic(
+                self.path(task.key),
+                {"key": task.key, "task": task.record(), "result": dict(result)},
+            )
+
+
+@dataclass
+class Job:
+    """One unit of work of a :class:`Schedule`.
+
+    Attributes:
+        item: the :class:`PrepTask` or :class:`Task`.
+        store: write the result to the store (``False`` for a ``full`` task run again only
+            for its log-probabilities).
+        keep_logprobs: keep its log-probabilities for dependents.
+    """
+
+    item: PrepTask | Task
+    store: bool = True
+    keep_logprobs: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.item.key
+
+    @property
+    def label(self) -> str:
+        return self.item.label
+
+
+@dataclass
+class Schedule:
+    """The jobs a plan still needs, in order, and their readiness (module docstring).
+
+    Args:
+        plan: the plan.
+        stored: results already available, by task key (a previous run's).
+    """
+
+    plan: Plan
+    stored: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unique: dict[str, Task] = {}
+        for task in self.plan.tasks:
+            unique.setdefault(task.key, task)
+        self.results: dict[str, dict[str, Any]] = dict(self.stored)
+        pending = [t for t in unique.values() if t.key not in self.results]
+        references = {t.reference for t in pending if t.reference is not None}
+        preparations = {t.preparation for t in pending if t.preparation is not None}
+        self.jobs: list[Job] = [Job(p) for p in self.plan.preparations if p.key in preparations]
+        for task in unique.values():
+            if task.key not in self.results:
+                self.jobs.append(Job(task, store=True, keep_logprobs=task.key in references))
+            elif task.key in references:
+                self.jobs.append(Job(task, store=False, keep_logprobs=True))
+        self.users: dict[str, int] = {}
+        for task in pending:
+            if task.reference is not None:
+                self.users[task.reference] = self.users.get(task.reference, 0) + 1
+        self.prepared: dict[str, dict[str, Any]] = {}
+        self.logprobs: dict[str, Any] = {}
+        self.finished: set[int] = set()
+        self.skipped = len(unique) - len(pending)
+
+    @property
+    def total_tasks(self) -> int:
+        return len({t.key for t in self.plan.tasks})
+
+    def ready(self, job: Job) -> bool:
+        """Whether everything ``job`` depends on is available."""
+        if isinstance(job.item, PrepTask):
+            return True
+        task = job.item
+        if task.preparation is not None and task.preparation not in self.prepared:
+            return False
+        return task.reference is None or task.reference in self.logprobs
+
+    def next_ready(self, started: set[int]) -> int | None:
+        """Index of the first job neither started nor finished whose dependencies are met."""
+        for index, job in enumerate(self.jobs):
+            if index not in started and index not in self.finished and self.ready(job):
+                return index
+        return None
+
+    def inputs(self, job: Job) -> tuple[dict[str, Any] | None, Any]:
+        """``(prepared, reference_logprobs)`` for a task job."""
+        task = job.item
+        assert isinstance(task, Task)
+        prepared = self.prepared.get(task.preparation) if task.preparation else None
+        return prepared, self.logprobs.get(task.reference) if task.reference else None
+
+    def finish(self, index: int, value: Any, logprobs: Any = None) -> None:
+        """Record job ``index``'s outcome: a prepared state, or a task result (and its
+        log-probabilities); releases a reference's log-probabilities after its last user."""
+        job = self.jobs[index]
+        self.finished.add(index)
+        if isinstance(job.item, PrepTask):
+            self.prepared[job.key] = value
+            return
+        task = job.item
+        if job.store:
+            self.results[task.key] = value
+        if job.keep_logprobs and logprobs is not None:
+            self.logprobs[task.key] = logprobs
+        if task.reference is not None:
+            self.users[task.reference] -= 1
+            if self.users[task.reference] == 0:
+                self.logprobs.pop(task.reference, None)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.jobs)

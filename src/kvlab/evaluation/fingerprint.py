@@ -1,0 +1,48 @@
+"""Content hashes for evaluation tasks and caches: canonical JSON and source-code digests."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from kvlab.artifacts.provenance import file_sha256, manifest_digest, sha256_bytes
+
+__all__ = ["canonical_json", "code_digest", "content_hash", "module_file"]
+
+
+def canonical_json(obj: Any) -> str:
+    """``obj`` as JSON with sorted keys and no whitespace (the hashed form)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def content_hash(obj: Any) -> str:
+    """Hex sha256 of :func:`canonical_json` of ``obj``."""
+    return sha256_bytes(canonical_json(obj).encode("utf-8"))
+
+
+def module_file(name: str) -> Path:
+    """The source file of module ``name``, found without importing it.
+
+    Raises:
+        ModuleNotFoundError: no such module.
+    """
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"module {name!r} not found")
+    return Path(spec.origin)
+
+
+_DIGESTS: dict[tuple[str, ...], str] = {}
+
+
+def code_digest(modules: Iterable[str]) -> str:
+    """One sha256 over the source files of ``modules`` (module name -> file sha256, see
+    :func:`kvlab.artifacts.provenance.manifest_digest`). Editing any of them changes it.
+    Memoized per process (sources do not change under a running evaluation)."""
+    names = tuple(sorted(set(modules)))
+    if names not in _DIGESTS:
+        _DIGESTS[names] = manifest_digest({n: file_sha256(module_file(n)) for n in names})
+    return _DIGESTS[names]

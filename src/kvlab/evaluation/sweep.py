@@ -1,0 +1,359 @@
+"""``kvlab sweep FILE.toml``: a grid of evaluations run as one plan.
+
+The file (TOML; an example: ``examples/sweep-smollm2.toml``)::
+
+    models = ["smollm2-135m"]          # model specs, as ``kvlab eval --model``
+    texts = ["default"]                # "default" = the package's text; else a path
+                                       # (relative to the sweep file)
+    protocols = ["prefill-score"]      # any of prefill-score, stream, needle
+    methods = ["relay:snapkv", "streaming-llm", "pn-mix"]
+    ratios = [0.25, 0.5]               # R for methods that take one (name@R), or "{ratio}"
+    bits = [3, 4]                      # substituted for "{bits}" in a name, e.g. "pn-mix-{bits}bit"
+    dtype = "float32"
+
+    [prefill-score]                    # options of each protocol, as kvlab eval's
+    windows = 2
+    prefill = 512
+    score = 128
+
+    [stream]                           # stream_length, chunk_size, cache_slots, segment
+    [needle]                           # lengths, depths, trials, seed, chunk_size, cache_slots
+
+The grid is models × texts × protocols, each with every method (× ratios, × bits). One group
+(model, text, protocol) is one ``kvlab eval`` run; all groups' tasks form one plan and share
+one task store, ``<output-dir>/tasks/`` (a task shared by groups — e.g. the ``full`` reference
+of a window — runs once). Each finished task is stored as it finishes and skipped on rerun.
+
+Written under the output folder: per group ``<model>--<text>/`` with the files of
+``kvlab eval`` (:mod:`kvlab.evaluation.report`); ``summary.md`` — every group's table without
+wall times (so it compares across executors and machines); and per model and text with the
+prefill-score protocol, ``pareto-<model>--<text>.png``, KL against bytes with the Pareto front.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvlab.evaluation.plan import PROTOCOLS, EvalConfig
+
+__all__ = ["SweepOptions", "SweepOutcome", "expand_methods", "load_sweep", "run_sweep"]
+
+_TOP = {"models", "texts", "protocols", "methods", "ratios", "bits", "dtype", *PROTOCOLS}
+_PROTOCOL_OPTIONS = {
+    "prefill-score": {"windows": "windows", "prefill": "prefill", "score": "score"},
+    "stream": {
+        "stream_length": "stream_length",
+        "chunk_size": "chunk",
+        "cache_slots": "cache_slots",
+        "segment": "segment",
+    },
+    "needle": {
+        "lengths": "needle_lengths",
+        "depths": "needle_depths",
+        "trials": "needle_trials",
+        "seed": "needle_seed",
+        "digits": "needle_digits",
+        "chunk_size": "chunk",
+        "cache_slots": "cache_slots",
+    },
+}
+
+
+@dataclass
+class SweepOptions:
+    """Command-line options of ``kvlab sweep`` (see its ``--help``)."""
+
+    output_dir: Path
+    executor: str = "local"
+    workers: int = 2
+    ray_address: str | None = None
+    device: str = "auto"
+    cpu_threads: int | None = None
+    calibration_cache: Path | None = None
+    use_calibration_cache: bool = True
+    resume: bool = True
+    progress: bool = True
+    argv: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SweepOutcome:
+    """What a sweep wrote."""
+
+    summary: str
+    summary_path: Path
+    pareto_paths: list[Path]
+    groups: list[Any]
+
+
+def _list(
+    data: Mapping[str, Any],
+    key: str,
+    kind: type | tuple[type, ...],
+    what: str,
+    default: Sequence[Any] = (),
+) -> list[Any]:
+    value = data.get(key, list(default))
+    if not isinstance(value, list) or not all(
+        isinstance(v, kind) and not isinstance(v, bool) for v in value
+    ):
+        raise ValueError(f"sweep file: {key!r} must be a list of {what}")
+    return value
+
+
+def expand_methods(
+    methods: Sequence[str], ratios: Sequence[float], bits: Sequence[int]
+) -> list[str]:
+    """Method names of the grid: ``{ratio}`` / ``{bits}`` substituted; a name that takes an
+    ``@R`` and has none gets each ratio appended; other names as they are.
+
+    Raises:
+        ValueError: a name needs ratios or bits and the list is empty.
+    """
+    from kvlab.evaluation.methods import takes_ratio
+
+    names: list[str] = []
+    for name in methods:
+        variants = [name]
+        if "{bits}" in name:
+            if not bits:
+                raise ValueError(f"sweep file: method {name!r} needs 'bits'")
+            variants = [v.replace("{bits}", str(b)) for v in variants for b in bits]
+        if "{ratio}" in name or takes_ratio(name):
+            if not ratios:
+                raise ValueError(f"sweep file: method {name!r} needs 'ratios'")
+            pattern = name if "{ratio}" in name else name + "@{ratio}"
+            variants = [
+                v.replace("{ratio}", f"{r:g}")
+                for v in (pattern.replace("{bits}", str(b)) for b in (bits or [None]))
+                for r in ratios
+            ]
+            if "{bits}" not in name:
+                variants = list(dict.fromkeys(variants))
+        names.extend(v for v in variants if v not in names)
+    return names
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
+
+
+def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalConfig]]:
+    """The groups of a sweep file: ``(model slug, text slug, EvalConfig)`` each.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not TOML, an unknown key, or a value of the wrong type.
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    file = Path(file)
+    if not file.is_file():
+        raise FileNotFoundError(f"sweep file not found: {file}")
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"sweep file {file}: {exc}") from exc
+    unknown = sorted(set(data) - _TOP)
+    if unknown:
+        raise ValueError(f"sweep file {file}: unknown key(s) {unknown}; known: {sorted(_TOP)}")
+    models = _list(data, "models", str, "strings", ["smollm2-135m"])
+    texts = _list(data, "texts", str, "strings", ["default"])
+    protocols = _list(data, "protocols", str, "strings", ["prefill-score"])
+    ratios = [float(r) for r in _list(data, "ratios", (int, float), "numbers")]
+    bits = _list(data, "bits", int, "integers")
+    methods = expand_methods(_list(data, "methods", str, "strings"), ratios, bits)
+    dtype = data.get("dtype", "float32")
+    for protocol in protocols:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"sweep file {file}: unknown protocol {protocol!r}")
+    for protocol in PROTOCOLS:
+        section = data.get(protocol, {})
+        if not isinstance(section, dict):
+            raise ValueError(f"sweep file {file}: [{protocol}] must be a table")
+        for key, value in section.items():
+            name = key.replace("-", "_")
+            if name not in _PROTOCOL_OPTIONS[protocol]:
+                raise ValueError(
+                    f"sweep file {file}: [{protocol}] has unknown option {key!r}; "
+                    f"known: {sorted(_PROTOCOL_OPTIONS[protocol])}"
+                )
+            if name in ("lengths", "depths"):
+                _list(section, key, (int, float) if name == "depths" else int, "numbers")
+            elif isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"sweep file {file}: [{protocol}] {key} must be an integer")
+    groups = []
+    for model in models:
+        for text in texts:
+            path = None if text == "default" else (file.parent / text)
+            for protocol in protocols:
+                section = data.get(protocol, {})
+                extra = {}
+                for key, value in section.items():
+                    extra[_PROTOCOL_OPTIONS[protocol][key.replace("-", "_")]] = value
+                model_slug = _slug(Path(model).name)
+                text_slug = "default" if path is None else _slug(path.stem)
+                config = EvalConfig(
+                    model=model,
+                    text=path,
+                    methods=methods,
+                    protocol=protocol,
+                    device=options.device,
+                    dtype=dtype,
+                    output_dir=options.output_dir / f"{model_slug}--{text_slug}",
+                    argv=options.argv,
+                    progress=options.progress,
+                    executor=options.executor,
+                    workers=options.workers,
+                    ray_address=options.ray_address,
+                    cpu_threads=options.cpu_threads,
+                    calibration_cache=options.calibration_cache,
+                    use_calibration_cache=options.use_calibration_cache,
+                    resume=options.resume,
+                    **extra,
+                )
+                groups.append((model_slug, text_slug, config))
+    if not methods:
+        raise ValueError(f"sweep file {file}: 'methods' is empty")
+    return groups
+
+
+def summary_table(
+    protocol: str, summaries: Sequence[Mapping[str, Any]], context: int, config: EvalConfig
+) -> str:
+    """A group's table without wall-time columns (deterministic for a given plan)."""
+    from kvlab.evaluation.table import format_bytes, markdown_table, needle_table
+
+    if protocol == "prefill-score":
+        headers = [
+            "method",
+            "KV bytes (16-bit)",
+            "vs full",
+            "PPL",
+            "ΔPPL %",
+            "KL mean (nats)",
+            "KL p95 (nats)",
+        ]
+        rows = [
+            [
+                s["method"],
+                format_bytes(s["kv_bytes_16bit"]),
+                f"{s['kv_fraction_of_full']:.3f}",
+                f"{s['ppl']:.4f}",
+                f"{s['delta_ppl_pct']:+.3f}",
+                f"{s['kl_mean']:.5f}",
+                f"{s['kl_p95']:.5f}",
+            ]
+            for s in summaries
+        ]
+        return markdown_table(headers, rows)
+    if protocol == "stream":
+        headers = [
+            "method",
+            f"PPL (< {context})",
+            f"PPL (≥ {context})",
+            "PPL (all)",
+            "final position",
+            "peak KV (16-bit)",
+        ]
+        rows = [
+            [
+                s["method"],
+                None if s["ppl_within_context"] is None else f"{s['ppl_within_context']:.4f}",
+                None if s["ppl_beyond_context"] is None else f"{s['ppl_beyond_context']:.4f}",
+                f"{s['ppl']:.4f}",
+                s["final_position"],
+                format_bytes(s["peak_kv_bytes_16bit"]),
+            ]
+            for s in summaries
+        ]
+        return markdown_table(headers, rows)
+    return needle_table(summaries, list(config.needle_lengths), list(config.needle_depths))
+
+
+def run_sweep(file: Path, options: SweepOptions, console: Any = None) -> SweepOutcome:
+    """Run a sweep file (module docstring).
+
+    Raises:
+        ValueError / FileNotFoundError: a bad sweep file, text, model or output folder (all
+            checked before any model loads).
+        KeyboardInterrupt: interrupted; finished tasks are stored (rerun to resume).
+    """
+    from rich.console import Console
+
+    from kvlab.evaluation.execute import TaskStore
+    from kvlab.evaluation.executors import run_schedule
+    from kvlab.evaluation.harness import (
+        execution_context,
+        plan_line,
+        prepare_inputs,
+        stored_schedule,
+    )
+    from kvlab.evaluation.outputs import check_output_paths
+    from kvlab.evaluation.plot import plot_pareto
+    from kvlab.evaluation.report import write_eval_report
+
+    console = console or Console(stderr=True)
+    out = Path(options.output_dir)
+    check_output_paths(out, [out / "summary.md"])
+    groups = load_sweep(file, options)
+    inputs = [prepare_inputs(config, config.output_dir) for _, _, config in groups]
+    plan = inputs[0].plan
+    for item in inputs[1:]:
+        plan = plan + item.plan
+    store = TaskStore(out / "tasks")
+    schedule = stored_schedule(plan, store, options.resume)
+    console.print(plan_line(schedule, store.folder), highlight=False, soft_wrap=True)
+    run_schedule(
+        options.executor,
+        schedule,
+        store,
+        execution_context(groups[0][2]),
+        workers=options.workers,
+        address=options.ray_address,
+        progress=options.progress,
+        announce=lambda line: console.print(line, highlight=False, soft_wrap=True),
+    )
+    sections = [f"# kvlab sweep {file.name}\n"]
+    outcomes = []
+    for (_, _, config), item in zip(groups, inputs, strict=True):
+        outcome = write_eval_report(
+            config,
+            item.plan,
+            schedule.results,
+            item.paths,
+            model=item.model,
+            text=item.text,
+            text_tokens=item.text_tokens,
+            accelerator=item.accelerator,
+            device_type=item.device_type,
+        )
+        outcomes.append(outcome)
+        context = int(schedule.results[item.plan.tasks[0].key]["context"])
+        sections.append(
+            f"\n## {config.model} · {item.text.id} · {config.protocol}\n\n"
+            + summary_table(config.protocol, outcome.summaries, context, config)
+        )
+    summary = "".join(sections)
+    summary_path = out / "summary.md"
+    summary_path.write_text(summary, encoding="utf-8")
+    pareto_paths = []
+    for (model_slug, text_slug, config), item, outcome in zip(
+        groups, inputs, outcomes, strict=True
+    ):
+        if config.protocol == "prefill-score":
+            title = (
+                f"{config.model} on {item.text.id}: KL vs KV bytes, {config.windows} windows, "
+                f"prefill {config.prefill}, {config.score} scored"
+            )
+            path = out / f"pareto-{model_slug}--{text_slug}.png"
+            pareto_paths.append(plot_pareto(outcome.summaries, path, title))
+    return SweepOutcome(summary, summary_path, pareto_paths, outcomes)

@@ -1,0 +1,526 @@
+"""Eviction composed with PN-Mix inside a ``transformers`` model: evict per (layer, sequence,
+kv head), then store the kept tokens as PN-Mix codes, so the bytes multiply down.
+
+``ComposedModelCache(model.config, EvictionConfig(ratio=...), PNMixConfig(...))`` is a
+:class:`~kvlab.integrations.relay_cache.RelayModelCache` whose full-attention layers
+(:class:`ComposedLayer`) hold a :class:`kvlab.pnmix.PNMixCache` once the prefill is evicted.
+Design: docs/design.md, "Eviction composed with PN-Mix". Per layer:
+
+1. **The prefill** (the cache's first forward) runs exactly as in ``RelayModelCache`` — the
+   same :meth:`RelayLayer.attend <kvlab.integrations.relay_cache.RelayLayer.attend>`: input
+   checks before any layer changes, the tokens committed to a ragged
+   :class:`~kvlab.relay.storage.RelayStore`, exact attention over them, and the eviction
+   (budget, scorer, per-head counts, selection, relay or not) of every row. Kept sets, relayed
+   keys and the prefill's logits are therefore RelayModelCache's.
+2. **Packing**: each (row, kv head)'s kept tokens, right-aligned, are appended to the layer's
+   PN-Mix cache with per-(row, head) ``lengths`` — each stream its own sinks, groups and exact
+   residual — and the RelayStore is dropped. The per-pair tables (bit widths, mix masks) are
+   computed in this append from the KEPT keys and the prefill's queries
+   (``PNMixCache.append(queries=..., query_lengths=...)``).
+   Position-aware (pre-RoPE) codecs code each key rotated back from its position ``offset +
+   stream index`` with a per-(row, head) offset ``next_position - kept``: with relay, exactly
+   the relayed positions ``E - k + 1 .. E``; without relay, the true positions of the kept
+   tail (the protected recent window) and of every later token, while earlier kept tokens are
+   coded in a frame off by their gap — a pure rotation that decoding undoes exactly (keys still
+   attend at their original positions), which only loosens how well the pre-RoPE frame aligns
+   their channels.
+3. **Later forwards** append to the PN-Mix cache (decode: deferred checks, no host sync) and
+   attend with :func:`kvlab.pnmix.pnmix_attention` over the packed codes. With relay the new
+   token of a sequence sits at the synchronized ``next_position`` in every head and layer (keys
+   and queries re-rotated from the model's positions, as in ``RelayModelCache``).
+
+Ratio mode only: ``EvictionConfig.capacity`` (stream mode, evicting again and again) would
+evict tokens already packed into groups, which breaks groups; it is refused at construction.
+Bytes (:meth:`ComposedModelCache.nbytes`): the PN-Mix stores' used bytes — codes, scalars,
+payloads, tables and the exact sinks/residual of the kept streams; no per-token positions are
+kept (positions are ``offset + stream index``, host ints), so :meth:`index_bytes` is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvlab.integrations.model_support import layer_rotary
+from kvlab.integrations.pnmix_cache import pnmix_config_for_model
+from kvlab.integrations.relay_cache import (
+    EvictionConfig,
+    RelayLayer,
+    RelayModelCache,
+    _ForwardPlan,
+    _ForwardState,
+    _Pending,
+)
+from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
+from kvlab.rope import RotaryConfig, rotate_by_delta
+
+__all__ = ["ComposedLayer", "ComposedModelCache"]
+
+
+class _ComposedState(_ForwardState):
+    """What the composed layers of one cache share: the forward's plan (as relay layers do),
+    the deferred mask check of single-token forwards, and the layers (their deferred PN-Mix
+    value checks are read together, once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[ComposedLayer] = []
+        self.mask_ok: Tensor | None = None
+
+    def check(self) -> None:
+        """Read every deferred flag with one device read (none when nothing is pending).
+
+        Raises:
+            ValueError: naming the offending layer, or the padding column.
+        """
+        flags = [] if self.mask_ok is None else [self.mask_ok]
+        for layer in self.layers:
+            if layer.pnmix is not None and layer.pnmix.pending_check() is not None:
+                flags.append(layer.pnmix.pending_check())
+        if not flags:
+            return
+        ok = bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+        mask_ok, self.mask_ok = self.mask_ok, None
+        for layer in self.layers:
+            if layer.pnmix is not None:
+                try:
+                    layer.pnmix.check_values(assume_valid=ok)
+                except ValueError as err:
+                    raise ValueError(f"layer {layer.layer_idx}: {err}") from err
+        if mask_ok is not None and not ok and not bool(mask_ok):
+            raise ValueError(
+                "a single-token forward's attention_mask marked its new token as padding (or "
+                "disagreed with the stored padding); ComposedModelCache stores the new token of "
+                "every row in single-token forwards (it is stored now: reset the cache)"
+            )
+
+
+class ComposedLayer(RelayLayer):
+    """One full-attention decoder layer of a :class:`ComposedModelCache`: a
+    :class:`~kvlab.integrations.relay_cache.RelayLayer` for the prefill and its eviction, then
+    a :class:`kvlab.pnmix.PNMixCache` (:attr:`pnmix`) holding the kept tokens as codes.
+
+    Args:
+        config: the eviction (``ratio`` mode).
+        rotary: the model's RoPE (the relay's rotations).
+        layer_idx: the decoder layer.
+        forward_state: shared by the cache's composed layers.
+        uses_rope: False for a NoPE layer (``relay=False`` only).
+        pnmix_config: the PN-Mix configuration of this layer (a NoPE layer's codec in its own
+            frame).
+        pnmix_rotary: the RoPE a position-aware codec rotates with (``None`` otherwise).
+        record_kept: keep each row's kept stream indices (:attr:`kept_positions`; diagnostics,
+            not counted in bytes).
+
+    Attributes:
+        pnmix: the layer's :class:`~kvlab.pnmix.PNMixCache` (``None`` until the prefill is
+            packed).
+        kept_positions: with ``record_kept``, ``(stream_indices, counts)`` — int64 ``[B, H_kv,
+            W]`` on the device, each (row, head)'s kept stream indices in stream order (left
+            aligned, ``counts [B, H_kv]`` host ints valid), as packed; else ``None``.
+    """
+
+    def __init__(
+        self,
+        config: EvictionConfig,
+        rotary: RotaryConfig,
+        layer_idx: int,
+        forward_state: _ComposedState,
+        *,
+        uses_rope: bool = True,
+        pnmix_config: PNMixConfig,
+        pnmix_rotary: RotaryConfig | None,
+        record_kept: bool = False,
+    ) -> None:
+        super().__init__(config, rotary, layer_idx, forward_state, uses_rope=uses_rope)
+        self.pnmix_config = pnmix_config
+        self.pnmix_rotary = pnmix_rotary
+        self.record_kept = record_kept
+        forward_state.layers.append(self)
+
+    def _clear(self) -> None:
+        super()._clear()
+        self.pnmix: PNMixCache | None = None
+        self.kept_positions: tuple[Tensor, np.ndarray] | None = None
+
+    # ---------------------------------------------------------------- checks and plan
+    def _check_states(self, keys: Tensor, values: Tensor) -> None:
+        super()._check_states(keys, values)
+        pnmix = self.pnmix
+        if pnmix is None:
+            return
+        expected = (
+            pnmix.batch_size,
+            pnmix.num_key_value_heads,
+            pnmix.head_dim,
+            pnmix.value_head_dim,
+        )
+        got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+        if got != expected:
+            raise ValueError(
+                f"layer {self.layer_idx} stores [B, H_kv, D, Dv] = {expected}, got {got} "
+                "(a new batch needs a new cache or reset())"
+            )
+        if keys.dtype != self.dtype or values.dtype != self.dtype:
+            raise ValueError(f"layer {self.layer_idx} takes {self.dtype}, got {keys.dtype}")
+        if keys.device != pnmix.device:
+            raise ValueError(f"layer {self.layer_idx} stores on {pnmix.device}, got {keys.device}")
+
+    def _plan(
+        self, pending: _Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
+    ) -> _ForwardPlan:
+        """The forward's plan (built by its first layer, before any layer changes): the
+        relay cache's checks, plus — in the cache's first forward — a real token in every row,
+        and — in later multi-token forwards — the deferred checks of earlier single-token
+        forwards. A single-token forward after the prefill reads nothing back from the device
+        (:meth:`_decode_plan`).
+
+        Raises:
+            ValueError: see :meth:`RelayLayer._plan`; a row with no real token in the first
+                forward; a deferred check that fails.
+        """
+        state = self.forward_state
+        assert isinstance(state, _ComposedState)
+        if self.pnmix is not None and pending.keys.shape[2] == 1:
+            return self._decode_plan(pending, attention_mask, kwargs)
+        if self.pnmix is not None:
+            state.check()
+        plan = super()._plan(pending, attention_mask, kwargs)
+        if self.pnmix is None:
+            empty = [b for b, r in enumerate(plan.real) if r == 0]
+            if empty:
+                raise ValueError(
+                    f"ComposedModelCache evicts and packs at the cache's first forward; rows "
+                    f"{empty} have no real token in it (all padding)"
+                )
+        return plan
+
+    def _decode_plan(
+        self, pending: _Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
+    ) -> _ForwardPlan:
+        """The plan of a single-token forward, without any device read: the new token of
+        every row is real; the mask is checked on the device (its last column all ones, its
+        older columns the stored padding) and raised later by
+        :meth:`ComposedModelCache.check_values`; the RoPE shift to the cache's positions is a
+        device tensor when the model passes ``position_ids``.
+
+        Raises:
+            ValueError: a mask or ``position_ids`` of the wrong shape.
+        """
+        state = self.forward_state
+        assert isinstance(state, _ComposedState)
+        batch = pending.keys.shape[0]
+        seen = self.seen_tokens
+        device = pending.keys.device
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, seen + 1):
+                raise ValueError(
+                    "ComposedModelCache takes a 2-D attention_mask [B, seen + new] = "
+                    f"[{batch}, {seen + 1}] (left padding), got {tuple(attention_mask.shape)}"
+                )
+            mask = attention_mask.to(device=device, dtype=torch.bool)
+            padding = torch.tensor(self.padding, device=device).view(-1, 1)
+            expected = torch.arange(seen, device=device).view(1, -1) >= padding
+            ok = mask[:, -1].all() & (mask[:, :seen] == expected).all()
+            state.mask_ok = ok if state.mask_ok is None else state.mask_ok & ok
+        position_ids = pending.position_ids
+        if position_ids is None:
+            position_ids = kwargs.get("position_ids")
+        shift = None
+        if position_ids is None:  # transformers' default: the columns seen
+            deltas = [n - seen for n in self.next_positions]
+            if any(deltas):
+                shift = torch.tensor(deltas, dtype=torch.int64, device=device).view(-1, 1, 1)
+        else:
+            if position_ids.dim() != 2 or tuple(position_ids.shape) not in ((1, 1), (batch, 1)):
+                raise ValueError(
+                    f"ComposedModelCache needs position_ids [1 or B, 1] for one new token, got "
+                    f"{tuple(position_ids.shape)}"
+                )
+            nexts = torch.tensor(self.next_positions, dtype=torch.int64, device=device)
+            model = position_ids.to(device=device, dtype=torch.int64).expand(batch, 1)[:, 0]
+            shift = (nexts - model).view(-1, 1, 1)  # a rotation by 0 is exact
+        return _ForwardPlan(
+            forward_index=self.forwards, batch=batch, num_new=1, real=[1] * batch, shift=shift
+        )
+
+    # ---------------------------------------------------------------- the forward
+    def attend(
+        self,
+        query: Tensor,
+        *,
+        scaling: float,
+        attention_mask: Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        """This layer's part of a forward. The cache's first forward: RelayLayer's (checks,
+        commit, exact attention, eviction), then the kept tokens are packed
+        (:meth:`_pack`). Later forwards: checks (a single-token forward reads nothing back),
+        append to :attr:`pnmix`, packed attention.
+
+        Args:
+            query: ``[B, H_q, T, D]`` rotated by the model at its ``position_ids``.
+            scaling: the model's softmax scale.
+            attention_mask: ``None`` or the 2-D keep mask ``[B, seen + T]`` (left padding).
+            kwargs: the attention kwargs (``position_ids``; ``softcap``, ``s_aux``).
+
+        Returns:
+            ``[B, H_q, T, Dv]`` in the query dtype.
+
+        Raises:
+            ValueError: bad inputs (first layer of a forward, before any layer changes); keys or
+                values beyond the PN-Mix storage range in a multi-token forward (raised by the
+                layer storing them; earlier layers have stored theirs: reset the cache).
+            RuntimeError: ``attend`` without a preceding ``update``.
+        """
+        if self.pnmix is None:
+            out = super().attend(
+                query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs
+            )
+            plan = self.forward_state.plan
+            assert plan is not None
+            if plan.shift is not None and self.uses_rope:
+                query = rotate_by_delta(query, plan.shift, self.rotary)
+            self._pack(query, plan)
+            return out
+        pending, plan = self._take_pending(attention_mask, kwargs)
+        keys = pending.keys
+        if plan.shift is not None and self.uses_rope:
+            keys = rotate_by_delta(keys, plan.shift, self.rotary)
+            query = rotate_by_delta(query, plan.shift, self.rotary)
+        # later forwards never pad (the plan refuses padding after a row's first token)
+        self.pnmix.append(
+            keys,
+            pending.values,
+            checks="deferred" if plan.num_new == 1 else "eager",
+            queries=query,
+        )
+        self._advance(plan)
+        return pnmix_attention(
+            query,
+            self.pnmix,
+            scale=scaling,
+            causal=True,
+            logit_softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
+            sink_logits=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
+        ).to(query.dtype)
+
+    def _pack(self, query: Tensor, plan: _ForwardPlan) -> None:
+        """Move every (row, head)'s tokens — after the eviction, its kept ones, relayed or
+        not — from the RelayStore into a new PN-Mix cache, right-aligned with per-(row, head)
+        lengths, at position offsets ``next_position - count``; the per-pair tables read the
+        forward's real queries ``query`` (at cache positions). Drops the RelayStore."""
+        store = self.store
+        assert store is not None
+        counts = np.asarray([store.counts(b) for b in range(store.batch)], dtype=np.int64)
+        view = store.padded()
+        width = int(counts.max(initial=0))
+        # right-align: output slot j of row (b, h) reads slot j - (width - count) of the view
+        source = np.arange(width)[None, None, :] - (width - counts)[..., None]
+        index = torch.from_numpy(np.maximum(source, 0)).to(store.device).unsqueeze(-1)
+        keys = view.keys.gather(2, index.expand(-1, -1, -1, store.head_dim))
+        values = view.values.gather(2, index.expand(-1, -1, -1, store.value_dim))
+        pnmix = PNMixCache(
+            self.pnmix_config,
+            batch_size=store.batch,
+            num_key_value_heads=store.heads,
+            head_dim=store.head_dim,
+            value_head_dim=store.value_dim,
+            device=store.device,
+            rotary=self.pnmix_rotary,
+        )
+        if pnmix.codec.position_aware:
+            pnmix.set_position_offsets(np.asarray(self.next_positions)[:, None] - counts)
+        pnmix.append(keys, values, counts, checks="eager", queries=query, query_lengths=plan.real)
+        if self.record_kept:
+            self.kept_positions = (view.original_positions, counts)
+        self.pnmix = pnmix
+        self.store = None
+
+    # ---------------------------------------------------------------- transformers API
+    def _select_rows(self, rows: list[int]) -> None:
+        if self.pnmix is None:
+            super()._select_rows(rows)
+            return
+        self.pnmix.select_batch(torch.tensor(rows, dtype=torch.int64))
+        self.padding = [self.padding[b] for b in rows]
+        self.stream_lengths = [self.stream_lengths[b] for b in rows]
+        self.next_positions = [self.next_positions[b] for b in rows]
+        if self.kept_positions is not None:
+            positions, counts = self.kept_positions
+            index = torch.tensor(rows, dtype=torch.int64, device=positions.device)
+            self.kept_positions = (positions.index_select(0, index), counts[rows])
+
+    # ---------------------------------------------------------------- sizes
+    def tokens_per_head(self, row: int = 0) -> list[int]:
+        """Tokens stored per kv head of sequence ``row`` (empty before the first token)."""
+        if self.pnmix is None:
+            return super().tokens_per_head(row)
+        return [int(n) for n in self.pnmix.seq_lengths[row]]
+
+    def max_tokens(self) -> int:
+        """The most tokens any (sequence, kv head) stores."""
+        if self.pnmix is None:
+            return super().max_tokens()
+        return int(self.pnmix.seq_lengths.max(initial=0))
+
+    def segment(self, row: int, head: int) -> Any:
+        """Only before the prefill is packed (the RelayStore's segment).
+
+        Raises:
+            RuntimeError: the tokens are packed (read :attr:`pnmix`, e.g. ``dequantize()``).
+        """
+        if self.pnmix is not None:
+            raise RuntimeError(
+                "the layer's tokens are packed as PN-Mix codes: read layer.pnmix (e.g. "
+                "dequantize(), seq_lengths)"
+            )
+        return super().segment(row, head)
+
+    def nbytes(self) -> int:
+        """Used bytes of the PN-Mix storage (sinks, groups, residual, tables; docs/design.md,
+        "PN-Mix: Byte accounting")."""
+        if self.pnmix is None:
+            return super().nbytes()
+        return self.pnmix.persistent_bytes
+
+    def numel(self) -> int:
+        """Key and value elements of the stored tokens (``tokens * (D + Dv)``; packed)."""
+        if self.pnmix is None:
+            return super().numel()
+        p = self.pnmix
+        return int(p.seq_lengths.sum()) * (p.head_dim + p.value_head_dim)
+
+    def reserved_bytes(self) -> int:
+        """Bytes allocated for the storage (spare group slots and residual slots included)."""
+        if self.pnmix is None:
+            return super().reserved_bytes()
+        return sum(self.pnmix.reserved_bytes().values())
+
+    def index_bytes(self) -> int:
+        """0 once packed: positions are ``offset + stream index`` (host ints)."""
+        return super().index_bytes() if self.pnmix is None else 0
+
+
+class ComposedModelCache(RelayModelCache):
+    """A ``transformers`` cache that evicts per (layer, sequence, kv head) after the prefill —
+    RoPE-Relay or not — and stores the kept tokens as PN-Mix codes (module docstring).
+
+    Args:
+        model_config: the model's ``PretrainedConfig``.
+        eviction: the :class:`EvictionConfig`; ``ratio`` mode only.
+        pnmix: the :class:`~kvlab.pnmix.PNMixConfig` (default ``PNMixConfig()``);
+            ``rotary_dim`` / ``rotary_layout`` follow the model unless ``match_rotary=False``.
+        rotary: the model's RoPE (default from the config).
+        match_rotary: see ``pnmix``.
+        record_kept: keep each layer's kept stream indices
+            (:attr:`ComposedLayer.kept_positions`; diagnostics).
+
+    Sliding-window layers keep their window exactly, as in ``RelayModelCache``.
+
+    Raises:
+        ValueError: ``eviction.capacity`` (stream mode: see the module docstring); everything
+            ``RelayModelCache`` and ``PNMixCache`` refuse for this model (unsupported layers or
+            RoPE, a value codec that cannot code the heads, ...).
+    """
+
+    def __init__(
+        self,
+        model_config: Any,
+        eviction: EvictionConfig,
+        pnmix: PNMixConfig | None = None,
+        *,
+        rotary: RotaryConfig | None = None,
+        match_rotary: bool = True,
+        record_kept: bool = False,
+    ) -> None:
+        if eviction.capacity is not None:
+            raise ValueError(
+                "ComposedModelCache evicts once, after the prefill (EvictionConfig.ratio); "
+                "capacity (stream) mode would evict tokens already packed into PN-Mix groups, "
+                "which breaks the groups (docs/design.md, 'Eviction composed with PN-Mix')"
+            )
+        text_config = model_config.get_text_config(decoder=True)
+        config = pnmix or PNMixConfig()
+        if not isinstance(config, PNMixConfig):
+            raise ValueError(f"pnmix must be a PNMixConfig, got {type(config).__name__}")
+        if match_rotary:
+            config = pnmix_config_for_model(text_config, config)
+        self.pnmix_config = config
+        self.record_kept = record_kept
+        self._check_pnmix(text_config)
+        super().__init__(model_config, eviction, rotary=rotary)
+
+    def _check_pnmix(self, text_config: Any) -> None:
+        """Build an empty one-row PN-Mix cache of the model's head shape, so that a
+        configuration PN-Mix refuses fails here, before any forward."""
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        codec = self.pnmix_config.key_codec
+        PNMixCache(
+            self.pnmix_config,
+            batch_size=1,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rotary=layer_rotary(text_config) if codec.position_aware else None,
+        )
+
+    def _forward_state(self) -> _ComposedState:
+        return _ComposedState()
+
+    def _full_layer(self, index: int, state: _ForwardState) -> ComposedLayer:
+        assert isinstance(state, _ComposedState)
+        uses_rope = self.plan.layers[index].uses_rope
+        config = self.pnmix_config
+        codec = config.key_codec
+        pnmix_rotary = self.rotary if codec.position_aware and uses_rope else None
+        if codec.position_aware and not uses_rope:  # NoPE: its keys are position-0 keys
+            config = dataclasses.replace(
+                config, key_coding=codec.without_positions(), key_outlier_fraction=0.0
+            )
+        return ComposedLayer(
+            self.eviction,
+            self.rotary,
+            index,
+            state,
+            uses_rope=uses_rope,
+            pnmix_config=config,
+            pnmix_rotary=pnmix_rotary,
+            record_kept=self.record_kept,
+        )
+
+    def _composed_layers(self) -> list[ComposedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, ComposedLayer)]
+
+    def check_values(self) -> None:
+        """Check every single-token forward since the last check (values finite and within the
+        storage range, mask columns): one device read for all layers, none if there is
+        nothing to check.
+
+        Raises:
+            ValueError: naming the first offending layer (its storage holds the bad values).
+        """
+        state = self._composed_layers()[0].forward_state if self._composed_layers() else None
+        if isinstance(state, _ComposedState):
+            state.check()
+
+    def storage_report(self) -> dict[str, int]:
+        """PN-Mix bytes by component (``key_codes``, ``key_sink``, ...), summed over layers."""
+        total: dict[str, int] = {}
+        for layer in self._composed_layers():
+            if layer.pnmix is not None:
+                for name, value in layer.pnmix.nbytes().items():
+                    total[name] = total.get(name, 0) + value
+        return total
+
+    def attention_calls(self) -> int:
+        """Packed-attention calls over all layers."""
+        return sum(
+            0 if layer.pnmix is None else layer.pnmix.attention_calls
+            for layer in self._composed_layers()
+        )

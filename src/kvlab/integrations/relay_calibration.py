@@ -1,0 +1,228 @@
+"""Per-layer eviction budgets calibrated on the package's own text (like PN-Mix's group sizes).
+
+:func:`layer_eviction_sensitivity` measures, for every decoder layer ``l`` and every kept
+fraction ``f``, the mean ``KL(full || evicted)`` of the next-token distributions of ``score``
+calibration tokens when **only** layer ``l`` evicts its ``prefill`` context down to
+``f * prefill`` tokens per kv head with the given policy (all other layers exact).
+:func:`kvlab.relay.layer_budgets.allocate_layer_fractions` then picks one fraction per layer
+with the same total as a uniform budget, minimizing the summed KL; the fractions go into
+``EvictionConfig.layer_budget`` as weights. The calibration text defaults to the package's
+public-domain text (:func:`kvlab.data.default_text`), never the evaluation text.
+
+Cost: two exact prefill forwards (kvlab attention recording the queries, SDPA recording the
+keys and values), then ``1 + L * len(fractions)`` forwards of ``score`` tokens (one layer's
+eviction is replayed on the recorded prefill keys, values and queries, which also recomputes
+that layer's prefill attention once and discards it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvlab.data import TextSource, default_text
+from kvlab.integrations.attention import use_attention
+from kvlab.integrations.pnmix_calibration import CALIBRATION_START
+from kvlab.integrations.relay_cache import EvictionConfig, RelayLayer, RelayModelCache
+from kvlab.relay.layer_budgets import allocate_layer_fractions
+
+__all__ = ["LayerBudgetCalibration", "calibrate_layer_budgets", "layer_eviction_sensitivity"]
+
+DEFAULT_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+@torch.no_grad()
+def layer_eviction_sensitivity(
+    model: Any,
+    input_ids: Tensor,
+    config: EvictionConfig,
+    *,
+    prefill: int,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict[float, float]]:
+    """Per layer and kept fraction, the KL that evicting that one layer causes.
+
+    Each evicted layer is a :class:`RelayLayer` replaying what the layer of a
+    :class:`RelayModelCache` does in the prefill forward: ``update`` stashes the recorded
+    prefill keys and values, ``attend`` with the recorded queries commits them, attends and
+    evicts (the same code path, so the replay equals a direct run).
+
+    Args:
+        model: a ``transformers`` causal LM with full-attention RoPE decoder layers.
+        input_ids: ``[1, prefill + score]`` int64 calibration ids, ``score >= 1``.
+        config: the eviction policy (``ratio`` is replaced by ``1 - f``; ``layer_budget`` by
+            ``"uniform"``).
+        prefill: context tokens; the other ``score`` tokens are scored in one forward.
+        fractions: kept fractions in (0, 1] to measure.
+        progress: ``progress(done, total)`` in decoder layers, or ``None``.
+
+    Returns:
+        one ``{fraction: mean KL in nats}`` per decoder layer.
+
+    Raises:
+        ValueError: ``input_ids`` not ``[1, N]`` with ``0 < prefill < N``, a fraction
+            outside (0, 1], or a model with sliding/chunked (window) layers.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
+    n = input_ids.shape[1]
+    if isinstance(prefill, bool) or not isinstance(prefill, int) or not 0 < prefill < n:
+        raise ValueError(f"prefill must be an int in 1..{n - 1}, got {prefill!r}")
+    if any(not 0.0 < f <= 1.0 for f in fractions):
+        raise ValueError(f"fractions must lie in (0, 1], got {list(fractions)}")
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    head, tail = ids[:, :prefill], ids[:, prefill:]
+    positions = torch.arange(prefill, n, device=device)[None]
+    # the exact prefill through a keep-everything relay cache, recording each layer's queries
+    keep_all = RelayModelCache(model.config, EvictionConfig(ratio=0.0, scorer="recency"))
+    if keep_all.plan.window_layers:
+        raise ValueError(
+            "per-layer eviction budgets need every decoder layer to be full attention; layers "
+            f"{list(keep_all.plan.window_layers)} are sliding/chunked"
+        )
+    queries: dict[int, tuple[Tensor, float]] = {}
+    for layer in keep_all.layers:
+
+        def record(query: Tensor, scaling: float, row: int = 0, layer: RelayLayer = layer) -> Any:
+            # the queries at cache positions, as the layer's attend passes them to evict
+            queries[layer.layer_idx] = (query, scaling)
+            return RelayLayer.evict(layer, query, scaling, row)
+
+        layer.evict = record  # type: ignore[method-assign]
+    reference = Cache(layers=[DynamicLayer() for _ in keep_all.layers])
+    with use_attention(model, "kvlab"):
+        model(head, cache=keep_all, use_cache=True, logits_to_keep=1)
+    with use_attention(model, "sdpa"):
+        model(head, cache=reference, use_cache=True, logits_to_keep=1)
+        model_prefix = [(layer.keys, layer.values) for layer in reference.layers]
+
+    def cache_with(evicted: int | None, kept: float) -> Cache:
+        layers: list[Any] = []
+        for i, (k, v) in enumerate(model_prefix):
+            if i == evicted:
+                cfg = dataclasses.replace(config, ratio=1.0 - kept, layer_budget="uniform")
+                layer: Any = RelayLayer(cfg, keep_all.rotary, i)
+                query, scaling = queries[i]
+                layer.update(k, v)  # stashes; attend commits, attends and evicts
+                layer.attend(query, scaling=scaling, attention_mask=None, kwargs={})
+            else:
+                layer = DynamicLayer()
+                layer.update(k, v)
+            layers.append(layer)
+        return Cache(layers=layers)
+
+    def logprobs(cache: Cache) -> Tensor:
+        with use_attention(model, "kvlab"):
+            out = model(tail, cache=cache, position_ids=positions, use_cache=True)
+        return torch.log_softmax(out.logits[0].double(), dim=-1)
+
+    exact = logprobs(cache_with(None, 1.0))
+    p = exact.exp()
+    result: list[dict[float, float]] = []
+    if progress is not None:
+        progress(0, len(model_prefix))
+    for layer_idx in range(len(model_prefix)):
+        row = {}
+        for f in sorted(set(fractions)):
+            approx = logprobs(cache_with(layer_idx, f))
+            row[f] = float((p * (exact - approx)).sum(-1).clamp_min(0.0).mean())
+        result.append(row)
+        if progress is not None:
+            progress(layer_idx + 1, len(model_prefix))
+    return result
+
+
+@dataclass(frozen=True)
+class LayerBudgetCalibration:
+    """Per-layer kept fractions chosen by :func:`calibrate_layer_budgets`, and how.
+
+    Attributes:
+        layer_fractions: one kept fraction per decoder layer (mean = ``1 - ratio``); pass as
+            ``EvictionConfig.layer_budget``.
+        sensitivities: per layer, ``{kept fraction: mean KL in nats}`` as measured.
+        text_id, text_sha256: the calibration text.
+        start, prefill, score: the calibration window (tokens).
+        seconds: wall time (s).
+    """
+
+    layer_fractions: tuple[float, ...]
+    sensitivities: tuple[dict[float, float], ...]
+    text_id: str
+    text_sha256: str
+    start: int
+    prefill: int
+    score: int
+    seconds: float
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-ready record for artifacts."""
+        return {
+            "layer_fractions": list(self.layer_fractions),
+            "calibration_text": {"id": self.text_id, "sha256": self.text_sha256},
+            "calibration_window": {
+                "start": self.start,
+                "prefill": self.prefill,
+                "score": self.score,
+            },
+            "calibration_seconds": round(self.seconds, 1),
+            "sensitivity_kl_nats": [
+                {str(f): round(v, 6) for f, v in s.items()} for s in self.sensitivities
+            ],
+        }
+
+
+def calibrate_layer_budgets(
+    model: Any,
+    tokenizer: Any,
+    config: EvictionConfig,
+    *,
+    text: TextSource | None = None,
+    start: int = CALIBRATION_START,
+    prefill: int = 512,
+    score: int = 128,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    progress: Callable[[int, int], None] | None = None,
+) -> LayerBudgetCalibration:
+    """Measure :func:`layer_eviction_sensitivity` on the calibration text and choose per-layer
+    kept fractions with mean ``1 - config.ratio``
+    (:func:`kvlab.relay.layer_budgets.allocate_layer_fractions`); ``progress(done, total)``
+    reports decoder layers.
+
+    Raises:
+        ValueError: ``config.ratio`` unset, a text shorter than ``prefill + score`` tokens, or
+            bad arguments (see the functions used).
+    """
+    if config.ratio is None:
+        raise ValueError("calibrate_layer_budgets needs EvictionConfig.ratio")
+    began = time.perf_counter()
+    source = text if text is not None else default_text()
+    need = start + prefill + score
+    head = source.data[: max(8 * need, 4096)].decode("utf-8", errors="replace")
+    ids = tokenizer(head, return_tensors="pt").input_ids
+    if ids.shape[1] < prefill + score:
+        raise ValueError(f"calibration text has {ids.shape[1]} tokens; {prefill + score} needed")
+    first = max(0, min(start, ids.shape[1] - prefill - score))
+    window = ids[:, first : first + prefill + score]
+    sens = layer_eviction_sensitivity(
+        model, window, config, prefill=prefill, fractions=fractions, progress=progress
+    )
+    chosen = allocate_layer_fractions(sens, 1.0 - config.ratio, tokens=prefill)
+    return LayerBudgetCalibration(
+        layer_fractions=tuple(chosen),
+        sensitivities=tuple(sens),
+        text_id=source.id,
+        text_sha256=source.sha256,
+        start=first,
+        prefill=prefill,
+        score=score,
+        seconds=time.perf_counter() - began,
+    )

@@ -1,0 +1,156 @@
+"""Value codecs of the PN-Mix cache (docs/design.md, "Value codecs").
+
+Values are coded per token over the head's channels (asymmetric min-max, KIVI: Liu et al.
+2024): ``bits``-bit codes ``[T, Dv]`` and per-token scalars ``[scale(T) | zero(T)]`` per
+group. Two codecs share that storage layout and differ in the frame they code:
+
+* :class:`PerTokenValueCodec` — the values themselves (the seed's coding);
+* :class:`HadamardValueCodec` — the values rotated by a fixed orthonormal Hadamard matrix
+  ``H`` (incoherence processing: QuaRot, Ashkboos et al. 2024, arXiv:2404.00456), which
+  spreads a token's outlier channels over all channels before the per-token range is taken;
+  zero extra bytes. Decoding gives ``(v H)^``; attention multiplies the attention-weighted sum
+  of a query row's decoded values by ``H^T`` once (``Σ_t p_t (v_t H)^ H^T = (Σ_t p_t (v_t
+  H)^) H^T``), :meth:`ValueCodec.output_transform`.
+
+A codec is device-free configuration; codes are chosen in float64 from storage-rounded inputs
+against the stored scalars (:func:`kvlab.pnmix.quantizers.minmax_quantize`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvlab.pnmix.hadamard import hadamard_matrix, hadamard_signs
+from kvlab.pnmix.quantizers import minmax_dequantize, minmax_quantize
+
+__all__ = [
+    "VALUE_CODING_NAMES",
+    "HadamardValueCodec",
+    "PerTokenValueCodec",
+    "ValueCodec",
+    "value_codec_from_name",
+]
+
+
+def _check_bits(bits: object) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an int in 1..8, got {bits!r}")
+
+
+class ValueCodec:
+    """A value coding (abstract): per-token min-max codes of the values in some fixed frame.
+
+    Attributes:
+        name: the coding's name (``PNMixConfig(value_coding=name)`` builds it).
+        bits: code width.
+        transforms_output: whether :meth:`output_transform` is not the identity.
+    """
+
+    name: str = "abstract"
+    bits: int
+    transforms_output: bool = False
+
+    def scalar_count(self, group_tokens: int, value_head_dim: int) -> int:
+        """Storage-dtype scalars per (sequence, kv head, group): ``[scale(T) | zero(T)]``."""
+        return 2 * group_tokens
+
+    def check_head_dim(self, value_head_dim: int) -> None:
+        """Raise ``ValueError`` if the coding cannot code values of ``Dv`` channels."""
+
+    def frame(self, values: Tensor, storage_dtype: torch.dtype) -> Tensor:
+        """The storage-rounded values ``[..., Dv]`` in the frame the codes hold, rounded to the
+        storage dtype (the identity here)."""
+        return values.to(storage_dtype)
+
+    def encode(self, values: Tensor, storage_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Code ``N`` groups of storage-rounded values ``[N, T, Dv]``.
+
+        Returns:
+            ``(codes, scalars)``: uint8 ``[N, T, Dv]`` and ``[N, 2T]`` (storage dtype,
+            ``[scale(T) | zero(T)]``; possibly non-finite for values beyond the storage range:
+            the caller checks). No device read.
+        """
+        q = minmax_quantize(self.frame(values, storage_dtype), self.bits, -1, storage_dtype)
+        return q.codes, torch.cat([q.scale, q.zero], dim=-1)
+
+    def decode(self, codes: Tensor, scalars: Tensor) -> Tensor:
+        """Float32 ``[N, T, Dv]`` in the codes' frame: ``zero_t + code * scale_t``."""
+        t = codes.shape[-2]
+        return minmax_dequantize(codes, scalars[..., :t], scalars[..., t:], -1)
+
+    def output_transform(self, x: Tensor) -> Tensor:
+        """Map a float32 ``[..., Dv]`` combination of decoded values back to the values'
+        frame (identity here)."""
+        return x
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class PerTokenValueCodec(ValueCodec):
+    """Per-token min-max of the values themselves (KIVI values; the seed's coding)."""
+
+    bits: int = 2
+    name = "per_token"
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits)
+
+
+@dataclass(frozen=True)
+class HadamardValueCodec(ValueCodec):
+    """Per-token min-max of the Hadamard-rotated values ``v H`` (module docstring).
+
+    ``v H`` is computed as ``(v @ S) / sqrt(Dv)`` in float64 with ``S`` the exact ``±1``
+    Sylvester matrix (:func:`kvlab.pnmix.hadamard.hadamard_signs`): for float16 values every
+    partial sum is exact (multiples of ``2**-24`` below ``2**53``), so the rotated value
+    depends on the token alone, not on the batch or how tokens arrived; then rounded to the
+    storage dtype. ``Dv`` must be a power of two.
+    """
+
+    bits: int = 2
+    name = "hadamard"
+    transforms_output = True
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits)
+
+    def check_head_dim(self, value_head_dim: int) -> None:
+        if value_head_dim < 1 or value_head_dim & (value_head_dim - 1):
+            raise ValueError(
+                f"Hadamard value coding needs a power-of-two value head dim, got {value_head_dim}"
+            )
+
+    def frame(self, values: Tensor, storage_dtype: torch.dtype) -> Tensor:
+        n = values.shape[-1]
+        signs = hadamard_signs(n).to(values.device)
+        rotated = (values.double() @ signs) * (1.0 / math.sqrt(n))
+        return rotated.to(storage_dtype)
+
+    def output_transform(self, x: Tensor) -> Tensor:
+        """``x @ H^T`` in float32 (``H`` is symmetric)."""
+        return x @ hadamard_matrix(x.shape[-1], torch.float32).to(x.device)
+
+
+_NAMED = {"per_token": PerTokenValueCodec, "hadamard": HadamardValueCodec}
+
+#: Every ``value_coding`` name.
+VALUE_CODING_NAMES: tuple[str, ...] = tuple(_NAMED)
+
+
+def value_codec_from_name(name: str, bits: int) -> ValueCodec:
+    """The value codec ``name`` (``"per_token"`` or ``"hadamard"``) at ``bits`` bits.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name not in _NAMED:
+        raise ValueError(
+            f"value_coding must be one of {VALUE_CODING_NAMES} or a ValueCodec, got {name!r}"
+        )
+    return _NAMED[name](bits)

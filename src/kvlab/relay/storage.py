@@ -1,0 +1,445 @@
+"""Ragged KV storage of one attention layer: one flat buffer, one segment per (sequence, kv head).
+
+Layout (docs/design.md, "RoPE-Relay: Storage format"): a layer holds ``B`` sequences of
+``H`` kv heads, i.e. ``B * H`` *segments*; segment ``s = b * H + h`` owns the rows
+``offsets[s] .. offsets[s] + capacities[s] - 1`` of four flat buffers:
+
+* ``keys`` ``[N, D]`` and ``values`` ``[N, Dv]`` in the cache dtype (keys stored rotated, as the
+  model rotated them, or relayed);
+* ``original_positions`` int64 ``[N]``: each token's stream index in its sequence (pads excluded);
+* ``rotary_positions`` int64 ``[N]``: the position its key is rotated at.
+
+The first ``lengths[s]`` rows of a segment are its tokens, in stream order; the rest is headroom
+for future tokens. ``offsets``, ``lengths`` and ``capacities`` are host-side Python ints (never
+read back from the device), like ``cu_seqlens`` of varlen attention kernels. Segments are
+contiguous and in order (``offsets[s + 1] == offsets[s] + capacities[s]``).
+
+Growth (docs/design.md, "RoPE-Relay: Segment layout
+and growth"): when a segment runs out of
+headroom the whole buffer is re-laid out with every segment given
+``headroom = max(min_headroom, ceil(growth * mean length))`` free rows, so a re-layout (one copy
+of the used rows) happens at most once per ``headroom`` appended tokens per segment: amortized
+O(1) per token. Eviction compacts a segment in place (kept tokens moved to its front;
+docs/design.md, "RoPE-Relay: Compaction"); :meth:`RelayStore.shrink` gives back memory when the
+buffer is mostly headroom.
+
+Bytes (docs/design.md, "RoPE-Relay: Byte accounting"): :meth:`RelayStore.nbytes` counts the used
+key/value elements exactly, :meth:`RelayStore.reserved_bytes` the allocation,
+:meth:`RelayStore.index_bytes` the used position bookkeeping (two int64 per stored token).
+
+No ``transformers`` import here: the model glue is :mod:`kvlab.integrations.relay_cache`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["PaddedSegments", "RelayStore", "Segment"]
+
+#: ``original_positions`` of the padding slots of a :class:`PaddedSegments` view.
+PAD_POSITION: int = -1
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Views (no copies) of one (sequence, kv head) segment's ``n`` stored tokens.
+
+    Attributes:
+        keys: ``[n, D]``; values: ``[n, Dv]``; original_positions, rotary_positions: int64
+            ``[n]``. Writing to them writes to the store.
+    """
+
+    keys: Tensor
+    values: Tensor
+    original_positions: Tensor
+    rotary_positions: Tensor
+
+
+@dataclass(frozen=True)
+class PaddedSegments:
+    """Left-aligned padded copies of some rows' segments (what eviction scorers read).
+
+    Shapes: ``R`` rows, ``H`` kv heads, ``S`` the longest of those segments.
+
+    Attributes:
+        keys: ``[R, H, S, D]``; values: ``[R, H, S, Dv]`` (padding slots zero).
+        valid: bool ``[R, H, S]``, True for the first ``lengths`` slots of each segment.
+        original_positions: int64 ``[R, H, S]`` (``-1`` in padding slots).
+        rotary_positions: int64 ``[R, H, S]`` (``0`` in padding slots).
+    """
+
+    keys: Tensor
+    values: Tensor
+    valid: Tensor
+    original_positions: Tensor
+    rotary_positions: Tensor
+
+
+def _ramps(starts: Sequence[Sequence[int]], counts: Sequence[int]) -> Tensor:
+    """int64 CPU ``[len(starts), sum(counts)]``: row ``i`` is ``starts[i][k] + 0 ..
+    starts[i][k] + counts[k] - 1`` concatenated over ``k`` (one host tensor for small sizes)."""
+    total = int(sum(counts))
+    if total <= 4096:  # decode steps: one small host tensor
+        return torch.tensor(
+            [[a + j for a, c in zip(row, counts, strict=True) for j in range(c)] for row in starts],
+            dtype=torch.int64,
+        ).view(len(starts), total)
+    counts_t = torch.tensor(list(counts), dtype=torch.int64)
+    first = torch.cumsum(counts_t, 0) - counts_t  # where each run begins in the output
+    within = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(first, counts_t)
+    starts_t = torch.tensor([list(row) for row in starts], dtype=torch.int64)
+    return torch.repeat_interleave(starts_t, counts_t, dim=1) + within
+
+
+def _arange_segments(starts: Sequence[int], counts: Sequence[int]) -> Tensor:
+    """int64 CPU ``[sum(counts)]``: ``starts[i] + 0 .. starts[i] + counts[i] - 1`` concatenated."""
+    return _ramps([starts], counts)[0]
+
+
+class RelayStore:
+    """Ragged per-(sequence, kv head) key/value storage of one layer (module docstring).
+
+    Args:
+        batch: sequences ``B``.
+        heads: kv heads ``H`` (``num_key_value_heads``).
+        head_dim: key channels ``D``; value_dim: value channels ``Dv``.
+        dtype: storage dtype of keys and values; device: where the buffers live.
+        min_headroom: free rows (tokens) a segment gets at least when the buffer is re-laid out.
+        growth: headroom as a fraction of the mean segment length (``> 0``; amortized O(1)
+            appends need it to be a fixed fraction).
+
+    Raises:
+        ValueError: non-positive sizes, ``min_headroom < 1`` or ``growth <= 0``.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        value_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        min_headroom: int = 16,
+        growth: float = 0.5,
+    ) -> None:
+        if min(batch, heads, head_dim, value_dim) < 1:
+            raise ValueError(
+                f"batch, heads, head_dim and value_dim must be >= 1, got {batch}, {heads}, "
+                f"{head_dim}, {value_dim}"
+            )
+        if min_headroom < 1 or not growth > 0:
+            raise ValueError(f"need min_headroom >= 1 and growth > 0, got {min_headroom}, {growth}")
+        self.batch = batch
+        self.heads = heads
+        self.head_dim = head_dim
+        self.value_dim = value_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.min_headroom = min_headroom
+        self.growth = growth
+        segments = batch * heads
+        self.offsets: list[int] = [0] * segments
+        self.lengths: list[int] = [0] * segments
+        self.capacities: list[int] = [0] * segments
+        self.relayouts = 0
+        self._ramp = torch.arange(64, dtype=torch.int64, device=self.device)
+        self._allocate(1)
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def num_segments(self) -> int:
+        """``B * H``."""
+        return self.batch * self.heads
+
+    @property
+    def rows_allocated(self) -> int:
+        """Rows ``N`` of the flat buffers (used + headroom; at least 1)."""
+        return int(self.keys.shape[0])
+
+    def segment_id(self, row: int, head: int) -> int:
+        """Index ``row * H + head`` of a segment."""
+        if not (0 <= row < self.batch and 0 <= head < self.heads):
+            raise IndexError(f"segment ({row}, {head}) outside batch {self.batch} x {self.heads}")
+        return row * self.heads + head
+
+    def counts(self, row: int) -> list[int]:
+        """Tokens stored per kv head of sequence ``row`` (host ints)."""
+        return self.lengths[row * self.heads : (row + 1) * self.heads]
+
+    def segment(self, row: int, head: int) -> Segment:
+        """Views of segment ``(row, head)``'s stored tokens (no copy)."""
+        s = self.segment_id(row, head)
+        lo, hi = self.offsets[s], self.offsets[s] + self.lengths[s]
+        return Segment(
+            self.keys[lo:hi],
+            self.values[lo:hi],
+            self.original_positions[lo:hi],
+            self.rotary_positions[lo:hi],
+        )
+
+    def slots(self, count: int) -> Tensor:
+        """int64 ``[count]`` ``0 .. count - 1`` on the store's device (a view of a cached
+        ramp, grown by doubling; do not write to it)."""
+        if count > self._ramp.numel():
+            size = max(count, 2 * self._ramp.numel())
+            self._ramp = torch.arange(size, dtype=torch.int64, device=self.device)
+        return self._ramp[:count]
+
+    def _allocate(self, rows: int) -> None:
+        rows = max(1, rows)
+        self.keys = torch.zeros(rows, self.head_dim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(rows, self.value_dim, dtype=self.dtype, device=self.device)
+        self.original_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self.rotary_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
+
+    def headroom(self) -> int:
+        """Free rows each segment gets at a re-layout: ``max(min_headroom, ceil(growth *
+        mean length))``."""
+        mean = sum(self.lengths) / self.num_segments
+        return max(self.min_headroom, math.ceil(self.growth * mean))
+
+    def relayout(self, extra: Sequence[int] | None = None) -> None:
+        """Copy the used rows into a new buffer where segment ``s`` has room for ``extra[s]``
+        more tokens plus :meth:`headroom` (one gather and one scatter per buffer)."""
+        extra = [0] * self.num_segments if extra is None else list(extra)
+        room = self.headroom()
+        capacities = [n + e + room for n, e in zip(self.lengths, extra, strict=True)]
+        offsets = [0] * self.num_segments
+        for s in range(1, self.num_segments):
+            offsets[s] = offsets[s - 1] + capacities[s - 1]
+        src = _arange_segments(self.offsets, self.lengths).to(self.device)
+        dst = _arange_segments(offsets, self.lengths).to(self.device)
+        old = (self.keys, self.values, self.original_positions, self.rotary_positions)
+        self._allocate(sum(capacities))
+        for new, buf in zip(
+            (self.keys, self.values, self.original_positions, self.rotary_positions),
+            old,
+            strict=True,
+        ):
+            new.index_copy_(0, dst, buf.index_select(0, src))
+        self.offsets, self.capacities = offsets, capacities
+        self.relayouts += 1
+
+    def shrink(self, slack: float = 2.0) -> bool:
+        """Re-lay out (freeing memory) when the allocation exceeds ``slack`` times what a fresh
+        layout would reserve; returns whether it did."""
+        target = sum(self.lengths) + self.num_segments * self.headroom()
+        if self.rows_allocated > slack * target:
+            self.relayout()
+            return True
+        return False
+
+    # ------------------------------------------------------------------ writes
+    def append(
+        self,
+        keys: Tensor,
+        values: Tensor,
+        *,
+        real: Sequence[int],
+        original_start: Sequence[int],
+        rotary_start: Sequence[int],
+    ) -> None:
+        """Append the last ``real[b]`` tokens of row ``b`` of ``keys`` ``[B, H, T, D]`` and
+        ``values`` ``[B, H, T, Dv]`` to every segment of row ``b``, at stream indices
+        ``original_start[b] + j`` and rotary positions ``rotary_start[b] + j``.
+
+        The first ``T - real[b]`` tokens of a row (left padding) are dropped. Host ints only;
+        no device read-back. Re-lays out first if a segment lacks room.
+
+        Raises:
+            ValueError: shapes that do not match the store, or ``real[b]`` outside ``[0, T]``.
+        """
+        batch, heads, t = keys.shape[:3]
+        if (batch, heads, keys.shape[3]) != (self.batch, self.heads, self.head_dim) or tuple(
+            values.shape
+        ) != (batch, heads, t, self.value_dim):
+            raise ValueError(
+                f"append got keys {tuple(keys.shape)} / values {tuple(values.shape)}; the store "
+                f"holds [B={self.batch}, H={self.heads}, T, D={self.head_dim}] keys and "
+                f"Dv={self.value_dim} values"
+            )
+        real = list(real)
+        if len(real) != batch or any(not 0 <= r <= t for r in real):
+            raise ValueError(f"real tokens per row {real} must be {batch} ints in [0, {t}]")
+        per_segment = [r for r in real for _ in range(heads)]
+        if any(
+            n + r > c for n, r, c in zip(self.lengths, per_segment, self.capacities, strict=True)
+        ):
+            self.relayout(per_segment)
+        if sum(per_segment) == 0:
+            return
+        flat_k = keys.reshape(batch * heads * t, self.head_dim)
+        flat_v = values.reshape(batch * heads * t, self.value_dim)
+        if all(r == t for r in real):
+            new_k, new_v = flat_k, flat_v
+        else:
+            src = _arange_segments(
+                [s * t + t - r for s, r in enumerate(per_segment)], per_segment
+            ).to(self.device)
+            new_k, new_v = flat_k.index_select(0, src), flat_v.index_select(0, src)
+        # destination rows, stream indices and rotary positions: one host tensor
+        table = _ramps(
+            [
+                [o + n for o, n in zip(self.offsets, self.lengths, strict=True)],
+                [original_start[s // heads] for s in range(self.num_segments)],
+                [rotary_start[s // heads] for s in range(self.num_segments)],
+            ],
+            per_segment,
+        ).to(self.device)
+        dst = table[0]
+        self.keys.index_copy_(0, dst, new_k.to(self.dtype))
+        self.values.index_copy_(0, dst, new_v.to(self.dtype))
+        self.original_positions.index_copy_(0, dst, table[1])
+        self.rotary_positions.index_copy_(0, dst, table[2])
+        self.lengths = [n + r for n, r in zip(self.lengths, per_segment, strict=True)]
+
+    def write_front(
+        self,
+        row: int,
+        counts: Sequence[int],
+        first_slot: Sequence[int],
+        keys: Tensor,
+        values: Tensor,
+        original_positions: Tensor,
+        rotary_positions: Tensor,
+    ) -> None:
+        """Compaction after an eviction: segment ``(row, h)`` becomes the ``counts[h]`` tokens at
+        slots ``first_slot[h] .. first_slot[h] + counts[h] - 1`` of the padded per-head inputs
+        ``keys`` ``[H, S, D]``, ``values`` ``[H, S, Dv]``, positions int64 ``[H, S]``, written
+        in place at the front of the segment (no reallocation).
+
+        Raises:
+            ValueError: a count above the segment's capacity or slots outside the inputs.
+        """
+        heads, slots = keys.shape[:2]
+        counts, first_slot = list(counts), list(first_slot)
+        if heads != self.heads or len(counts) != heads or len(first_slot) != heads:
+            raise ValueError(f"write_front needs {self.heads} heads, got {heads}")
+        base = row * self.heads
+        for h in range(heads):
+            if not (0 <= counts[h] <= self.capacities[base + h] and first_slot[h] >= 0):
+                raise ValueError(f"head {h}: {counts[h]} tokens do not fit its segment")
+            if first_slot[h] + counts[h] > slots:
+                raise ValueError(f"head {h}: slots {first_slot[h]} + {counts[h]} exceed {slots}")
+        src = _arange_segments([h * slots + f for h, f in enumerate(first_slot)], counts)
+        dst = _arange_segments(self.offsets[base : base + heads], counts)
+        src, dst = src.to(keys.device), dst.to(self.device)
+        self.keys.index_copy_(0, dst, keys.reshape(-1, self.head_dim).index_select(0, src))
+        self.values.index_copy_(0, dst, values.reshape(-1, self.value_dim).index_select(0, src))
+        self.original_positions.index_copy_(0, dst, original_positions.reshape(-1)[src])
+        self.rotary_positions.index_copy_(0, dst, rotary_positions.reshape(-1)[src])
+        self.lengths[base : base + heads] = counts
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keep sequences ``rows`` (host ints, repeats allowed) in that order (beam search,
+        ``batch_select_indices``, ``batch_repeat_interleave``): a re-layout into a new buffer."""
+        rows = list(rows)
+        if any(not 0 <= b < self.batch for b in rows):
+            raise IndexError(f"rows {rows} outside batch {self.batch}")
+        segs = [b * self.heads + h for b in rows for h in range(self.heads)]
+        lengths = [self.lengths[s] for s in segs]
+        src = _arange_segments([self.offsets[s] for s in segs], lengths).to(self.device)
+        old = (self.keys, self.values, self.original_positions, self.rotary_positions)
+        self.batch = len(rows)
+        self.lengths = lengths
+        room = self.headroom() if self.num_segments else self.min_headroom
+        self.capacities = [n + room for n in lengths]
+        self.offsets = [0] * len(segs)
+        for s in range(1, len(segs)):
+            self.offsets[s] = self.offsets[s - 1] + self.capacities[s - 1]
+        dst = _arange_segments(self.offsets, lengths).to(self.device)
+        self._allocate(sum(self.capacities))
+        for new, buf in zip(
+            (self.keys, self.values, self.original_positions, self.rotary_positions),
+            old,
+            strict=True,
+        ):
+            new.index_copy_(0, dst, buf.index_select(0, src))
+
+    # ------------------------------------------------------------------ reads
+    def gather_index(self, rows: Sequence[int] | None = None) -> tuple[Tensor, Tensor, int]:
+        """Flat-buffer rows of the padded view of sequences ``rows`` (default all).
+
+        Returns:
+            ``(index, lengths, S)``: index int64 ``[R * H, S]`` on the store's device (slot
+            ``i`` of segment ``s`` reads row ``offsets[s] + min(i, lengths[s] - 1)``; always a
+            valid row), lengths int64 ``[R * H]`` on the device, ``S`` the longest segment
+            (at least 1). Built from host ints: no device read-back.
+        """
+        segs = (
+            range(self.num_segments)
+            if rows is None
+            else [b * self.heads + h for b in rows for h in range(self.heads)]
+        )
+        offsets = [self.offsets[s] for s in segs]
+        lengths = [self.lengths[s] for s in segs]
+        longest = max(max(lengths, default=0), 1)
+        # one host tensor for both: [offsets; last slot of each segment (0 when empty)]
+        table = torch.tensor(
+            [offsets, [max(n - 1, 0) for n in lengths], lengths],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        slot = self.slots(longest)
+        # capacities >= 1 after any append, and a fresh store's one row is row 0: always valid
+        index = table[0].unsqueeze(-1) + torch.minimum(slot.unsqueeze(0), table[1].unsqueeze(-1))
+        return index, table[2], longest
+
+    def padded(self, rows: Sequence[int] | None = None) -> PaddedSegments:
+        """Left-aligned padded copies of sequences ``rows`` (default all): see
+        :class:`PaddedSegments`."""
+        rows = list(range(self.batch)) if rows is None else list(rows)
+        index, lengths, longest = self.gather_index(rows)
+        flat = index.reshape(-1)
+        shape = (len(rows), self.heads, longest)
+        valid = (
+            torch.arange(longest, device=self.device).unsqueeze(0) < lengths.unsqueeze(-1)
+        ).view(shape)
+        keys = self.keys.index_select(0, flat).view(*shape, self.head_dim)
+        values = self.values.index_select(0, flat).view(*shape, self.value_dim)
+        pad = ~valid.unsqueeze(-1)
+        return PaddedSegments(
+            keys=keys.masked_fill(pad, 0),
+            values=values.masked_fill(pad, 0),
+            valid=valid,
+            original_positions=self.original_positions[flat]
+            .view(shape)
+            .masked_fill(~valid, PAD_POSITION),
+            rotary_positions=self.rotary_positions[flat].view(shape).masked_fill(~valid, 0),
+        )
+
+    # ------------------------------------------------------------------ sizes
+    def numel(self) -> int:
+        """Stored (used) key and value elements: ``sum(lengths) * (D + Dv)``."""
+        return sum(self.lengths) * (self.head_dim + self.value_dim)
+
+    def nbytes(self) -> int:
+        """Bytes of the stored (used) keys and values, exactly: ``sum(lengths) * (D + Dv) *
+        element size``; headroom is not counted (see :meth:`reserved_bytes`)."""
+        used = sum(self.lengths)
+        return used * (
+            self.head_dim * self.keys.element_size() + self.value_dim * self.values.element_size()
+        )
+
+    def reserved_bytes(self) -> int:
+        """Bytes allocated for the key and value buffers (used + headroom)."""
+        return (
+            self.keys.numel() * self.keys.element_size()
+            + self.values.numel() * self.values.element_size()
+        )
+
+    def index_bytes(self) -> int:
+        """Bytes of the used position bookkeeping: two int64 (stream index, rotary position)
+        per stored token (the host-side segment table, ``3 * B * H`` ints, is not counted)."""
+        return sum(self.lengths) * 2 * 8
+
+    def reserved_index_bytes(self) -> int:
+        """Bytes allocated for the position buffers."""
+        return (self.original_positions.numel() + self.rotary_positions.numel()) * 8
