@@ -488,11 +488,13 @@ def test_deferred_checks_of_decode_forwards(make_llama):
 
 
 # ---------------------------------------------------------------- backends
-def test_cpu_backend_decodes_like_the_reference_in_the_model(make_llama, monkeypatch):
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_cpu_backend_decodes_like_the_reference_in_the_model(make_llama, monkeypatch, config):
     """Decode steps of a padded batch with the compiled CPU backend (single-token forwards
-    through the fused decode step) against the torch reference: logits equal to float32
-    rounding; layer 0 (whose keys do not depend on any attention output) stores the same
-    bytes (the fused append is exact)."""
+    through the fused decode step) against the torch reference, for the seed layout and the
+    issue-8 ``pn-mix`` codecs (per-pair widths, outliers, pre-RoPE keys, Hadamard values):
+    logits equal to float32 rounding; layer 0 (whose keys do not depend on any attention
+    output) stores the same bytes (the fused append is exact)."""
     require_cpu_kernel()
     from kvlab.pnmix.kernels import cpu
 
@@ -508,7 +510,7 @@ def test_cpu_backend_decodes_like_the_reference_in_the_model(make_llama, monkeyp
     runs = {}
     for backend in ("torch", "cpu"):
         monkeypatch.setenv("KVLAB_PNMIX_BACKEND", backend)
-        cache = PNMixModelCache(model.config, PNMixConfig(**SMALL))
+        cache = PNMixModelCache(model.config, PNMixConfig(**CONFIGS[config]))
         logits = []
         with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
             model(ids, attention_mask=mask, cache=cache)
@@ -518,6 +520,7 @@ def test_cpu_backend_decodes_like_the_reference_in_the_model(make_llama, monkeyp
                 logits.append(out.logits[:, -1])
         runs[backend] = (torch.stack(logits), cache)
     (ref, ref_cache), (got, got_cache) = runs["torch"], runs["cpu"]
+    assert not isinstance(got_cache.layers[0].store.kernel_decode, str)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     layers = len(ref_cache.layers)
     # the fused step ran in the cpu run (not in "torch"): every step but a row's flush (each
@@ -526,5 +529,6 @@ def test_cpu_backend_decodes_like_the_reference_in_the_model(make_llama, monkeyp
     for a, b in zip(ref_cache.layers, got_cache.layers, strict=True):
         assert np.array_equal(a.store.store.counts, b.store.store.counts)
     a, b = ref_cache.layers[0].store.store, got_cache.layers[0].store.store
-    for name in ("key_codes", "key_scalars", "value_codes", "residual_keys", "sink_keys"):
+    for name in ("key_codes", "key_scalars", "key_payload", "value_codes", "residual_keys"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(a.sink_keys, b.sink_keys)

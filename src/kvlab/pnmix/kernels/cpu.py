@@ -28,7 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvlab.pnmix.kernels.spec import KernelKeyDecode
+from kvlab.pnmix.hadamard import hadamard_matrix
+from kvlab.pnmix.kernels.spec import KEYS_WIDTHS, KernelKeyDecode
+from kvlab.rope import RotaryConfig
 
 if TYPE_CHECKING:
     from kvlab.pnmix.attention import PackedKV
@@ -47,6 +49,73 @@ _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 _EMPTY = torch.empty(0)
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math"]
+_ROPE_TABLES: dict[RotaryConfig, tuple[int, Tensor, Tensor]] = {}
+_HADAMARD: dict[int, Tensor] = {}
+
+
+def rope_table(rotary: RotaryConfig, lo: int, hi: int) -> tuple[int, Tensor, Tensor]:
+    """cos and sin of ``position * inv_freq`` for every position in ``[lo, hi)`` (and more):
+    ``(base, cos, sin)`` with float32 ``[rows, P]`` tables whose row ``i`` is position ``base
+    + i``; formed in float64 and rounded to float32, exactly as
+    :func:`kvlab.rope.rotate_by_delta` forms them (so that the kernel's rotated keys are the
+    reference's). Cached per RoPE configuration and grown by doubling (amortized: a decode
+    step almost never rebuilds it)."""
+    cached = _ROPE_TABLES.get(rotary)
+    if cached is not None:
+        base, cos, _ = cached
+        if base <= lo and hi <= base + cos.shape[0]:
+            return cached
+        lo = min(lo, base)
+        hi = max(hi, base + 2 * cos.shape[0])
+    lo = min(lo, 0)
+    hi = max(hi, 4096)
+    positions = torch.arange(lo, hi, dtype=torch.float64)
+    angles = positions[:, None] * rotary.inv_freq()[None, :]
+    table = (lo, torch.cos(angles).float().contiguous(), torch.sin(angles).float().contiguous())
+    _ROPE_TABLES[rotary] = table
+    return table
+
+
+def _hadamard(dv: int) -> Tensor:
+    h = _HADAMARD.get(dv)
+    if h is None:
+        h = _HADAMARD[dv] = hadamard_matrix(dv, torch.float32).contiguous()
+    return h
+
+
+def _extras(
+    decode: KernelKeyDecode,
+    *,
+    mask: Tensor | None,
+    payload: Tensor | None,
+    rotary: RotaryConfig | None,
+    position_offsets: np.ndarray | None,
+    group_counts: np.ndarray,
+    sink_tokens: int,
+    group_tokens: int,
+    value_head_dim: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, int, Tensor, int, Tensor]:
+    """The issue-8 arguments of the kernel's entry points (empty tensors where unused):
+    widths, payload, cos, sin, table base, position offsets, sink tokens, value transform."""
+    empty = _EMPTY
+    widths = empty
+    if decode.kind == KEYS_WIDTHS:  # the uint8 width table
+        assert mask is not None
+        widths = mask.contiguous()
+    pay = payload if decode.payload_bytes and payload is not None else empty
+    cos = sin = offsets = empty
+    base = 0
+    if decode.rotate_to_position:
+        assert rotary is not None and position_offsets is not None
+        first = position_offsets + sink_tokens
+        last = first + group_counts * group_tokens
+        used = group_counts > 0
+        lo = int(first[used].min()) if used.any() else 0
+        hi = int(last[used].max()) if used.any() else 1
+        base, cos, sin = rope_table(rotary, lo, hi)
+        offsets = torch.from_numpy(np.ascontiguousarray(position_offsets, dtype=np.int64))
+    had = _hadamard(value_head_dim) if decode.value_hadamard else empty
+    return widths, pay, cos, sin, base, offsets, sink_tokens, had
 
 
 def _source() -> str:
@@ -188,7 +257,7 @@ def packed_attention_cpu(
         kv.residual_keys,
         kv.residual_values,
         counts,
-        empty if kv.mask is None else kv.mask.contiguous(),
+        empty if kv.mask is None or decode.kind == KEYS_WIDTHS else kv.mask.contiguous(),
         kv.layout.first,
         kv.layout.second,
         empty if sink_logits is None else sink_logits.detach().to(torch.float32).contiguous(),
@@ -201,6 +270,17 @@ def packed_attention_cpu(
         causal,
         0.0 if logit_softcap is None else float(logit_softcap),
         _splits(b * hkv, kv.group_counts),
+        *_extras(
+            decode,
+            mask=kv.mask,
+            payload=kv.key_payload,
+            rotary=kv.rotary,
+            position_offsets=kv.position_offsets,
+            group_counts=kv.group_counts,
+            sink_tokens=kv.sink_tokens,
+            group_tokens=kv.group_tokens,
+            value_head_dim=kv.sink_values.shape[-1],
+        ),
     )
     return out.reshape(b, hq, nq, -1)
 
@@ -271,7 +351,7 @@ def decode_step_cpu(
         s.residual_keys,
         s.residual_values,
         s.counts_tensor,
-        _EMPTY if mask is None else mask,
+        _EMPTY if mask is None or decode.kind == KEYS_WIDTHS else mask,
         layout.first,
         layout.second,
         _EMPTY if sink_logits is None else sink_logits.detach().to(torch.float32).contiguous(),
@@ -284,4 +364,15 @@ def decode_step_cpu(
         float(scale),
         0.0 if logit_softcap is None else float(logit_softcap),
         _splits(g.batch_size * g.num_key_value_heads, s.group_counts),
+        *_extras(
+            decode,
+            mask=mask,
+            payload=s.key_payload if g.key_payload_bytes else None,
+            rotary=cache.rotary,
+            position_offsets=s.position_offsets,
+            group_counts=s.group_counts,
+            sink_tokens=g.sink_tokens,
+            group_tokens=g.group_tokens,
+            value_head_dim=g.value_head_dim,
+        ),
     )

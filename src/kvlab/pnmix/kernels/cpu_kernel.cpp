@@ -18,11 +18,17 @@
 // float32 cos/sin: the two agree to about one float32 ulp of the level's cosine). Dot products
 // and sums use other orders than torch's: they agree to float32 rounding.
 //
-// A group's keys are decoded on a [T, D] float tile in steps, so that later codecs slot in
-// without touching the rest: (1) the codec's decode (per-channel / per-pair modes or per
-// token), (2) [later] add a codec's exact sparse entries, (3) [later] rotate each key to its
-// position (position-aware codecs); then the tile is centred by mu (fused into step 1 while
-// steps 2 and 3 do not exist) and scored.
+// A group's keys are decoded on a [T, D] float tile in the reference's steps
+// (attention.decode_key_block, apply_key_payload, rotate_to_positions): (1) the codec's
+// decode (per-channel with per-pair modes, per-channel with per-pair code widths, or per
+// token), (2) the codec's exact sparse entries written back (the payload: K storage-dtype
+// values, then K int16 flat indices t * D + d), (3) for a position-aware (pre-RoPE) codec,
+// each key rotated to its position offset + S + g * T + t with the float32 cos/sin table the
+// Python side builds from kvlab.rope (angles in float64, as rotate_by_delta), computed
+// without fused multiply-adds so that the rotated keys are the reference's bit for bit; then
+// the tile is centred by mu and scored. Values: a value codec that codes a rotated frame
+// (Hadamard) has the quantized groups' weighted sums kept apart from the exact tokens' and
+// mapped back once per query row (x @ H^T) at the end, as the reference's _Partials.merge.
 
 #include <torch/extension.h>
 
@@ -39,6 +45,7 @@ namespace {
 
 constexpr int64_t kKeysPerChannel = 0;  // scalars [scale(D) | zero(D)], pair modes per pair
 constexpr int64_t kKeysPerToken = 1;    // scalars [scale(T) | zero(T)]
+constexpr int64_t kKeysWidths = 2;      // scalars [scale(D) | zero(D)], per-pair code widths
 constexpr int64_t kPairCartesian = 0;
 constexpr int64_t kPairPhaseNorm = 1;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -235,6 +242,15 @@ struct Inputs {
   const int64_t* pair_first;
   const int64_t* pair_second;
   const float* sink_logits;  // [H * rep] learned sinks or nullptr
+  const uint8_t* widths;     // [B, H, P] per-pair code widths (kKeysWidths) or nullptr
+  const uint8_t* payload;    // [B, H, G_cap, E] per-group exact entries or nullptr
+  int64_t E, K;              // payload bytes per group, entries per group
+  const float* rope_cos;     // [rope_rows, P] cos of (rope_base + row) * inv_freq, or nullptr
+  const float* rope_sin;
+  int64_t rope_base, rope_rows;
+  const int64_t* pos_offset;  // [B * H] RoPE position offsets (rotation) or nullptr
+  int64_t sink_tokens;        // group slot g starts at stream index sink_tokens + g * T
+  const float* hadamard;      // [Dv, Dv] value output transform or nullptr
   int64_t mode_first, mode_second, key_kind;
   int64_t res_extra;  // tokens to add to every residual count (a decode step's own token)
   int64_t B, H, M, Q, rep, D, Dv, S_cap, R_cap, G_cap, T, bits, Kb, Vb, Sk, P;
@@ -242,17 +258,50 @@ struct Inputs {
   float softcap;  // <= 0: none
 };
 
-// Softmax partials of one task: running max m, sum l, code accumulator acc [M, Dv] and the
-// zero-point accumulator accz [M] (values: acc + accz, docs/design.md "Attention").
+// Softmax partials of one task: running max m, sum l, the quantized groups' code accumulator
+// acc [M, Dv] and zero-point accumulator accz [M] (their values: acc + accz, in the value
+// codec's frame), and the exact tokens' accumulator acce [M, Dv] (docs/design.md "Attention").
 struct Partial {
-  std::vector<float> m, l, acc, accz;
+  std::vector<float> m, l, acc, accz, acce;
   void init(int64_t M, int64_t Dv) {
     m.assign(M, kNegInf);
     l.assign(M, 0.f);
     acc.assign(M * Dv, 0.f);
     accz.assign(M, 0.f);
+    acce.assign(M * Dv, 0.f);
+  }
+  // multiply row m's sums by a (a new running maximum)
+  void rescale(int64_t row, int64_t Dv, float a) {
+    l[row] *= a;
+    accz[row] *= a;
+    float* o = acc.data() + row * Dv;
+    float* e = acce.data() + row * Dv;
+    for (int64_t d = 0; d < Dv; ++d) {
+      o[d] *= a;
+      e[d] *= a;
+    }
   }
 };
+
+// Rotate the rotary pairs (first[p], second[p]) of keys [T, D] by the table rows cs/sn
+// (row t at t * P): y1 = x1 cos - x2 sin, y2 = x1 sin + x2 cos, every product and sum rounded
+// to float32 separately, as kvlab.rope's float32 rotation (no fused multiply-add).
+__attribute__((optimize("fp-contract=off"))) void rotate_keys(
+    float* k, int64_t T, int64_t D, const int64_t* first, const int64_t* second, int64_t P,
+    const float* const* cs_rows, const float* const* sn_rows) {
+  for (int64_t t = 0; t < T; ++t) {
+    float* kt = k + t * D;
+    const float* cs = cs_rows[t];
+    const float* sn = sn_rows[t];
+    for (int64_t p = 0; p < P; ++p) {
+      const float x1 = kt[first[p]], x2 = kt[second[p]];
+      const float a = x1 * cs[p], b = x2 * sn[p];
+      const float c = x1 * sn[p], e = x2 * cs[p];
+      kt[first[p]] = a - b;
+      kt[second[p]] = c + e;
+    }
+  }
+}
 
 template <typename S>
 class RowTask {
@@ -279,6 +328,7 @@ class RowTask {
         if ((second ? in.mode_second : in.mode_first) == kPairPhaseNorm) pn_pairs_.push_back(p);
       }
     }
+    if (in.key_kind == kKeysWidths) plan_widths();
   }
 
   int64_t groups() const { return g_cnt_; }
@@ -306,7 +356,7 @@ class RowTask {
       for (int64_t d = 0; d < Dv; ++d) vals_[i * Dv + d] = static_cast<float>(src[d]);
     }
     for (int64_t m = 0; m < M; ++m)
-      accumulate(p_.data() + m * E, vals_.data(), E, Dv, out.acc.data() + m * Dv);
+      accumulate(p_.data() + m * E, vals_.data(), E, Dv, out.acce.data() + m * Dv);
   }
 
   // quantized groups [g0, g1) into `out`
@@ -324,9 +374,9 @@ class RowTask {
       const int64_t first = s_len_ + g * T;
       for (int64_t t = 0; t < T; ++t) idx_[t] = first + t;
       decode_keys(in.key_codes + slot * in.Kb, in.key_scalars + slot * in.Sk);
-      // (2) later: add the codec's exact sparse entries of this group to keys_
-      // (3) later: rotate keys_ row t to stream position (row offset + first + t)
-      // (then centre by mu here instead of in step 1)
+      if (in.K > 0) apply_payload(in.payload + slot * in.E);
+      if (in.rope_cos != nullptr) rotate(in.sink_tokens + g * T);
+      centre();
       if (!score(T, out)) continue;
       // values: acc += (p * s) @ codes, accz += p . z
       unpack_codes(in.value_codes + slot * in.Vb, T * Dv, static_cast<int>(in.bits), codes_.data());
@@ -355,12 +405,13 @@ class RowTask {
     for (int64_t m = 0; m < in.M; ++m) {
       float s = in.sink_logits[h * in.rep + m / in.Q];
       if (!(in.softcap > 0.f)) s -= q_mu_[m];  // into the centred logits' frame
-      merge_segment(out, m, s, 1.f, nullptr, 0.f);
+      merge_segment(out, m, s, 1.f, nullptr, 0.f, nullptr);
     }
   }
 
   // merge a segment (max sm, sum sl, accumulators) into out's row m
-  void merge_segment(Partial& out, int64_t m, float sm, float sl, const float* acc, float accz) {
+  void merge_segment(Partial& out, int64_t m, float sm, float sl, const float* acc, float accz,
+                     const float* acce) {
     const int64_t Dv = in_.Dv;
     const float cur = out.m[m];
     const float top = std::max(cur, sm);
@@ -371,24 +422,122 @@ class RowTask {
     out.accz[m] = out.accz[m] * a + accz * b;
     float* o = out.acc.data() + m * Dv;
     for (int64_t d = 0; d < Dv; ++d) o[d] = o[d] * a + (acc ? acc[d] * b : 0.f);
+    float* e = out.acce.data() + m * Dv;
+    for (int64_t d = 0; d < Dv; ++d) e[d] = e[d] * a + (acce ? acce[d] * b : 0.f);
     out.m[m] = top;
   }
 
  private:
-  // (1) the codec's decode of one group into keys_ [T, D] (float32, as KeyCodec.decode), centred
+  // Per channel of this row: where its code sits inside a token of the width layout
+  // (width_codec.channel_bit_offsets: widths descending, then channel index ascending; token
+  // stride bits * D bits) as a byte, a shift and a mask.
+  void plan_widths() {
+    const Inputs<S>& in = in_;
+    const int64_t D = in.D;
+    std::vector<int64_t> w(D, in.bits);
+    for (int64_t p = 0; p < in.P; ++p) {
+      const int64_t v = in.widths[row_ * in.P + p];
+      w[in.pair_first[p]] = v;
+      w[in.pair_second[p]] = v;
+    }
+    std::vector<int64_t> order(D);
+    for (int64_t d = 0; d < D; ++d) order[d] = d;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return w[a] > w[b]; });
+    std::vector<int64_t> offset(D);
+    int64_t start = 0;
+    for (const int64_t d : order) {
+      offset[d] = start;
+      start += w[d];
+    }
+    ch_byte_.resize(D);
+    ch_shift_.resize(D);
+    ch_mask_.resize(D);
+    for (int64_t d = 0; d < D; ++d) {
+      ch_byte_[d] = offset[d] >> 3;
+      ch_shift_[d] = static_cast<uint32_t>(offset[d] & 7);
+      ch_mask_[d] = (1u << w[d]) - 1u;
+    }
+  }
+
+  // codes of a group in the width layout into codes_ [T, D] (floats)
+  void unpack_widths(const uint8_t* packed) {
+    const Inputs<S>& in = in_;
+    const int64_t T = in.T, D = in.D, stride = in.bits * D, nbytes = in.Kb;
+    float* dst = codes_.data();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t bit0 = t * stride;
+      const uint8_t* tok = packed + (bit0 >> 3);
+      const uint32_t sh0 = static_cast<uint32_t>(bit0 & 7);
+      const int64_t left = nbytes - (bit0 >> 3);  // bytes readable from tok
+      for (int64_t d = 0; d < D; ++d) {
+        // the code lies within 2 bytes from tok + byte (shift <= 7, width <= 8)
+        const int64_t byte = ch_byte_[d] + ((sh0 + ch_shift_[d]) >> 3);
+        const uint32_t sh = (sh0 + ch_shift_[d]) & 7;
+        uint32_t v = tok[byte];
+        if (byte + 1 < left) v |= static_cast<uint32_t>(tok[byte + 1]) << 8;
+        dst[t * D + d] = static_cast<float>((v >> sh) & ch_mask_[d]);
+      }
+    }
+  }
+
+  // (2) the group's exact sparse entries written over keys_ (payload: K values, K indices)
+  void apply_payload(const uint8_t* payload) {
+    const Inputs<S>& in = in_;
+    const int64_t K = in.K;
+    const uint8_t* idx = payload + K * static_cast<int64_t>(sizeof(S));
+    float* k = keys_.data();
+    const int64_t n = in.T * in.D;
+    for (int64_t i = 0; i < K; ++i) {
+      S v;
+      int16_t j;
+      std::memcpy(&v, payload + i * sizeof(S), sizeof(S));
+      std::memcpy(&j, idx + 2 * i, 2);
+      const int64_t at = static_cast<int64_t>(static_cast<uint16_t>(j));
+      if (at < n) k[at] = static_cast<float>(v);
+    }
+  }
+
+  // (3) rotate keys_ row t to stream index `first + t` of this row
+  void rotate(int64_t first) {
+    const Inputs<S>& in = in_;
+    const int64_t T = in.T, P = in.P;
+    cs_rows_.resize(T);
+    sn_rows_.resize(T);
+    const int64_t base = in.pos_offset[row_] + first - in.rope_base;
+    for (int64_t t = 0; t < T; ++t) {
+      cs_rows_[t] = in.rope_cos + (base + t) * P;
+      sn_rows_[t] = in.rope_sin + (base + t) * P;
+    }
+    rotate_keys(keys_.data(), T, in.D, in.pair_first, in.pair_second, P, cs_rows_.data(),
+                sn_rows_.data());
+  }
+
+  // keys_ [T, D] minus mu
+  void centre() {
+    const int64_t T = in_.T, D = in_.D;
+    float* k = keys_.data();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t d = 0; d < D; ++d) k[t * D + d] -= mu_[d];
+  }
+
+  // (1) the codec's decode of one group into keys_ [T, D] (float32, as KeyCodec.decode)
   void decode_keys(const uint8_t* packed, const S* scalars) {
     const Inputs<S>& in = in_;
     const int64_t T = in.T, D = in.D;
     const int64_t n = T * D;
-    unpack_codes(packed, n, static_cast<int>(in.bits), codes_.data());
+    if (in.key_kind == kKeysWidths) {
+      unpack_widths(packed);
+    } else {
+      unpack_codes(packed, n, static_cast<int>(in.bits), codes_.data());
+    }
     const float* c = codes_.data();
     float* k = keys_.data();
-    const float* mu = mu_;
     if (in.key_kind == kKeysPerToken) {
       for (int64_t t = 0; t < T; ++t) {
         const float s = static_cast<float>(scalars[t]);
         const float z = static_cast<float>(scalars[T + t]);
-        for (int64_t d = 0; d < D; ++d) k[t * D + d] = (z + c[t * D + d] * s) - mu[d];
+        for (int64_t d = 0; d < D; ++d) k[t * D + d] = z + c[t * D + d] * s;
       }
       return;
     }
@@ -399,7 +548,7 @@ class RowTask {
       ze[d] = static_cast<float>(scalars[D + d]);
     }
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t d = 0; d < D; ++d) k[t * D + d] = (ze[d] + c[t * D + d] * sc[d]) - mu[d];
+      for (int64_t d = 0; d < D; ++d) k[t * D + d] = ze[d] + c[t * D + d] * sc[d];
     if (pn_pairs_.empty()) return;
     const int64_t levels = (int64_t{1} << in.bits) - 1;
     float cos_t[256], sin_t[256];
@@ -418,8 +567,8 @@ class RowTask {
         const int64_t phase = static_cast<int64_t>(c[t * D + s]);
         volatile float a = r * cos_t[phase];  // rounded before centring, never fused
         volatile float b = r * sin_t[phase];
-        k[t * D + f] = a - mu[f];
-        k[t * D + s] = b - mu[s];
+        k[t * D + f] = a;
+        k[t * D + s] = b;
       }
     }
   }
@@ -453,13 +602,7 @@ class RowTask {
       any = true;
       const float cur = out.m[m];
       const float next = std::max(cur, top);
-      if (next > cur && cur != kNegInf) {
-        const float a = std::exp(cur - next);
-        out.l[m] *= a;
-        out.accz[m] *= a;
-        float* o = out.acc.data() + m * Dv;
-        for (int64_t d = 0; d < Dv; ++d) o[d] *= a;
-      }
+      if (next > cur && cur != kNegInf) out.rescale(m, Dv, std::exp(cur - next));
       out.m[m] = next;
       for (int64_t t = 0; t < visible; ++t) lg[t] = exp_approx(lg[t] - next);
       std::fill(lg + visible, lg + W, 0.f);
@@ -473,15 +616,27 @@ class RowTask {
   const float* q_;
   const float* mu_;
   int64_t s_len_, g_cnt_, r_len_;
-  std::vector<int64_t> limit_, idx_, pn_pairs_;
+  std::vector<int64_t> limit_, idx_, pn_pairs_, ch_byte_;
+  std::vector<uint32_t> ch_shift_, ch_mask_;
+  std::vector<const float*> cs_rows_, sn_rows_;
   std::vector<float> q_mu_, keys_, codes_, p_, w_, vals_, scale_, zero_;
 };
 
-void finish(const Partial& part, int64_t M, int64_t Dv, float* out) {
+// out row m = (T(acc + accz) + acce) / l, T the value output transform (x @ H^T; H is
+// symmetric) or the identity
+void finish(const Partial& part, int64_t M, int64_t Dv, const float* hadamard, float* out) {
   const float tiny = std::numeric_limits<float>::min();
+  std::vector<float> coded(Dv), mapped(Dv);
   for (int64_t m = 0; m < M; ++m) {
     const float l = std::max(part.l[m], tiny);
-    for (int64_t d = 0; d < Dv; ++d) out[m * Dv + d] = (part.acc[m * Dv + d] + part.accz[m]) / l;
+    for (int64_t d = 0; d < Dv; ++d) coded[d] = part.acc[m * Dv + d] + part.accz[m];
+    if (hadamard != nullptr) {
+      std::fill(mapped.begin(), mapped.end(), 0.f);
+      accumulate(coded.data(), hadamard, Dv, Dv, mapped.data());
+    } else {
+      mapped = coded;
+    }
+    for (int64_t d = 0; d < Dv; ++d) out[m * Dv + d] = (mapped[d] + part.acce[m * Dv + d]) / l;
   }
 }
 
@@ -498,7 +653,7 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
         task.exact(part);
         task.groups(0, task.groups(), part);
         task.sinks(part);
-        finish(part, M, Dv, out + row * M * Dv);
+        finish(part, M, Dv, in.hadamard, out + row * M * Dv);
       }
     });
     return;
@@ -526,10 +681,11 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
       for (int64_t s = 1; s < splits; ++s) {
         const Partial& p = parts[row * splits + s];
         for (int64_t m = 0; m < M; ++m)
-          task.merge_segment(total, m, p.m[m], p.l[m], p.acc.data() + m * Dv, p.accz[m]);
+          task.merge_segment(total, m, p.m[m], p.l[m], p.acc.data() + m * Dv, p.accz[m],
+                             p.acce.data() + m * Dv);
       }
       task.sinks(total);
-      finish(total, M, Dv, out + row * M * Dv);
+      finish(total, M, Dv, in.hadamard, out + row * M * Dv);
     }
   });
 }
@@ -553,6 +709,11 @@ struct Layer {
   torch::Tensor pair_first, pair_second;  // int64 [P]
   torch::Tensor sink_logits;              // float32 [H * rep] or empty
   int64_t key_kind, mode_first, mode_second, bits, group_tokens;
+  // issue-8 codecs (empty tensors when unused): per-pair widths uint8 [B, H, P]; key payload
+  // uint8 [B, H, G_cap, E]; cos/sin float32 [rows, P] of positions rope_base + row; position
+  // offsets int64 [B, H]; the value output transform float32 [Dv, Dv]
+  torch::Tensor widths, payload, rope_cos, rope_sin, pos_offset, hadamard;
+  int64_t rope_base, sink_tokens;
 
   void check(int64_t D) const {
     check_buffer(sink_k, "sink_keys", 4);
@@ -568,7 +729,9 @@ struct Layer {
     TORCH_CHECK(key_codes.scalar_type() == at::kByte && value_codes.scalar_type() == at::kByte,
                 "codes must be uint8");
     TORCH_CHECK(bits >= 1 && bits <= 8, "bits must lie in 1..8");
-    TORCH_CHECK(key_kind == kKeysPerChannel || key_kind == kKeysPerToken, "unknown key kind");
+    TORCH_CHECK(key_kind == kKeysPerChannel || key_kind == kKeysPerToken ||
+                    key_kind == kKeysWidths,
+                "unknown key kind");
     const auto dtype = sink_k.scalar_type();
     TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
                 "storage dtype must be float16 or bfloat16");
@@ -594,6 +757,47 @@ struct Layer {
     TORCH_CHECK(sink_logits.numel() == 0 || (sink_logits.scalar_type() == at::kFloat &&
                                              sink_logits.is_contiguous()),
                 "sink_logits must be contiguous float32 or empty");
+    TORCH_CHECK(key_kind != kKeysWidths ||
+                    (widths.scalar_type() == at::kByte && widths.is_contiguous() &&
+                     widths.numel() == B * H * P),
+                "per-pair widths must be uint8 [B, H, P]");
+    if (key_kind == kKeysWidths) {
+      const uint8_t* w = widths.data_ptr<uint8_t>();
+      for (int64_t i = 0; i < B * H * P; ++i) TORCH_CHECK(w[i] <= 8, "widths must be <= 8");
+    }
+    if (payload.numel()) {
+      check_buffer(payload, "key_payload", 4);
+      TORCH_CHECK(payload.scalar_type() == at::kByte && payload.size(0) == B &&
+                      payload.size(1) == H && payload.size(2) == key_codes.size(2),
+                  "key_payload must be uint8 [B, H, G_cap, E]");
+      TORCH_CHECK(payload.size(3) % (sink_k.element_size() + 2) == 0,
+                  "key_payload bytes must be K * (element size + 2)");
+    }
+    if (rope_cos.numel()) {
+      check_buffer(rope_cos, "rope_cos", 2);
+      check_buffer(rope_sin, "rope_sin", 2);
+      check_buffer(pos_offset, "position_offsets", 2);
+      TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_sin.scalar_type() == at::kFloat &&
+                      rope_cos.size(1) == P && rope_sin.sizes() == rope_cos.sizes(),
+                  "rope_cos/rope_sin must be float32 [rows, P]");
+      TORCH_CHECK(pos_offset.scalar_type() == at::kLong && pos_offset.numel() == B * H,
+                  "position offsets must be int64 [B, H]");
+      // every group position lies in the table (the Python side sizes it)
+      const int64_t* off = pos_offset.data_ptr<int64_t>();
+      const int64_t* g = counts.data_ptr<int64_t>() + B * H;
+      for (int64_t r = 0; r < B * H; ++r) {
+        if (g[r] == 0) continue;
+        const int64_t lo = off[r] + sink_tokens - rope_base;
+        const int64_t hi = lo + g[r] * T;
+        TORCH_CHECK(lo >= 0 && hi <= rope_cos.size(0), "positions beyond the cos/sin table");
+      }
+    }
+    if (hadamard.numel()) {
+      check_buffer(hadamard, "hadamard", 2);
+      TORCH_CHECK(hadamard.scalar_type() == at::kFloat && hadamard.size(0) == Dv &&
+                      hadamard.size(1) == Dv,
+                  "the value transform must be float32 [Dv, Dv]");
+    }
   }
 };
 
@@ -628,6 +832,18 @@ void attend(const Layer& layer, const float* q, const float* mu, int64_t M, int6
     in.pair_first = layer.pair_first.data_ptr<int64_t>();
     in.pair_second = layer.pair_second.data_ptr<int64_t>();
     in.sink_logits = layer.sink_logits.numel() ? layer.sink_logits.data_ptr<float>() : nullptr;
+    in.widths = layer.key_kind == kKeysWidths ? layer.widths.data_ptr<uint8_t>() : nullptr;
+    in.E = layer.payload.numel() ? layer.payload.size(3) : 0;
+    in.K = in.E / (static_cast<int64_t>(sizeof(S)) + 2);
+    in.payload = in.K > 0 ? layer.payload.data_ptr<uint8_t>() : nullptr;
+    const bool rot = layer.rope_cos.numel() > 0;
+    in.rope_cos = rot ? layer.rope_cos.data_ptr<float>() : nullptr;
+    in.rope_sin = rot ? layer.rope_sin.data_ptr<float>() : nullptr;
+    in.rope_base = layer.rope_base;
+    in.rope_rows = rot ? layer.rope_cos.size(0) : 0;
+    in.pos_offset = rot ? layer.pos_offset.data_ptr<int64_t>() : nullptr;
+    in.sink_tokens = layer.sink_tokens;
+    in.hadamard = layer.hadamard.numel() ? layer.hadamard.data_ptr<float>() : nullptr;
     in.mode_first = layer.mode_first;
     in.mode_second = layer.mode_second;
     in.key_kind = layer.key_kind;
@@ -712,6 +928,10 @@ void append_impl(const torch::Tensor& keys, const torch::Tensor& values, torch::
 //   query [B, H, M, D] float32 (scaled; row m of kv head h = query head h*rep + m/Q, query
 //   m%Q), mu [B, H, D] float32, counts int64 [3, B, H] (sinks, groups, residual), mask bool
 //   [B, H, P] or empty, pair_first/pair_second int64 [P], sink_logits float32 [H*rep] or empty.
+//   Issue-8 codecs (empty tensors when unused): widths uint8 [B, H, P] (key_kind 2), payload
+//   uint8 [B, H, G_cap, E], rope_cos/rope_sin float32 [rows, P] (row i: position rope_base +
+//   i), pos_offset int64 [B, H] and sink_tokens (group slot g starts at stream index
+//   sink_tokens + g * T), hadamard float32 [Dv, Dv] (the value output transform).
 // Returns float32 [B, H, M, Dv].
 torch::Tensor packed_attention(torch::Tensor query, torch::Tensor mu, torch::Tensor sink_k,
                                torch::Tensor sink_v, torch::Tensor key_codes,
@@ -721,10 +941,16 @@ torch::Tensor packed_attention(torch::Tensor query, torch::Tensor mu, torch::Ten
                                torch::Tensor pair_first, torch::Tensor pair_second,
                                torch::Tensor sink_logits, int64_t key_kind, int64_t mode_first,
                                int64_t mode_second, int64_t bits, int64_t group_tokens,
-                               int64_t queries, bool causal, double softcap, int64_t splits) {
-  Layer layer{sink_k,     sink_v,   key_codes, key_scalars, value_codes, value_scalars,
-              res_k,      res_v,    counts,    mask,        pair_first,  pair_second,
-              sink_logits, key_kind, mode_first, mode_second, bits,      group_tokens};
+                               int64_t queries, bool causal, double softcap, int64_t splits,
+                               torch::Tensor widths, torch::Tensor payload,
+                               torch::Tensor rope_cos, torch::Tensor rope_sin,
+                               int64_t rope_base, torch::Tensor pos_offset,
+                               int64_t sink_tokens, torch::Tensor hadamard) {
+  Layer layer{sink_k,      sink_v,    key_codes,  key_scalars, value_codes, value_scalars,
+              res_k,       res_v,     counts,     mask,        pair_first,  pair_second,
+              sink_logits, key_kind,  mode_first, mode_second, bits,        group_tokens,
+              widths,      payload,   rope_cos,   rope_sin,    pos_offset,  hadamard,
+              rope_base,   sink_tokens};
   check_buffer(query, "query", 4);
   check_buffer(mu, "mu", 3);
   TORCH_CHECK(query.scalar_type() == at::kFloat && mu.scalar_type() == at::kFloat,
@@ -771,10 +997,15 @@ torch::Tensor decode_step(torch::Tensor query, torch::Tensor keys, torch::Tensor
                           torch::Tensor counts, torch::Tensor mask, torch::Tensor pair_first,
                           torch::Tensor pair_second, torch::Tensor sink_logits, torch::Tensor ok,
                           int64_t key_kind, int64_t mode_first, int64_t mode_second, int64_t bits,
-                          int64_t group_tokens, double scale, double softcap, int64_t splits) {
-  Layer layer{sink_k,     sink_v,   key_codes, key_scalars, value_codes, value_scalars,
-              res_k,      res_v,    counts,    mask,        pair_first,  pair_second,
-              sink_logits, key_kind, mode_first, mode_second, bits,      group_tokens};
+                          int64_t group_tokens, double scale, double softcap, int64_t splits,
+                          torch::Tensor widths, torch::Tensor payload, torch::Tensor rope_cos,
+                          torch::Tensor rope_sin, int64_t rope_base, torch::Tensor pos_offset,
+                          int64_t sink_tokens, torch::Tensor hadamard) {
+  Layer layer{sink_k,      sink_v,    key_codes,  key_scalars, value_codes, value_scalars,
+              res_k,       res_v,     counts,     mask,        pair_first,  pair_second,
+              sink_logits, key_kind,  mode_first, mode_second, bits,        group_tokens,
+              widths,      payload,   rope_cos,   rope_sin,    pos_offset,  hadamard,
+              rope_base,   sink_tokens};
   const int64_t B = res_k.size(0), H = res_k.size(1), D = res_k.size(3);
   layer.check(D);
   TORCH_CHECK(query.dim() == 4 && query.size(0) == B && query.size(2) == 1 &&

@@ -9,9 +9,10 @@ Rule: an explicit ``backend=`` argument wins; else the environment variable
 ``KVLAB_PNMIX_BACKEND`` (same values); else ``"auto"``: on CUDA ``"triton"`` when the
 ``triton`` package is installed, else ``"torch"``; on the CPU ``"cpu"`` (compiled on first use,
 about a minute, one log line; if it cannot be compiled, one log line says why and ``"torch"``
-is used); on other devices ``"torch"``. ``"auto"`` also uses ``"torch"`` for a cache no kernel
-can decode (a codec without a kernel decode step, :func:`~kvlab.pnmix.kernels.spec.
-kernel_key_decode`); an explicit compiled backend refuses it with ``ValueError``.
+is used); on other devices ``"torch"``. ``"auto"`` also uses ``"torch"`` for a cache that the
+chosen kernel does not support (:func:`~kvlab.pnmix.kernels.spec.kernel_key_decode` describes
+the cache's codecs once; :func:`unsupported` says what each backend lacks); an explicit
+compiled backend refuses it with ``ValueError``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,16 @@ import os
 import torch
 
 from kvlab.pnmix.kernels import cpu
-from kvlab.pnmix.kernels.spec import KernelKeyDecode
+from kvlab.pnmix.kernels.spec import KEYS_WIDTHS, KernelKeyDecode
 
-__all__ = ["BACKENDS", "ENV_VAR", "requested_backend", "select_backend", "triton_installed"]
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "requested_backend",
+    "select_backend",
+    "triton_installed",
+    "unsupported",
+]
 
 BACKENDS: tuple[str, ...] = ("torch", "cpu", "triton")
 ENV_VAR = "KVLAB_PNMIX_BACKEND"
@@ -36,6 +44,28 @@ def triton_installed() -> bool:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):
         return False
+
+
+def unsupported(backend: str, decode: KernelKeyDecode | str) -> str | None:
+    """Why compiled ``backend`` cannot run a cache whose codecs ``decode`` describes, or
+    ``None`` when it can (docs/design.md, "Kernels", "Capabilities"). The CPU kernel runs
+    every :class:`KernelKeyDecode`; the Triton kernel not yet the issue-8 steps (per-pair
+    widths, payload, rotation to positions, Hadamard values)."""
+    if isinstance(decode, str):
+        return decode
+    if backend != "triton":
+        return None
+    missing = [
+        what
+        for what, needed in (
+            ("per-pair code widths", decode.kind == KEYS_WIDTHS),
+            ("exact sparse outliers", decode.payload_bytes > 0),
+            ("pre-RoPE keys", decode.rotate_to_position),
+            ("Hadamard values", decode.value_hadamard),
+        )
+        if needed
+    ]
+    return f"the Triton kernel has no step for {', '.join(missing)}" if missing else None
 
 
 def _triton_interpret() -> bool:
@@ -81,12 +111,14 @@ def select_backend(backend: str, device: torch.device, decode: KernelKeyDecode |
         if isinstance(decode, str):
             return "torch"
         if device.type == "cuda":
-            return "triton" if triton_installed() else "torch"
+            good = triton_installed() and unsupported("triton", decode) is None
+            return "triton" if good else "torch"
         if device.type == "cpu":
             return "cpu" if cpu.load() is not None else "torch"
         return "torch"
-    if isinstance(decode, str):
-        raise ValueError(f"backend {choice!r} cannot run this cache: {decode}")
+    reason = unsupported(choice, decode)
+    if reason is not None:
+        raise ValueError(f"backend {choice!r} cannot run this cache: {reason}")
     if choice == "cpu":
         if device.type != "cpu":
             raise ValueError(f"backend 'cpu' needs the cache on the CPU; it is on {device}")
