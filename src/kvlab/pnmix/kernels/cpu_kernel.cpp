@@ -34,6 +34,10 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -288,7 +292,30 @@ struct Partial {
 // to float32 separately, as kvlab.rope's float32 rotation (no fused multiply-add).
 __attribute__((optimize("fp-contract=off"))) void rotate_keys(
     float* k, int64_t T, int64_t D, const int64_t* first, const int64_t* second, int64_t P,
-    const float* const* cs_rows, const float* const* sn_rows) {
+    const float* const* cs_rows, const float* const* sn_rows, bool half) {
+  if (half) {  // pairs (p, p + P): eight pairs at a time
+    for (int64_t t = 0; t < T; ++t) {
+      float* x = k + t * D;
+      float* y = x + P;
+      const float* cs = cs_rows[t];
+      const float* sn = sn_rows[t];
+      int64_t p = 0;
+      for (; p + 8 <= P; p += 8) {
+        const v8f x1 = load8(x + p), x2 = load8(y + p), c = load8(cs + p), s = load8(sn + p);
+        const v8f a = x1 * c, b = x2 * s, e = x1 * s, f = x2 * c;
+        store8(x + p, a - b);
+        store8(y + p, e + f);
+      }
+      for (; p < P; ++p) {
+        const float x1 = x[p], x2 = y[p];
+        const float a = x1 * cs[p], b = x2 * sn[p];
+        const float e = x1 * sn[p], f = x2 * cs[p];
+        x[p] = a - b;
+        y[p] = e + f;
+      }
+    }
+    return;
+  }
   for (int64_t t = 0; t < T; ++t) {
     float* kt = k + t * D;
     const float* cs = cs_rows[t];
@@ -329,6 +356,9 @@ class RowTask {
       }
     }
     if (in.key_kind == kKeysWidths) plan_widths();
+    half_pairs_ = true;
+    for (int64_t p = 0; p < in.P; ++p)
+      half_pairs_ = half_pairs_ && in.pair_first[p] == p && in.pair_second[p] == p + in.P;
   }
 
   int64_t groups() const { return g_cnt_; }
@@ -451,10 +481,14 @@ class RowTask {
       start += w[d];
     }
     ch_byte_.resize(D);
+    ch_byte32_.resize(D);
     ch_shift_.resize(D);
     ch_mask_.resize(D);
+    max_byte_ = 0;
     for (int64_t d = 0; d < D; ++d) {
       ch_byte_[d] = offset[d] >> 3;
+      ch_byte32_[d] = static_cast<int32_t>(ch_byte_[d]);
+      max_byte_ = std::max(max_byte_, ch_byte_[d]);
       ch_shift_[d] = static_cast<uint32_t>(offset[d] & 7);
       ch_mask_[d] = (1u << w[d]) - 1u;
     }
@@ -465,7 +499,38 @@ class RowTask {
     const Inputs<S>& in = in_;
     const int64_t T = in.T, D = in.D, stride = in.bits * D, nbytes = in.Kb;
     float* dst = codes_.data();
-    for (int64_t t = 0; t < T; ++t) {
+    int64_t t = 0;
+    if (stride % 8 == 0) {  // byte-aligned tokens: one unaligned 32-bit load per code
+      const int64_t tb = stride / 8;
+      // tokens whose every 4-byte load stays inside the group's bytes
+      const int64_t room = nbytes - max_byte_ - 4;
+      const int64_t safe = room < 0 ? 0 : std::min<int64_t>(T, room / tb + 1);
+      const int32_t* byte = ch_byte32_.data();
+      const uint32_t* sh = ch_shift_.data();
+      const uint32_t* mask = ch_mask_.data();
+      for (; t < safe; ++t) {
+        const uint8_t* tok = packed + t * tb;
+        float* o = dst + t * D;
+        int64_t d = 0;
+#if defined(__AVX2__)
+        // eight channels at a time: gather their 32-bit windows, shift, mask, convert
+        for (; d + 8 <= D; d += 8) {
+          const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(byte + d));
+          const __m256i sv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sh + d));
+          const __m256i mv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mask + d));
+          const __m256i v = _mm256_i32gather_epi32(reinterpret_cast<const int*>(tok), at, 1);
+          const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(v, sv), mv);
+          _mm256_storeu_ps(o + d, _mm256_cvtepi32_ps(c));
+        }
+#endif
+        for (; d < D; ++d) {
+          uint32_t v;
+          std::memcpy(&v, tok + byte[d], 4);
+          o[d] = static_cast<float>(static_cast<int32_t>((v >> sh[d]) & mask[d]));
+        }
+      }
+    }
+    for (; t < T; ++t) {
       const int64_t bit0 = t * stride;
       const uint8_t* tok = packed + (bit0 >> 3);
       const uint32_t sh0 = static_cast<uint32_t>(bit0 & 7);
@@ -510,7 +575,7 @@ class RowTask {
       sn_rows_[t] = in.rope_sin + (base + t) * P;
     }
     rotate_keys(keys_.data(), T, in.D, in.pair_first, in.pair_second, P, cs_rows_.data(),
-                sn_rows_.data());
+                sn_rows_.data(), half_pairs_);
   }
 
   // keys_ [T, D] minus mu
@@ -616,8 +681,11 @@ class RowTask {
   const float* q_;
   const float* mu_;
   int64_t s_len_, g_cnt_, r_len_;
+  bool half_pairs_ = false;
   std::vector<int64_t> limit_, idx_, pn_pairs_, ch_byte_;
   std::vector<uint32_t> ch_shift_, ch_mask_;
+  std::vector<int32_t> ch_byte32_;
+  int64_t max_byte_ = 0;
   std::vector<const float*> cs_rows_, sn_rows_;
   std::vector<float> q_mu_, keys_, codes_, p_, w_, vals_, scale_, zero_;
 };
