@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kvlab.data import default_text
-from kvlab.evaluation.methods import parse_method
+from kvlab.evaluation.methods import PREPARATIONS, parse_method
 from kvlab.evaluation.protocols import cache_keyword
 from kvlab.integrations.attention import use_attention
 from kvlab.models import load_model
@@ -59,10 +59,10 @@ def _cache_bytes(cache: Any) -> int | None:
 
 @torch.no_grad()
 def prefill_cache(
-    model: Any, method: Any, tokens: torch.Tensor, prefill: int, chunk: int
+    model: Any, method: Any, tokens: torch.Tensor, prefill: int, chunk: int, prepared: Any
 ) -> tuple[Any, float]:
     """A fresh cache of ``method`` holding ``prefill`` tokens, and the prefill's wall time."""
-    cache = method.make_cache(model.config)
+    cache = method.make_cache(model.config, prepared.get(method.name))
     key = cache_keyword(model)
     with use_attention(model, method.attention):
         start = time.perf_counter()
@@ -84,13 +84,19 @@ def decode_step(model: Any, method: Any, cache: Any, token: torch.Tensor) -> flo
 
 
 def run_round(
-    model: Any, methods: list[Any], tokens: torch.Tensor, prefill: int, steps: int, chunk: int
+    model: Any,
+    methods: list[Any],
+    tokens: torch.Tensor,
+    prefill: int,
+    steps: int,
+    chunk: int,
+    prepared: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
     """Prefill every method's cache, then ``steps`` interleaved decode steps."""
     caches, prefill_seconds = {}, {}
     for method in methods:
         caches[method.name], prefill_seconds[method.name] = prefill_cache(
-            model, method, tokens, prefill, chunk
+            model, method, tokens, prefill, chunk, prepared
         )
     decode = dict.fromkeys(caches, 0.0)
     for j in range(steps):
@@ -132,19 +138,25 @@ def main() -> None:
     if ids.numel() < need:
         raise SystemExit(f"the text gives {ids.numel()} tokens; {need} needed")
     methods = [parse_method(name) for name in names]
-    for method in methods:
-        if method.prepare is not None:
-            print(f"{method.name}: {method.prepare_note}")
-            method.prepare(model, tokenizer)
+    prepared: dict[str, Any] = {}
+    for method in methods:  # one-time preparations (calibrations), untimed
+        if method.preparation is not None:
+            prep = PREPARATIONS[method.preparation]
+            print(f"{method.name}: {prep.note}")
+            prepared[method.name] = prep.run(
+                method.params, model, tokenizer, prep.text(), lambda done, total: None
+            )
     # warm-up (loads / compiles the PN-Mix CPU kernel once, outside the timings)
-    run_round(model, methods, ids, 256, 2, args.prefill_chunk)
+    run_round(model, methods, ids, 256, 2, args.prefill_chunk, prepared)
     load_before = os.getloadavg()
     results: list[dict[str, Any]] = []
     for prefill in prefills:
         per_method: dict[str, list[dict[str, Any]]] = {m.name: [] for m in methods}
         ratios: dict[str, list[float]] = {m.name: [] for m in methods}
         for r in range(args.rounds):
-            this_round = run_round(model, methods, ids, prefill, args.steps, args.prefill_chunk)
+            this_round = run_round(
+                model, methods, ids, prefill, args.steps, args.prefill_chunk, prepared
+            )
             full_rate = this_round["full"]["decode_tokens_per_second"]
             for name, res in this_round.items():
                 per_method[name].append(res)

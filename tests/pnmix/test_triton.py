@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kernel_checks import kernel_tolerance
 
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
+from kvlab.rope import RotaryConfig, apply_rotary
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu":  # before triton is imported: it reads this when it loads
@@ -171,3 +172,60 @@ def test_triton_splits_merge_like_one_split() -> None:
     ref = pnmix_attention(query, cache, backend="torch")
     for out in outs:
         assert float((out - ref).abs().max()) <= kernel_tolerance(query, cache)
+
+
+# (key_coding, key_outlier_fraction, value_coding, rotary layout, storage dtype, relayed)
+ISSUE8 = [
+    ("bit_alloc", 0.05, "hadamard", "half", torch.float16, False),
+    ("bit_alloc", 0.0, "per_token", "interleaved", torch.bfloat16, True),
+    ("prerope_cartesian", 0.05, "hadamard", "interleaved", torch.float16, True),
+    ("prerope_mix", 0.0, "hadamard", "half", torch.bfloat16, False),
+    ("cartesian", 0.05, "per_token", "half", torch.float16, False),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ISSUE8)))
+def test_triton_matches_the_reference_on_the_issue8_codecs(case: int) -> None:
+    """Per-pair widths, exact outliers, pre-RoPE keys (partial rotary, both layouts, moved
+    position offsets), Hadamard values; padded rows, GQA 3, Q = 1 and Q = 3 causal."""
+    coding, outliers, values_coding, layout, dtype, relayed = ISSUE8[case]
+    d, dv, rotary_dim = 16, 8, 12
+    rotary = RotaryConfig(d, rotary_dim, 10000.0, layout)  # type: ignore[arg-type]
+    cfg = PNMixConfig(
+        sink_tokens=2,
+        residual_tokens=3,
+        group_tokens=8,
+        storage_dtype=dtype,
+        key_coding=coding,  # type: ignore[arg-type]
+        key_outlier_fraction=outliers,
+        value_coding=values_coding,  # type: ignore[arg-type]
+        rotary_dim=rotary_dim,
+        rotary_layout=layout,  # type: ignore[arg-type]
+    )
+    cache = PNMixCache(
+        cfg,
+        batch_size=2,
+        num_key_value_heads=2,
+        head_dim=d,
+        value_head_dim=dv,
+        device=DEVICE,
+        rotary=rotary if cfg.key_codec.position_aware else None,
+    )
+    gen = torch.Generator().manual_seed(case)
+    n = 40
+    keys = apply_rotary(torch.randn(2, 2, n, d, generator=gen), torch.arange(n), rotary)
+    queries = torch.randn(2, 6, n, d, generator=gen)
+    values = torch.randn(2, 2, n, dv, generator=gen)
+    cache.append(keys.to(DEVICE), values.to(DEVICE), [n, 27], queries=queries.to(DEVICE))
+    if relayed:
+        cache.set_position_offsets([[5, 0], [17, 3]])
+    assert not isinstance(cache.kernel_decode, str)
+    for nq in (1, 3):
+        query = torch.randn(2, 6, nq, d, generator=gen).to(DEVICE)
+        ref = pnmix_attention(query, cache, backend="torch")
+        out = pnmix_attention(query, cache, backend="triton")
+        tol = kernel_tolerance(query, cache)
+        if cache.value_codec.transforms_output:  # the output transform's own rounding
+            tol += 4 * dv * 1.2e-7 * dv**0.5 * float(cache.dequantize()[1].abs().max())
+        err = float((out - ref).abs().max())
+        assert err <= tol, (err, tol)

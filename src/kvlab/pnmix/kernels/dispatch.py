@@ -23,7 +23,7 @@ import os
 import torch
 
 from kvlab.pnmix.kernels import cpu
-from kvlab.pnmix.kernels.spec import KEYS_WIDTHS, KernelKeyDecode
+from kvlab.pnmix.kernels.spec import KernelKeyDecode
 
 __all__ = [
     "BACKENDS",
@@ -48,24 +48,12 @@ def triton_installed() -> bool:
 
 def unsupported(backend: str, decode: KernelKeyDecode | str) -> str | None:
     """Why compiled ``backend`` cannot run a cache whose codecs ``decode`` describes, or
-    ``None`` when it can (docs/design.md, "Kernels", "Capabilities"). The CPU kernel runs
-    every :class:`KernelKeyDecode`; the Triton kernel not yet the issue-8 steps (per-pair
-    widths, payload, rotation to positions, Hadamard values)."""
+    ``None`` when it can (docs/design.md, "Kernels", "Capabilities"). Both compiled kernels
+    run every :class:`KernelKeyDecode` today; a backend that lags behind a new decode step
+    says so here."""
     if isinstance(decode, str):
         return decode
-    if backend != "triton":
-        return None
-    missing = [
-        what
-        for what, needed in (
-            ("per-pair code widths", decode.kind == KEYS_WIDTHS),
-            ("exact sparse outliers", decode.payload_bytes > 0),
-            ("pre-RoPE keys", decode.rotate_to_position),
-            ("Hadamard values", decode.value_hadamard),
-        )
-        if needed
-    ]
-    return f"the Triton kernel has no step for {', '.join(missing)}" if missing else None
+    return None
 
 
 def _triton_interpret() -> bool:

@@ -10,9 +10,14 @@ scale``, two roundings: launched with ``enable_fp_fusion=False``; Phase–Norm l
 c · span / L`` and their cos/sin), centred by the row's reference key ``mu``; values are read
 as ``Σ_t (p_t s_t) c_t + Σ_t p_t z_t`` (docs/design.md, "Attention").
 
-Decoding one tile is three steps, so that later codecs slot in: the codec's decode (pair modes
-per (row, pair) or per-token scalars), then [later] the exact sparse entries of the group, then
-[later] the rotation of each key to its position (position-aware codecs).
+Decoding one tile is three steps, as the reference's (docs/design.md, "Kernels"): the codec's
+decode (pair modes per (row, pair), per-token scalars, or per-pair code widths read at
+per-channel bit offsets of the width layout), then the exact sparse entries of the group's
+payload written over it, then, for a position-aware (pre-RoPE) codec, the rotation of each key
+to its position — a tile of the pair partners' channels is decoded alongside (registers cannot
+be permuted), and the float32 cos/sin of the CPU backend's table are applied without fused
+multiply-adds. A Hadamard value codec's quantized splits are mapped back (``@ H``, ``H``
+symmetric) once per query row in the merge kernel, apart from the exact tokens' split.
 
 Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (set before this module is first
 imported: ``triton.jit`` reads it at decoration). Importing this module requires ``triton``.
@@ -29,7 +34,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvlab.pnmix.kernels.spec import KEYS_PER_TOKEN, PAIR_PHASE_NORM, KernelKeyDecode
+from kvlab.pnmix.kernels.spec import (
+    KEYS_PER_TOKEN,
+    KEYS_WIDTHS,
+    PAIR_PHASE_NORM,
+    KernelKeyDecode,
+)
 
 if TYPE_CHECKING:
     from kvlab.pnmix.attention import PackedKV
@@ -48,6 +58,94 @@ def _codes(base, k_idx, valid, nbytes, BITS: tl.constexpr):
         nxt = tl.load(base + byte + 1, mask=valid & (byte + 1 < nbytes), other=0).to(tl.int32)
         v = v | (nxt << 8)
     return ((v >> shift) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _width_codes(base, t, off, width, valid, nbytes, STRIDE: tl.constexpr):
+    """Float codes of tokens ``t [BT]`` at per-channel bit offsets ``off [BD]`` and widths
+    ``width [BD]`` of the width layout (token stride ``STRIDE`` bits): two bytes per code."""
+    bit = t[:, None] * STRIDE + off[None, :]
+    byte = bit // 8
+    shift = bit % 8
+    lo = tl.load(base + byte, mask=valid, other=0).to(tl.int32)
+    hi = tl.load(base + byte + 1, mask=valid & (byte + 1 < nbytes), other=0).to(tl.int32)
+    v = (lo | (hi << 8)) >> shift
+    return (v & ((1 << width[None, :]) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _decode_tile(
+    kbase,
+    sbase,
+    pbase,
+    t,
+    t_ok,
+    chan,
+    d_ok,
+    off,
+    width,
+    pn,
+    ch_f,
+    ch_s,
+    step,
+    K,
+    Kb,
+    D: tl.constexpr,
+    T: tl.constexpr,
+    BITS: tl.constexpr,
+    KIND: tl.constexpr,
+    HAS_PN: tl.constexpr,
+    HAS_PAYLOAD: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Keys ``[BT, BD]`` of tokens ``t`` at channels ``chan`` (float32, the codec's frame):
+    steps (1) decode and (2) payload of the module docstring."""
+    tile_ok = t_ok[:, None] & d_ok[None, :]
+    if KIND == 1:
+        c = _codes(kbase, t[:, None] * D + chan[None, :], tile_ok, Kb, BITS)
+        t_scale = tl.load(sbase + t, mask=t_ok, other=0.0).to(tl.float32)
+        t_zero = tl.load(sbase + T + t, mask=t_ok, other=0.0).to(tl.float32)
+        k = t_zero[:, None] + c * t_scale[:, None]
+    else:
+        k_scale = tl.load(sbase + chan, mask=d_ok, other=0.0).to(tl.float32)
+        k_zero = tl.load(sbase + D + chan, mask=d_ok, other=0.0).to(tl.float32)
+        if KIND == 2:
+            c = _width_codes(kbase, t, off, width, tile_ok, Kb, BITS * D)
+        else:
+            c = _codes(kbase, t[:, None] * D + chan[None, :], tile_ok, Kb, BITS)
+        k = k_zero[None, :] + c * k_scale[None, :]
+        if HAS_PN:
+            sc_f = tl.load(sbase + ch_f, mask=d_ok, other=0.0).to(tl.float32)
+            ze_f = tl.load(sbase + D + ch_f, mask=d_ok, other=0.0).to(tl.float32)
+            offset = tl.load(sbase + D + ch_s, mask=d_ok, other=0.0).to(tl.float32)
+            c_f = _codes(kbase, t[:, None] * D + ch_f[None, :], tile_ok, Kb, BITS)
+            c_s = _codes(kbase, t[:, None] * D + ch_s[None, :], tile_ok, Kb, BITS)
+            r = ze_f[None, :] + c_f * sc_f[None, :]
+            level = offset[None, :] + c_s * step[None, :]
+            first = (chan == ch_f)[None, :]
+            polar = tl.where(first, r * tl.cos(level), r * tl.sin(level))
+            k = tl.where(pn[None, :], polar, k)
+    if HAS_PAYLOAD:
+        # K storage-dtype values (little-endian bytes), then K int16 flat indices t * D + d
+        e = tl.arange(0, BLOCK_K)
+        e_ok = e < K
+        v_lo = tl.load(pbase + 2 * e, mask=e_ok, other=0).to(tl.int32)
+        v_hi = tl.load(pbase + 2 * e + 1, mask=e_ok, other=0).to(tl.int32)
+        bits16 = (v_lo | (v_hi << 8)).to(tl.int16)
+        if BF16:
+            vals = bits16.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        else:
+            vals = bits16.to(tl.float16, bitcast=True).to(tl.float32)
+        i_lo = tl.load(pbase + 2 * K + 2 * e, mask=e_ok, other=0).to(tl.int32)
+        i_hi = tl.load(pbase + 2 * K + 2 * e + 1, mask=e_ok, other=0).to(tl.int32)
+        idx = tl.where(e_ok, i_lo | (i_hi << 8), -1)
+        flat = t[:, None] * D + chan[None, :]
+        match = flat[:, :, None] == idx[None, None, :]
+        hit = tl.sum(match.to(tl.int32), axis=2) > 0
+        val = tl.sum(tl.where(match, vals[None, None, :], 0.0), axis=2)
+        k = tl.where(hit, val, k)
+    return k
 
 
 @triton.jit
@@ -86,6 +184,11 @@ def _split_kernel(
     mask_ptr,
     pair_first,
     pair_second,
+    widths_ptr,
+    payload_ptr,
+    rope_cos,
+    rope_sin,
+    pos_off,
     part_m,
     part_l,
     part_acc,
@@ -102,6 +205,10 @@ def _split_kernel(
     NS,
     groups_per_split,
     softcap,
+    E,
+    K,
+    rope_base,
+    sink_tokens,
     D: tl.constexpr,
     DV: tl.constexpr,
     T: tl.constexpr,
@@ -118,6 +225,10 @@ def _split_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    HAS_PAYLOAD: tl.constexpr,
+    ROTATE: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -188,25 +299,41 @@ def _split_kernel(
     else:
         levels = (1 << BITS) - 1
         has_pn = (MODE_FIRST == 1) or (MODE_SECOND == 1)
-        if has_pn:
-            # per channel d: its rotary pair (-1: none) and the pair's two channels, found by
-            # matching d against the pair indices (no host-side tables)
-            offs_p = tl.arange(0, BLOCK_P)
-            p_ok = offs_p < P
-            pf = tl.load(pair_first + offs_p, mask=p_ok, other=-1).to(tl.int32)
-            ps = tl.load(pair_second + offs_p, mask=p_ok, other=-1).to(tl.int32)
-            hit = (pf[None, :] == offs_d[:, None]) | (ps[None, :] == offs_d[:, None])
-            rotary = tl.sum(hit.to(tl.int32), axis=1) > 0
-            pair = tl.where(rotary, tl.sum(tl.where(hit, offs_p[None, :], 0), axis=1), -1)
-            ch_f = tl.where(rotary, tl.sum(tl.where(hit, pf[None, :], 0), axis=1), offs_d)
-            ch_s = tl.where(rotary, tl.sum(tl.where(hit, ps[None, :], 0), axis=1), offs_d)
-            if HAS_MASK:
-                bit = tl.load(mask_ptr + row * P + pair, mask=d_ok & (pair >= 0), other=0)
-                mode = tl.where(bit != 0, MODE_SECOND, MODE_FIRST)
-            else:
-                mode = tl.zeros([BLOCK_D], dtype=tl.int32) + MODE_FIRST
-            pn = (pair >= 0) & (mode == 1)
-            is_first = offs_d == ch_f
+        # per channel d: its rotary pair (-1: none) and the pair's two channels, found by
+        # matching d against the pair indices (no host-side tables)
+        offs_p = tl.arange(0, BLOCK_P)
+        p_ok = offs_p < P
+        pf = tl.load(pair_first + offs_p, mask=p_ok, other=-1).to(tl.int32)
+        ps = tl.load(pair_second + offs_p, mask=p_ok, other=-1).to(tl.int32)
+        hit = (pf[None, :] == offs_d[:, None]) | (ps[None, :] == offs_d[:, None])
+        rotary = tl.sum(hit.to(tl.int32), axis=1) > 0
+        pair = tl.where(rotary, tl.sum(tl.where(hit, offs_p[None, :], 0), axis=1), -1)
+        ch_f = tl.where(rotary, tl.sum(tl.where(hit, pf[None, :], 0), axis=1), offs_d)
+        ch_s = tl.where(rotary, tl.sum(tl.where(hit, ps[None, :], 0), axis=1), offs_d)
+        is_first = offs_d == ch_f
+        partner = tl.where(is_first, ch_s, ch_f)
+        if HAS_MASK:
+            bit = tl.load(mask_ptr + row * P + pair, mask=d_ok & (pair >= 0), other=0)
+            mode = tl.where(bit != 0, MODE_SECOND, MODE_FIRST)
+        else:
+            mode = tl.zeros([BLOCK_D], dtype=tl.int32) + MODE_FIRST
+        pn = (pair >= 0) & (mode == 1)
+        # per-pair code widths (KIND 2): channel widths and bit offsets in a token (widths
+        # descending, then channel index ascending); a pair's partner shares its width
+        width = tl.zeros([BLOCK_D], dtype=tl.int32) + BITS
+        off = tl.zeros([BLOCK_D], dtype=tl.int32)
+        off_partner = off
+        if KIND == 2:
+            w_pair = tl.load(widths_ptr + row * P + pair, mask=d_ok & (pair >= 0), other=0)
+            width = tl.where(pair >= 0, w_pair.to(tl.int32), BITS)
+            width = tl.where(d_ok, width, 0)
+            wj = width[None, :]
+            wd = width[:, None]
+            jj = offs_d[None, :]
+            before = (wj > wd) | ((wj == wd) & (jj < offs_d[:, None]))
+            off = tl.sum(tl.where(before, wj, 0), axis=1)
+            before_p = (wj > wd) | ((wj == wd) & (jj < partner[:, None]))
+            off_partner = tl.sum(tl.where(before_p, wj, 0), axis=1)
         g0 = split * groups_per_split
         g1 = tl.minimum(g0 + groups_per_split, g_cnt)
         for g in range(g0, g1):
@@ -214,37 +341,82 @@ def _split_kernel(
             kbase = kcodes + slot * Kb
             vbase = vcodes + slot * Vb
             sbase = kscal + slot * Sk
+            pbase = payload_ptr + slot * E
             vsbase = vscal + slot * (2 * T)
-            if KIND == 0:
-                k_scale = tl.load(sbase + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                k_zero = tl.load(sbase + D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                if has_pn:
-                    sc_f = tl.load(sbase + ch_f, mask=d_ok, other=0.0).to(tl.float32)
-                    ze_f = tl.load(sbase + D + ch_f, mask=d_ok, other=0.0).to(tl.float32)
-                    span = tl.load(sbase + ch_s, mask=d_ok, other=0.0).to(tl.float32)
-                    offset = tl.load(sbase + D + ch_s, mask=d_ok, other=0.0).to(tl.float32)
-                    step = span / levels
+            step = tl.zeros([BLOCK_D], dtype=tl.float32)
+            if has_pn:
+                span = tl.load(sbase + ch_s, mask=d_ok, other=0.0).to(tl.float32)
+                step = span / levels
             for t0 in range(0, T, BLOCK_T):
                 t = t0 + tl.arange(0, BLOCK_T)
                 t_ok = t < T
                 tile_ok = t_ok[:, None] & d_ok[None, :]
-                # (1) the codec's decode
-                c = _codes(kbase, t[:, None] * D + offs_d[None, :], tile_ok, Kb, BITS)
-                if KIND == 0:
-                    k = k_zero[None, :] + c * k_scale[None, :]
-                    if has_pn:
-                        c_f = _codes(kbase, t[:, None] * D + ch_f[None, :], tile_ok, Kb, BITS)
-                        c_s = _codes(kbase, t[:, None] * D + ch_s[None, :], tile_ok, Kb, BITS)
-                        r = ze_f[None, :] + c_f * sc_f[None, :]
-                        level = offset[None, :] + c_s * step[None, :]
-                        polar = tl.where(is_first[None, :], r * tl.cos(level), r * tl.sin(level))
-                        k = tl.where(pn[None, :], polar, k)
-                else:
-                    t_scale = tl.load(sbase + t, mask=t_ok, other=0.0).to(tl.float32)
-                    t_zero = tl.load(sbase + T + t, mask=t_ok, other=0.0).to(tl.float32)
-                    k = t_zero[:, None] + c * t_scale[:, None]
-                # (2) later: add the group's exact sparse entries
-                # (3) later: rotate each key to its position (position-aware codecs)
+                # (1) the codec's decode, (2) the payload's exact entries
+                k = _decode_tile(
+                    kbase,
+                    sbase,
+                    pbase,
+                    t,
+                    t_ok,
+                    offs_d,
+                    d_ok,
+                    off,
+                    width,
+                    pn,
+                    ch_f,
+                    ch_s,
+                    step,
+                    K,
+                    Kb,
+                    D,
+                    T,
+                    BITS,
+                    KIND,
+                    has_pn,
+                    HAS_PAYLOAD,
+                    BF16,
+                    BLOCK_K,
+                )
+                if ROTATE:
+                    # (3) rotate to positions offset + S + g * T + t (the partners' tile too)
+                    kp = _decode_tile(
+                        kbase,
+                        sbase,
+                        pbase,
+                        t,
+                        t_ok,
+                        partner,
+                        d_ok,
+                        off_partner,
+                        width,
+                        pn,
+                        ch_f,
+                        ch_s,
+                        step,
+                        K,
+                        Kb,
+                        D,
+                        T,
+                        BITS,
+                        KIND,
+                        has_pn,
+                        HAS_PAYLOAD,
+                        BF16,
+                        BLOCK_K,
+                    )
+                    pos = tl.load(pos_off + row) + sink_tokens + g * T + t - rope_base
+                    rot_ok = t_ok[:, None] & (pair >= 0)[None, :]
+                    at = pos[:, None] * P + pair[None, :]
+                    cs = tl.load(rope_cos + at, mask=rot_ok, other=1.0)
+                    sn = tl.load(rope_sin + at, mask=rot_ok, other=0.0)
+                    a = k * cs
+                    b = kp * sn
+                    c2 = kp * sn
+                    e2 = k * cs
+                    first_val = a - b
+                    second_val = c2 + e2
+                    rotated = tl.where(is_first[None, :], first_val, second_val)
+                    k = tl.where(rot_ok, rotated, k)
                 k = tl.where(tile_ok, k - mu[None, :], 0.0)
                 s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
                 if SOFTCAP:
@@ -278,6 +450,7 @@ def _merge_kernel(
     q_ptr,
     mu_ptr,
     sinks_ptr,
+    h_ptr,
     out_ptr,
     M,
     Q,
@@ -288,6 +461,7 @@ def _merge_kernel(
     DV: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HADAMARD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -300,7 +474,8 @@ def _merge_kernel(
     dv_ok = offs_dv < DV
     m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # quantized splits (coded frame)
+    acc_e = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # the exact tokens' split
     for sp in range(0, NS + 1):
         base = (row * (NS + 1) + sp) * M + offs_m
         sm = tl.load(part_m + base, mask=m_ok, other=float("-inf"))
@@ -315,7 +490,9 @@ def _merge_kernel(
         a = tl.exp(m_run - safe)
         b = tl.exp(sm - safe)
         l_run = l_run * a + sl * b
-        acc = acc * a[:, None] + sa * b[:, None]
+        exact = sp == NS
+        acc = acc * a[:, None] + tl.where(exact, 0.0, sa * b[:, None])
+        acc_e = acc_e * a[:, None] + tl.where(exact, sa * b[:, None], 0.0)
         m_run = top
     if HAS_SINKS:
         h = row % H
@@ -334,7 +511,16 @@ def _merge_kernel(
         a = tl.exp(m_run - top)
         l_run = l_run * a + tl.exp(sink - top)
         acc = acc * a[:, None]
-    out = acc / tl.maximum(l_run, 1.1754943508222875e-38)[:, None]
+        acc_e = acc_e * a[:, None]
+    if HADAMARD:  # acc @ H (H symmetric): the value codec's output transform
+        offs_j = tl.arange(0, BLOCK_DV)
+        h = tl.load(
+            h_ptr + offs_j[:, None] * DV + offs_dv[None, :],
+            mask=(offs_j < DV)[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.sum(acc[:, :, None] * h[None, :, :], axis=1)
+    out = (acc + acc_e) / tl.maximum(l_run, 1.1754943508222875e-38)[:, None]
     tl.store(
         out_ptr + (row * M + offs_m[:, None]) * DV + offs_dv[None, :],
         out,
@@ -396,6 +582,22 @@ def packed_attention_triton(
     cap = 0.0 if logit_softcap is None else float(logit_softcap)
     block_d, block_dv = _pow2(d), _pow2(dv)
     extra = {} if dev.type == "cpu" else {"enable_fp_fusion": False}
+    from kvlab.pnmix.kernels.cpu import _extras  # the tables both compiled backends read
+
+    widths, payload, cos, sin, rope_base, offsets, sink_tokens, hadamard = _extras(
+        decode,
+        mask=kv.mask,
+        payload=kv.key_payload,
+        rotary=kv.rotary,
+        position_offsets=kv.position_offsets,
+        group_counts=kv.group_counts,
+        sink_tokens=kv.sink_tokens,
+        group_tokens=t,
+        value_head_dim=dv,
+    )
+    e_bytes = payload.shape[-1] if payload.numel() else 0
+    n_out = e_bytes // (kv.sink_keys.element_size() + 2)
+    kind = {KEYS_PER_TOKEN: 1, KEYS_WIDTHS: 2}.get(decode.kind, 0)
     _split_kernel[(rows, ns + 1, mblocks)](
         q,
         mu_rows,
@@ -411,6 +613,11 @@ def packed_attention_triton(
         mask,
         _pointer(kv.layout.first),
         _pointer(kv.layout.second),
+        _pointer(widths.to(dev)),
+        _pointer(payload.contiguous()),
+        _pointer(cos.to(dev)),
+        _pointer(sin.to(dev)),
+        _pointer(offsets.to(dev)),
         part_m,
         part_l,
         part_acc,
@@ -427,11 +634,15 @@ def packed_attention_triton(
         ns,
         groups_per_split,
         cap,
+        e_bytes,
+        n_out,
+        rope_base,
+        sink_tokens,
         D=d,
         DV=dv,
         T=t,
         BITS=kv.bits,
-        KIND=1 if decode.kind == KEYS_PER_TOKEN else 0,
+        KIND=kind,
         MODE_FIRST=int(decode.mode_first == PAIR_PHASE_NORM),
         MODE_SECOND=int(decode.mode_second == PAIR_PHASE_NORM),
         HAS_MASK=has_mask,
@@ -443,6 +654,10 @@ def packed_attention_triton(
         BLOCK_DV=block_dv,
         BLOCK_E=32,
         BLOCK_P=_pow2(kv.layout.num_pairs),
+        HAS_PAYLOAD=n_out > 0,
+        ROTATE=bool(decode.rotate_to_position),
+        BF16=kv.sink_keys.dtype == torch.bfloat16,
+        BLOCK_K=_pow2(n_out),
         **extra,
     )
     out = torch.empty((rows, m_rows, dv), dtype=torch.float32, device=dev)
@@ -458,6 +673,7 @@ def packed_attention_triton(
         q,
         mu_rows,
         sinks,
+        _pointer(hadamard.to(dev)),
         out,
         m_rows,
         nq,
@@ -468,8 +684,10 @@ def packed_attention_triton(
         DV=dv,
         HAS_SINKS=sink_logits is not None,
         SOFTCAP=logit_softcap is not None,
+        HADAMARD=bool(decode.value_hadamard),
         BLOCK_M=block_m,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
+        **extra,
     )
     return out.reshape(b, hq, nq, dv)
