@@ -9,6 +9,9 @@ Two parts, written to ``--out`` (``results.json``, ``results.md``, the reproduce
    backend="triton")``), ``torch`` SDPA in float16 over the exact cache (the issue's baseline,
    target: Triton ≥ 2× faster) and the torch reference backend; reports the bytes each reads
    (PN-Mix persistent bytes vs the float16 cache) and checks Triton against the reference.
+   Rows: the seed coding at each ``--group-tokens``, and ``pn-mix`` (the ``kvlab eval``
+   method's configuration: pre-RoPE per-pair widths, 1 % outliers, Hadamard values, groups of
+   32; its tables from random prefill queries) unless ``--codings seed``.
 2. **Diagnostic record**: ``kvlab reproduce --paper pn-mix --device cuda --seeds 42`` into
    ``--out/reproduce`` (its stdout in ``reproduce.log``).
 
@@ -32,10 +35,11 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 9, 3, 64
 
 
 def decode_attention(
-    batch: int, context: int, group_tokens: int, device: torch.device
+    batch: int, context: int, group_tokens: int, device: torch.device, coding: str = "seed"
 ) -> dict[str, object]:
     import triton.testing
 
+    from kvlab.evaluation.methods import PNMIX_METHODS
     from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
     from kvlab.rope import RotaryConfig, apply_rotary
 
@@ -49,15 +53,29 @@ def decode_attention(
     ).half()
     values = torch.randn(batch, HEADS_KV, context, HEAD_DIM, generator=gen, device=device).half()
     query = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, generator=gen, device=device).half()
+    config = (
+        PNMixConfig(group_tokens=group_tokens)
+        if coding == "seed"
+        else PNMixConfig(**PNMIX_METHODS[coding])
+    )
     cache = PNMixCache(
-        PNMixConfig(group_tokens=group_tokens),
+        config,
         batch_size=batch,
         num_key_value_heads=HEADS_KV,
         head_dim=HEAD_DIM,
         device=device,
+        rotary=rotary,
     )
     for start in range(0, context, 8192):  # appends in chunks bound the encoder's temporaries
-        cache.append(keys[:, :, start : start + 8192], values[:, :, start : start + 8192])
+        chunk = slice(start, start + 8192)
+        queries = None
+        if config.key_codec.table_bits and start == 0:  # tables: the first chunk's queries
+            queries = apply_rotary(
+                torch.randn(batch, HEADS_Q, keys[:, :, chunk].shape[2], HEAD_DIM, device=device),
+                positions[chunk],
+                rotary,
+            ).half()
+        cache.append(keys[:, :, chunk], values[:, :, chunk], queries=queries)
     torch.cuda.synchronize(device)
 
     def triton_packed() -> torch.Tensor:
@@ -82,9 +100,10 @@ def decode_attention(
     }
     fp16_bytes = 2 * keys.numel() * keys.element_size()
     return {
+        "coding": coding,
         "batch": batch,
         "context_tokens": context,
-        "group_tokens": group_tokens,
+        "group_tokens": config.group_tokens,
         **times,
         "sdpa_fp16_over_triton": times["sdpa_fp16_ms"] / times["triton_packed_ms"],
         "pnmix_persistent_bytes": cache.persistent_bytes,
@@ -102,6 +121,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--group-tokens", default="32,128", help="PN-Mix key groups to time")
+    parser.add_argument("--codings", default="seed,pn-mix", help="'seed' and/or 'pn-mix'")
     parser.add_argument("--skip-reproduce", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -112,9 +132,17 @@ def main() -> None:
         sys.exit("cuda_decode.py needs triton: pip install -e '.[triton]'")
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = [
-        decode_attention(args.batch, args.context, int(g), device)
-        for g in args.group_tokens.split(",")
+    codings = [c.strip() for c in args.codings.split(",")]
+    rows = []
+    if "seed" in codings:
+        rows += [
+            decode_attention(args.batch, args.context, int(g), device)
+            for g in args.group_tokens.split(",")
+        ]
+    rows += [
+        decode_attention(args.batch, args.context, 32, device, coding)
+        for coding in codings
+        if coding != "seed"
     ]
     result: dict[str, object] = {
         "device": torch.cuda.get_device_name(device),
@@ -143,13 +171,13 @@ def main() -> None:
     lines = [
         f"Device: {result['device']}, torch {result['torch']}, triton {result['triton']}",
         "",
-        "| batch | context | groups | Triton packed | SDPA fp16 | SDPA / Triton | torch packed "
-        "| PN-Mix bytes | fp16 bytes | bytes ratio | max abs err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| coding | batch | context | groups | Triton packed | SDPA fp16 | SDPA / Triton "
+        "| torch packed | PN-Mix bytes | fp16 bytes | bytes ratio | max abs err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['batch']} | {r['context_tokens']} | {r['group_tokens']} "
+            f"| {r['coding']} | {r['batch']} | {r['context_tokens']} | {r['group_tokens']} "
             f"| {r['triton_packed_ms']:.3f} ms | {r['sdpa_fp16_ms']:.3f} ms "
             f"| {r['sdpa_fp16_over_triton']:.2f}× | {r['torch_packed_ms']:.3f} ms "
             f"| {r['pnmix_persistent_bytes']:,} | {r['fp16_cache_bytes']:,} "
