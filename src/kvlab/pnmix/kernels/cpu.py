@@ -49,18 +49,21 @@ _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 _EMPTY = torch.empty(0)
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math"]
-_ROPE_TABLES: dict[RotaryConfig, tuple[int, Tensor, Tensor]] = {}
-_HADAMARD: dict[int, Tensor] = {}
+_ROPE_TABLES: dict[tuple[RotaryConfig, torch.device], tuple[int, Tensor, Tensor]] = {}
+_HADAMARD: dict[tuple[int, torch.device], Tensor] = {}
 
 
-def rope_table(rotary: RotaryConfig, lo: int, hi: int) -> tuple[int, Tensor, Tensor]:
+def rope_table(
+    rotary: RotaryConfig, lo: int, hi: int, device: torch.device | None = None
+) -> tuple[int, Tensor, Tensor]:
     """cos and sin of ``position * inv_freq`` for every position in ``[lo, hi)`` (and more):
     ``(base, cos, sin)`` with float32 ``[rows, P]`` tables whose row ``i`` is position ``base
     + i``; formed in float64 and rounded to float32, exactly as
     :func:`kvlab.rope.rotate_by_delta` forms them (so that the kernel's rotated keys are the
-    reference's). Cached per RoPE configuration and grown by doubling (amortized: a decode
-    step almost never rebuilds it)."""
-    cached = _ROPE_TABLES.get(rotary)
+    reference's). Cached per RoPE configuration and device (default: the CPU) and grown by
+    doubling (amortized: a decode step almost never rebuilds or copies it)."""
+    device = torch.device("cpu") if device is None else device
+    cached = _ROPE_TABLES.get((rotary, device))
     if cached is not None:
         base, cos, _ = cached
         if base <= lo and hi <= base + cos.shape[0]:
@@ -71,15 +74,17 @@ def rope_table(rotary: RotaryConfig, lo: int, hi: int) -> tuple[int, Tensor, Ten
     hi = max(hi, 4096)
     positions = torch.arange(lo, hi, dtype=torch.float64)
     angles = positions[:, None] * rotary.inv_freq()[None, :]
-    table = (lo, torch.cos(angles).float().contiguous(), torch.sin(angles).float().contiguous())
-    _ROPE_TABLES[rotary] = table
+    cos = torch.cos(angles).float().contiguous().to(device)
+    sin = torch.sin(angles).float().contiguous().to(device)
+    table = (lo, cos, sin)
+    _ROPE_TABLES[(rotary, device)] = table
     return table
 
 
-def _hadamard(dv: int) -> Tensor:
-    h = _HADAMARD.get(dv)
+def _hadamard(dv: int, device: torch.device) -> Tensor:
+    h = _HADAMARD.get((dv, device))
     if h is None:
-        h = _HADAMARD[dv] = hadamard_matrix(dv, torch.float32).contiguous()
+        h = _HADAMARD[(dv, device)] = hadamard_matrix(dv, torch.float32).contiguous().to(device)
     return h
 
 
@@ -94,9 +99,13 @@ def _extras(
     sink_tokens: int,
     group_tokens: int,
     value_head_dim: int,
+    device: torch.device | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, int, Tensor, int, Tensor]:
-    """The issue-8 arguments of the kernel's entry points (empty tensors where unused):
-    widths, payload, cos, sin, table base, position offsets, sink tokens, value transform."""
+    """The issue-8 arguments of the kernels' entry points (empty tensors where unused):
+    widths, payload, cos, sin, table base, position offsets, sink tokens, value transform.
+    The cos/sin tables and the transform live on ``device`` (default: the CPU), cached; the
+    position offsets are a host tensor."""
+    device = torch.device("cpu") if device is None else device
     empty = _EMPTY
     widths = empty
     if decode.kind == KEYS_WIDTHS:  # the uint8 width table
@@ -112,9 +121,9 @@ def _extras(
         used = group_counts > 0
         lo = int(first[used].min()) if used.any() else 0
         hi = int(last[used].max()) if used.any() else 1
-        base, cos, sin = rope_table(rotary, lo, hi)
+        base, cos, sin = rope_table(rotary, lo, hi, device)
         offsets = torch.from_numpy(np.ascontiguousarray(position_offsets, dtype=np.int64))
-    had = _hadamard(value_head_dim) if decode.value_hadamard else empty
+    had = _hadamard(value_head_dim, device) if decode.value_hadamard else empty
     return widths, pay, cos, sin, base, offsets, sink_tokens, had
 
 

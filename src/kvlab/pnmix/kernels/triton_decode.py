@@ -528,11 +528,13 @@ def _merge_kernel(
     )
 
 
-def _pointer(t: Tensor) -> Tensor:
-    """``t``, or a one-element tensor of its dtype and device when ``t`` is empty (a
-    zero-size buffer, e.g. no sink slots: kernels never load from it, but a launch needs a
-    valid pointer)."""
-    return t if t.numel() else torch.zeros(1, dtype=t.dtype, device=t.device)
+def _pointer(t: Tensor, device: torch.device | None = None) -> Tensor:
+    """``t``, or a one-element tensor of its dtype on ``device`` (default: ``t``'s) when ``t``
+    is empty (a zero-size buffer, e.g. no sink slots, or an unused table: kernels never load
+    from it, but a launch needs a valid pointer on the kernel's device)."""
+    if t.numel():
+        return t
+    return torch.zeros(1, dtype=t.dtype, device=t.device if device is None else device)
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -594,6 +596,7 @@ def packed_attention_triton(
         sink_tokens=kv.sink_tokens,
         group_tokens=t,
         value_head_dim=dv,
+        device=dev,
     )
     e_bytes = payload.shape[-1] if payload.numel() else 0
     n_out = e_bytes // (kv.sink_keys.element_size() + 2)
@@ -613,11 +616,11 @@ def packed_attention_triton(
         mask,
         _pointer(kv.layout.first),
         _pointer(kv.layout.second),
-        _pointer(widths.to(dev)),
-        _pointer(payload.contiguous()),
-        _pointer(cos.to(dev)),
-        _pointer(sin.to(dev)),
-        _pointer(offsets.to(dev)),
+        _pointer(widths, dev),
+        _pointer(payload.contiguous(), dev),
+        _pointer(cos, dev),
+        _pointer(sin, dev),
+        _pointer(offsets.to(dev, non_blocking=True), dev),
         part_m,
         part_l,
         part_acc,
@@ -673,7 +676,7 @@ def packed_attention_triton(
         q,
         mu_rows,
         sinks,
-        _pointer(hadamard.to(dev)),
+        _pointer(hadamard, dev),
         out,
         m_rows,
         nq,
