@@ -4,16 +4,26 @@ Single-query decode attention (SmolLM2-135M shape: 9 query heads, 3 kv heads, he
 batch 1) over contexts of 1K–32K tokens. Rows, timed in the same process with
 ``torch.utils.benchmark`` (median of ``blocked_autorange``):
 
-* ``pnmix_packed``   — :func:`kvlab.pnmix.attention.pnmix_attention` on the packed cache;
+* ``pnmix_<backend>`` — :func:`kvlab.pnmix.attention.pnmix_attention` on the packed cache with
+  each backend of ``--backends`` (``torch``: the reference; ``cpu``: the compiled C++ kernel;
+  ``triton``: the Triton kernel, CUDA);
 * ``dequant_sdpa``   — dequantize the whole PN-Mix cache, then SDPA (what ``transformers``'
   ``QuantizedCache`` does every decode step);
 * ``sdpa_fp16`` / ``sdpa_fp32`` — SDPA over the exact cache in that dtype.
 
-Ratios are against ``sdpa_fp32`` of the same context. Bytes are the cache's persistent bytes
+``--codings`` names the PN-Mix configurations: ``seed`` (``PNMixConfig`` defaults with
+``--group-tokens``: the 2-bit Cartesian/Phase–Norm mix) and any uncalibrated entry of
+:data:`kvlab.evaluation.methods.PNMIX_METHODS` (e.g. ``pn-mix``: pre-RoPE per-pair widths, 1 %
+exact outliers, Hadamard values, groups of 32), built with the shape's RoPE; its per-pair
+tables are computed from the prefill's (random) queries, as in a model's prefill.
+
+Ratios are against ``sdpa_fp32`` of the same context; the table has one line per context and
+backend. Bytes are the cache's persistent bytes
 (PN-Mix: counted from its stored tensors) and the exact cache's tensor bytes. Throughput of
 quantize+pack is the time of one ``PNMixCache.append`` of the whole context (prefill).
 
-    python benchmarks/pnmix_attention.py --contexts 1024,4096,16384,32768 --out bench.json
+    python benchmarks/pnmix_attention.py --contexts 1024,4096,16384,32768 --backends torch,cpu \
+        --codings seed,pn-mix --out bench.json
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 from kvlab.device import accelerator_info, resolve_device
+from kvlab.evaluation.methods import PNMIX_METHODS
 from kvlab.pnmix.attention import pnmix_attention
 from kvlab.pnmix.cache import PNMixCache, PNMixConfig
 from kvlab.rope import RotaryConfig, apply_rotary
@@ -41,12 +52,42 @@ def _median_seconds(fn, min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
+def coding_config(name: str, group_tokens: int) -> PNMixConfig:
+    """The PN-Mix configuration ``name`` (module docstring)."""
+    if name == "seed":
+        return PNMixConfig(group_tokens=group_tokens)
+    entry = dict(PNMIX_METHODS.get(name, {"missing": True}))
+    if "missing" in entry or entry.pop("calibrated", False):
+        raise SystemExit(f"--codings: {name!r} is not 'seed' or an uncalibrated PN-Mix method")
+    return PNMixConfig(**entry)
+
+
 def run(
-    contexts: list[int], device: torch.device, min_run_time: float, group_tokens: int = 128
+    contexts: list[int],
+    device: torch.device,
+    min_run_time: float,
+    group_tokens: int = 128,
+    backends: tuple[str, ...] = ("torch",),
+    codings: tuple[str, ...] = ("seed",),
+) -> list[dict]:
+    rows = []
+    for coding in codings:
+        rows += _run_coding(coding, contexts, device, min_run_time, group_tokens, backends)
+    return rows
+
+
+def _run_coding(
+    coding: str,
+    contexts: list[int],
+    device: torch.device,
+    min_run_time: float,
+    group_tokens: int,
+    backends: tuple[str, ...],
 ) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
     rotary = RotaryConfig(head_dim=HEAD_DIM, base=100000.0)
+    config = coding_config(coding, group_tokens)
     for length in contexts:
         positions = torch.arange(length)
         keys = apply_rotary(
@@ -57,20 +98,26 @@ def run(
             torch.randn(1, HEADS_Q, 1, HEAD_DIM, generator=gen), torch.tensor([length - 1]), rotary
         ).to(device)
         cache = PNMixCache(
-            PNMixConfig(group_tokens=group_tokens),
+            config,
             batch_size=1,
             num_key_value_heads=HEADS_KV,
             head_dim=HEAD_DIM,
             device=device,
+            rotary=rotary,
         )
+        prefill_queries = None
+        if config.key_codec.table_bits:  # query-aware tables read the prefill's queries
+            prefill_queries = apply_rotary(
+                torch.randn(1, HEADS_Q, length, HEAD_DIM, generator=gen), positions, rotary
+            ).to(device)
         start = time.perf_counter()
-        cache.append(keys, values)
+        cache.append(keys, values, queries=prefill_queries)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         quantize_seconds = time.perf_counter() - start
 
-        def packed(c: PNMixCache = cache, q: torch.Tensor = query) -> torch.Tensor:
-            return pnmix_attention(q, c, causal=False)
+        def packed(backend: str, c: PNMixCache = cache, q: torch.Tensor = query) -> torch.Tensor:
+            return pnmix_attention(q, c, causal=False, backend=backend)
 
         def dequant(c: PNMixCache = cache, q: torch.Tensor = query) -> torch.Tensor:
             k, v = c.dequantize()
@@ -85,21 +132,27 @@ def run(
             k, v, q = tensors[dtype]
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-        assert torch.allclose(packed(), dequant(), atol=1e-4, rtol=1e-4)
+        reference = dequant()
+        for backend in backends:
+            assert torch.allclose(packed(backend), reference, atol=1e-4, rtol=1e-4), backend
         times = {
-            "pnmix_packed": _median_seconds(packed, min_run_time),
-            "dequant_sdpa": _median_seconds(dequant, min_run_time),
-            "sdpa_fp16": _median_seconds(lambda: sdpa(torch.float16), min_run_time),
-            "sdpa_fp32": _median_seconds(lambda: sdpa(torch.float32), min_run_time),
+            f"pnmix_{b}": _median_seconds(lambda b=b: packed(b), min_run_time) for b in backends
         }
+        times["dequant_sdpa"] = _median_seconds(dequant, min_run_time)
+        times["sdpa_fp16"] = _median_seconds(lambda: sdpa(torch.float16), min_run_time)
+        times["sdpa_fp32"] = _median_seconds(lambda: sdpa(torch.float32), min_run_time)
         base = times["sdpa_fp32"]
         rows.append(
             {
+                "coding": coding,
                 "context_tokens": length,
+                "backends": list(backends),
                 "seconds": times,
                 "ratio_vs_sdpa_fp32": {name: t / base for name, t in times.items()},
                 "pnmix_persistent_bytes": cache.persistent_bytes,
-                "phase_norm_pairs": int(cache.phase_norm_pairs.sum()),
+                "phase_norm_pairs": (
+                    None if cache.phase_norm_pairs is None else int(cache.phase_norm_pairs.sum())
+                ),
                 "fp16_cache_bytes": 2 * keys.numel() * 2,
                 "fp32_cache_bytes": 2 * keys.numel() * 4,
                 "quantize_pack_tokens_per_second": length / quantize_seconds,
@@ -110,19 +163,23 @@ def run(
 
 def render(rows: list[dict]) -> str:
     head = (
-        "| context | PN-Mix packed | dequant+SDPA | SDPA fp16 | SDPA fp32 | packed / dequant "
-        "| PN-Mix bytes | fp16 bytes | quantize+pack tok/s | Phase–Norm pairs |"
+        "| coding | context | backend | PN-Mix packed | packed / SDPA fp32 | SDPA fp32 "
+        "| SDPA fp16 | dequant+SDPA | PN-Mix bytes | fp16 bytes | quantize+pack tok/s "
+        "| Phase–Norm pairs |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         s = r["seconds"]
-        lines.append(
-            f"| {r['context_tokens']} | {s['pnmix_packed'] * 1e3:.3f} ms "
-            f"| {s['dequant_sdpa'] * 1e3:.3f} ms | {s['sdpa_fp16'] * 1e3:.3f} ms "
-            f"| {s['sdpa_fp32'] * 1e3:.3f} ms | {s['pnmix_packed'] / s['dequant_sdpa']:.2f}× "
-            f"| {r['pnmix_persistent_bytes']:,} | {r['fp16_cache_bytes']:,} "
-            f"| {r['quantize_pack_tokens_per_second']:,.0f} | {r['phase_norm_pairs']} / 96 |"
-        )
+        for backend in r["backends"]:
+            t = s[f"pnmix_{backend}"]
+            pn = "–" if r["phase_norm_pairs"] is None else f"{r['phase_norm_pairs']} / 96"
+            lines.append(
+                f"| {r['coding']} | {r['context_tokens']} | {backend} | {t * 1e3:.3f} ms "
+                f"| {t / s['sdpa_fp32']:.2f}× | {s['sdpa_fp32'] * 1e3:.3f} ms "
+                f"| {s['sdpa_fp16'] * 1e3:.3f} ms | {s['dequant_sdpa'] * 1e3:.3f} ms "
+                f"| {r['pnmix_persistent_bytes']:,} | {r['fp16_cache_bytes']:,} "
+                f"| {r['quantize_pack_tokens_per_second']:,.0f} | {pn} |"
+            )
     return "\n".join(lines)
 
 
@@ -133,13 +190,28 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per row")
     parser.add_argument("--group-tokens", type=int, default=128, help="PN-Mix key group (tokens)")
+    parser.add_argument(
+        "--backends",
+        default=None,
+        help="packed-attention backends to time, comma-separated (default: torch,cpu on the "
+        "CPU, torch,triton on CUDA)",
+    )
+    parser.add_argument(
+        "--codings",
+        default="seed",
+        help="PN-Mix configurations, comma-separated: 'seed' and/or PN-Mix method names "
+        "(e.g. pn-mix)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench/pnmix_attention.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     contexts = [int(c) for c in args.contexts.split(",")]
-    rows = run(contexts, device, args.min_run_time, args.group_tokens)
+    default = "torch,triton" if device.type == "cuda" else "torch,cpu"
+    backends = tuple(b.strip() for b in (args.backends or default).split(","))
+    codings = tuple(c.strip() for c in args.codings.split(","))
+    rows = run(contexts, device, args.min_run_time, args.group_tokens, backends, codings)
     machine = {
         "accelerator": accelerator_info(device).label,
         "processor": platform.machine(),
@@ -153,6 +225,8 @@ def main() -> None:
             "query_tokens": 1,
         },
         "group_tokens": args.group_tokens,
+        "codings": list(codings),
+        "backends": list(backends),
     }
     table = render(rows)
     print(json.dumps(machine))

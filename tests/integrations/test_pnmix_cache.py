@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from kernel_checks import require_cpu_kernel
 from transformers import DynamicCache
 
 from kvlab.integrations import KVLAB_ATTENTION, PNMixModelCache, use_attention
@@ -483,3 +485,50 @@ def test_deferred_checks_of_decode_forwards(make_llama):
         model(ids[:, :1], cache=cache)
         with pytest.raises(ValueError, match="layer 1"):
             cache.check_values()
+
+
+# ---------------------------------------------------------------- backends
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_cpu_backend_decodes_like_the_reference_in_the_model(make_llama, monkeypatch, config):
+    """Decode steps of a padded batch with the compiled CPU backend (single-token forwards
+    through the fused decode step) against the torch reference, for the seed layout and the
+    issue-8 ``pn-mix`` codecs (per-pair widths, outliers, pre-RoPE keys, Hadamard values):
+    logits equal to float32 rounding; layer 0 (whose keys do not depend on any attention
+    output) stores the same bytes (the fused append is exact)."""
+    require_cpu_kernel()
+    from kvlab.pnmix.kernels import cpu
+
+    fused = []
+    original = cpu.decode_step_cpu
+    monkeypatch.setattr(
+        cpu, "decode_step_cpu", lambda *a, **k: fused.append(1) or original(*a, **k)
+    )
+    model = make_llama(seed=23)
+    gen = torch.Generator().manual_seed(24)
+    ids, mask = _left_padded([torch.randint(3, 96, (n,), generator=gen) for n in (40, 33)])
+    steps = torch.randint(3, 96, (2, 20), generator=gen)
+    runs = {}
+    for backend in ("torch", "cpu"):
+        monkeypatch.setenv("KVLAB_PNMIX_BACKEND", backend)
+        cache = PNMixModelCache(model.config, PNMixConfig(**CONFIGS[config]))
+        logits = []
+        with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+            model(ids, attention_mask=mask, cache=cache)
+            for t in range(20):
+                full = torch.cat([mask, torch.ones(2, t + 1, dtype=torch.long)], 1)
+                out = model(steps[:, t : t + 1], attention_mask=full, cache=cache)
+                logits.append(out.logits[:, -1])
+        runs[backend] = (torch.stack(logits), cache)
+    (ref, ref_cache), (got, got_cache) = runs["torch"], runs["cpu"]
+    assert not isinstance(got_cache.layers[0].store.kernel_decode, str)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    layers = len(ref_cache.layers)
+    # the fused step ran in the cpu run (not in "torch"): every step but a row's flush (each
+    # row flushes at most twice in 20 steps of groups of 16)
+    assert len(fused) >= 16 * layers
+    for a, b in zip(ref_cache.layers, got_cache.layers, strict=True):
+        assert np.array_equal(a.store.store.counts, b.store.store.counts)
+    a, b = ref_cache.layers[0].store.store, got_cache.layers[0].store.store
+    for name in ("key_codes", "key_scalars", "key_payload", "value_codes", "residual_keys"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(a.sink_keys, b.sink_keys)

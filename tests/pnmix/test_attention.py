@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_checks import phase_norm_channels, require_cpu_kernel
 
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
+from kvlab.pnmix.attention import packed_attention_reference, packed_kv
 
 CODINGS = ["mix", "cartesian", "phase_norm", "per_token"]
 
@@ -217,14 +219,22 @@ def _outlier_keys(variant: str, gen: torch.Generator) -> torch.Tensor:
     return k
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("variant", ["channel", "pair", "half", "all"])
 @pytest.mark.parametrize("coding", CODINGS)
-def test_large_zero_points_agree_with_dequantize_then_attend(coding: str, variant: str) -> None:
+def test_large_zero_points_agree_with_dequantize_then_attend(
+    coding: str, variant: str, backend: str
+) -> None:
     """bfloat16 keys near -7e4 (issue 11): packed attention agrees with float64
     dequantize-then-attend to float32 rounding relative to the spread of the keys within a
     row (what softmax depends on), not their magnitude: error <= 2 eps * max_t |q| . |k_t - k_0|
     * max |v|. The folded ``q . zero + (q . scale) . codes`` form of the list-of-groups
-    storage missed this bound by up to 9x here (cancellation of the -7e4 zero points)."""
+    storage missed this bound by up to 9x here (cancellation of the -7e4 zero points). The
+    compiled CPU kernel decodes Cartesian and per-token elements bit for bit as dequantize()
+    does; its Phase–Norm cosines may differ by an ulp, which is rounding relative to the pair's
+    norm: for Phase–Norm channels the bound adds 2 eps * |q| . r * max |v|."""
+    if backend == "cpu":
+        require_cpu_kernel()
     gen = torch.Generator().manual_seed(7)
     cfg = PNMixConfig(
         sink_tokens=4,
@@ -237,11 +247,18 @@ def test_large_zero_points_agree_with_dequantize_then_attend(coding: str, varian
     cache.append(_outlier_keys(variant, gen), torch.randn(1, 2, 200, 16, generator=gen))
     eps = torch.finfo(torch.float32).eps
     keys, values = cache.dequantize()
+    pn = phase_norm_channels(cache)[:, :, None, :] & (backend == "cpu")
+    first, second = cache.pair_indices
+    norm = torch.zeros_like(keys)
+    norm[..., first] = norm[..., second] = torch.sqrt(
+        keys[..., first] ** 2 + keys[..., second] ** 2
+    )
     for scale in (1e-2, 1.0):
         q = torch.randn(1, 4, 3, 16, generator=gen) * scale
-        out = pnmix_attention(q, cache)
+        out = pnmix_attention(q, cache, backend=backend)
         ref = reference(q, cache)
-        spread = (keys - keys[:, :, :1]).abs().double().repeat_interleave(2, dim=1)  # [B,Hq,T,D]
+        spread = (keys - keys[:, :, :1]).abs() + torch.where(pn, norm, 0.0)
+        spread = spread.double().repeat_interleave(2, dim=1)  # [B, Hq, T, D]
         logit_scale = (q.abs().double() @ spread.transpose(-1, -2)).max() / 4  # / sqrt(D)
         tol = 2 * eps * float(logit_scale) * float(values.abs().max()) + 4 * eps
         err = float((out.double() - ref).abs().max())
@@ -292,7 +309,9 @@ def test_padded_rows_attend_like_each_row_alone() -> None:
             assert bool((out[i, :, : nq - real] == 0).all())
 
 
-def test_backend_dispatch() -> None:
+def test_backend_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``backend="torch"`` is the reference; the environment variable selects when the
+    argument is ``"auto"``; unknown names are refused (details: tests/pnmix/test_kernels.py)."""
     k, v = make_kv(1, 2, 40, 8, 8, seed=10)
     cache = PNMixCache(
         PNMixConfig(sink_tokens=2, residual_tokens=2, group_tokens=4),
@@ -302,6 +321,14 @@ def test_backend_dispatch() -> None:
     )
     cache.append(k, v)
     q = torch.randn(1, 2, 3, 8)
-    assert torch.equal(pnmix_attention(q, cache, backend="torch"), pnmix_attention(q, cache))
+    kv = packed_kv(cache)
+    expected = packed_attention_reference(q, kv, scale=8**-0.5, block_groups=1024)
+    assert torch.equal(pnmix_attention(q, cache, backend="torch"), expected)
+    monkeypatch.setenv("KVLAB_PNMIX_BACKEND", "torch")
+    assert torch.equal(pnmix_attention(q, cache), expected)
     with pytest.raises(ValueError, match="backend"):
         pnmix_attention(q, cache, backend="triton-not-here")
+    monkeypatch.setenv("KVLAB_PNMIX_BACKEND", "fast")
+    with pytest.raises(ValueError, match="KVLAB_PNMIX_BACKEND"):
+        pnmix_attention(q, cache)
+    assert cache.attention_calls == 2

@@ -58,7 +58,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView, dense_causal_attention
 from kvlab.integrations.model_support import layer_rotary, plan_model
-from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
+from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
 from kvlab.rope import RotaryConfig
 
 __all__ = ["PNMixLayer", "PNMixModelCache", "PNMixView", "pnmix_config_for_model"]
@@ -232,6 +232,20 @@ class PNMixView(CacheView):
         """
         softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
         layer = self.layer
+        decode = layer.take_decode_token(attention_mask)
+        if decode is not None:  # a single-token forward: append + attend in one step
+            keys, values, store = decode
+            out = pnmix_decode_step(
+                query,
+                keys,
+                values,
+                store,
+                scale=scaling,
+                logit_softcap=softcap,
+                sink_logits=s_aux,
+            )
+            layer.columns += 1
+            return out
         exact = layer.commit(attention_mask, query)
         store = layer.store
         if store is None:
@@ -348,6 +362,25 @@ class PNMixLayer(CacheLayerMixin):
         self._pending = (key_states, value_states)
         view = PNMixView(self)
         return view, view
+
+    def take_decode_token(
+        self, attention_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor, PNMixCache] | None:
+        """For a single-token forward: take the stashed token (the mask's format checked, its
+        last column's check deferred, as :meth:`commit` does) and return ``(keys, values,
+        store)`` for the caller to append and attend (:func:`kvlab.pnmix.pnmix_decode_step`;
+        then it adds the column); else ``None`` (nothing changes).
+
+        Raises:
+            ValueError: a bad mask; the stash is dropped and the store is unchanged.
+        """
+        pending, store = self._pending, self._store
+        if pending is None or store is None or pending[0].shape[2] != 1:
+            return None
+        self._pending = None
+        keys, values = pending
+        self._shared.lengths(attention_mask, keys.shape[0], 1, self.columns, None)
+        return keys, values, store
 
     def commit(
         self, attention_mask: Tensor | None, query: Tensor | None = None

@@ -12,17 +12,23 @@ Modules: :mod:`~kvlab.pnmix.packing` (bitstream packing), :mod:`~kvlab.pnmix.qua
 (elementary min-max and Phase–Norm quantizers), :mod:`~kvlab.pnmix.codecs` (key codecs, the one
 seam every key coding goes through), :mod:`~kvlab.pnmix.store` (contiguous per-layer buffers),
 :mod:`~kvlab.pnmix.config` (the configuration), :mod:`~kvlab.pnmix.cache` (the one-layer
-cache), :mod:`~kvlab.pnmix.attention` (packed attention), :mod:`~kvlab.pnmix.allocation`
-(per-layer group sizes under a byte budget), :mod:`~kvlab.pnmix.width_codec` (per-pair widths
-and outliers), :mod:`~kvlab.pnmix.values` (value codecs), :mod:`~kvlab.pnmix.bitalloc`,
-:mod:`~kvlab.pnmix.outliers`, :mod:`~kvlab.pnmix.prerope`, :mod:`~kvlab.pnmix.hadamard` (the
-functions those build on).
+cache), :mod:`~kvlab.pnmix.attention` (packed attention: the torch reference, the dispatch and
+the fused decode step), :mod:`~kvlab.pnmix.kernels` (the compiled backends: a C++ CPU kernel and
+a Triton kernel), :mod:`~kvlab.pnmix.allocation` (per-layer group sizes under a byte budget),
+:mod:`~kvlab.pnmix.width_codec` (per-pair widths and outliers), :mod:`~kvlab.pnmix.values`
+(value codecs), :mod:`~kvlab.pnmix.bitalloc`, :mod:`~kvlab.pnmix.outliers`,
+:mod:`~kvlab.pnmix.prerope`, :mod:`~kvlab.pnmix.hadamard` (the functions those build on).
 """
 
 from __future__ import annotations
 
 from kvlab.pnmix.allocation import allocate_group_tokens
-from kvlab.pnmix.attention import PackedKV, packed_attention_reference, pnmix_attention
+from kvlab.pnmix.attention import (
+    PackedKV,
+    packed_attention_reference,
+    pnmix_attention,
+    pnmix_decode_step,
+)
 from kvlab.pnmix.cache import PackedGroup, PNMixCache
 from kvlab.pnmix.codecs import (
     CartesianCodec,
@@ -70,6 +76,7 @@ __all__ = [
     "packed_attention_reference",
     "packed_length",
     "pnmix_attention",
+    "pnmix_decode_step",
     "query_logit_saliency",
     "unpack_codes",
 ]

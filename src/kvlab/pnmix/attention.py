@@ -4,7 +4,9 @@
 The torch reference (:func:`packed_attention_reference`) takes the raw buffers of a
 :class:`~kvlab.pnmix.store.PackedStore` plus the per-row counts and the codec description
 (:class:`PackedKV`), which is what a compiled kernel reads too; :func:`pnmix_attention` is the
-public entry point and dispatches to a backend (``"torch"`` today).
+public entry point and dispatches to a backend: the reference, or a compiled kernel
+(:mod:`kvlab.pnmix.kernels`) for the configurations that kernel supports (docs/design.md,
+"Kernels").
 
 Algorithm (split-K softmax, as FlashDecoding): the stream of every row — exact sinks, quantized
 groups, exact residual — is cut into segments: the exact tokens (sinks and residual together)
@@ -44,6 +46,7 @@ from torch import Tensor
 from kvlab.attention_logits import softcap_logits
 from kvlab.pnmix.cache import PNMixCache
 from kvlab.pnmix.codecs import KeyCodec, KeyLayout
+from kvlab.pnmix.kernels.dispatch import BACKENDS, select_backend
 from kvlab.pnmix.packing import unpack_codes
 from kvlab.pnmix.values import ValueCodec
 from kvlab.rope import RotaryConfig, rotate_by_delta
@@ -56,12 +59,10 @@ __all__ = [
     "packed_attention_reference",
     "packed_kv",
     "pnmix_attention",
+    "pnmix_decode_step",
     "rotate_to_positions",
     "transform_values",
 ]
-
-BACKENDS: tuple[str, ...] = ("torch",)
-"""Backends :func:`pnmix_attention` can dispatch to (``"auto"`` picks the first available)."""
 
 _DEFAULT_BLOCK_TOKENS = 4096
 
@@ -429,8 +430,13 @@ def pnmix_attention(
             ``False`` = every query sees its row's whole stream.
         block_groups: quantized groups decoded at a time (bounds temporary memory);
             default: as many as make 4,096 tokens (at least one).
-        backend: ``"torch"`` (the reference, :func:`packed_attention_reference`) or
-            ``"auto"`` (the best available: ``"torch"`` today).
+        backend: ``"torch"`` (the reference, :func:`packed_attention_reference`), ``"cpu"``
+            (the compiled C++ kernel), ``"triton"`` (CUDA), or ``"auto"``: the argument wins,
+            then the environment variable ``KVLAB_PNMIX_BACKEND``, then the automatic rule
+            (CUDA: ``"triton"`` when installed, else ``"torch"``; CPU: ``"cpu"``, compiled on
+            first use, else ``"torch"``; :mod:`kvlab.pnmix.kernels.dispatch`). Compiled
+            backends agree with the reference to float32 rounding (docs/design.md,
+            "Kernels").
         logit_softcap: Gemma 2 attention-logit soft-cap applied to the scaled logits before
             the causal mask (:func:`kvlab.attention_logits.softcap_logits`), or ``None``.
         sink_logits: ``[H_q]`` learned sink logits (GPT-OSS ``s_aux``): one extra logit per
@@ -446,7 +452,10 @@ def pnmix_attention(
     Raises:
         ValueError: wrong rank, dtype or shape; ``H_q`` not a multiple of ``H_kv``; ``Q``
             larger than the longest row; an empty cache; ``block_groups < 1``; an unknown
-            backend; ``sink_logits`` not ``[H_q]``; ``logit_softcap`` not a positive number.
+            backend; ``sink_logits`` not ``[H_q]``; ``logit_softcap`` not a positive number;
+            an explicit compiled backend for a codec or device it does not handle.
+        RuntimeError: an explicit backend that is unavailable here (not installed, not
+            compiled).
     """
     if not isinstance(cache, PNMixCache):
         raise ValueError(f"cache must be a PNMixCache, got {type(cache).__name__}")
@@ -477,14 +486,130 @@ def pnmix_attention(
         softcap_logits(query.new_zeros(()), logit_softcap)  # validates the cap
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    out = packed_attention_reference(
+    decode = cache.kernel_decode
+    chosen = select_backend(backend, cache.device, decode)
+    kv = packed_kv(cache)
+    if chosen == "torch":
+        out = packed_attention_reference(
+            query,
+            kv,
+            scale=scale,
+            causal=causal,
+            block_groups=block_groups,
+            logit_softcap=logit_softcap,
+            sink_logits=sink_logits,
+        )
+    else:
+        assert not isinstance(decode, str)
+        if chosen == "cpu":
+            from kvlab.pnmix.kernels.cpu import packed_attention_cpu as kernel
+        else:
+            from kvlab.pnmix.kernels.triton_decode import packed_attention_triton as kernel
+        out = kernel(
+            query,
+            kv,
+            decode,
+            _reference_keys(kv),
+            scale=scale,
+            causal=causal,
+            logit_softcap=logit_softcap,
+            sink_logits=sink_logits,
+        )
+    cache._record_attention_call()
+    return out.to(device=query.device, dtype=query.dtype)
+
+
+def _valid_cap(cap: float | None) -> bool:
+    return cap is None or (isinstance(cap, (int, float)) and 0.0 < float(cap) < math.inf)
+
+
+def pnmix_decode_step(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    cache: PNMixCache,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+    logit_softcap: float | None = None,
+    sink_logits: Tensor | None = None,
+) -> Tensor:
+    """One decode step of one layer: ``cache.append(keys, values, checks="deferred",
+    queries=query)`` (the queries when they match the tokens' ``[B, ., T, .]``), then
+    ``pnmix_attention(query, cache, causal=True, ...)`` over the rows including the new token.
+
+    When the backend is ``"cpu"`` and the append only writes one residual slot per row
+    (:meth:`PNMixCache.single_token_fits`: one token per row, sinks full, no flush — all but
+    one step in ``group_tokens``), both run in ONE compiled call (docs/design.md, "Kernels"):
+    the stored bytes and counts are exactly the append's; the output is the ``"cpu"`` backend's.
+    Otherwise the two calls run as written.
+
+    Args:
+        query: ``[B, H_q, Q, D]`` (the fast path needs ``Q = 1``).
+        keys, values: ``[B, H_kv, T, D|Dv]`` new tokens (the fast path needs ``T = 1``).
+        cache, scale, backend, logit_softcap, sink_logits: as in :func:`pnmix_attention`.
+
+    Returns:
+        ``[B, H_q, Q, Dv]`` in ``query``'s dtype.
+
+    Raises:
+        ValueError: what :meth:`PNMixCache.append` or :func:`pnmix_attention` raise.
+        RuntimeError: an explicit backend that is unavailable.
+    """
+    if (
+        isinstance(cache, PNMixCache)
+        and isinstance(query, Tensor)
+        and query.dim() == 4
+        and query.shape[2] == 1
+        and query.is_floating_point()
+        and query.shape[0] == cache.batch_size
+        and query.shape[3] == cache.head_dim
+        and query.shape[1] % cache.num_key_value_heads == 0
+        and query.device == cache.device
+        and isinstance(keys, Tensor)
+        and isinstance(values, Tensor)
+        and _valid_cap(logit_softcap)
+        and (sink_logits is None or tuple(sink_logits.shape) == (query.shape[1],))
+    ):
+        decode = cache.kernel_decode
+        if cache.single_token_fits(keys, values) and (
+            select_backend(backend, cache.device, decode) == "cpu"
+        ):
+            from kvlab.pnmix.kernels.cpu import decode_step_cpu
+
+            assert not isinstance(decode, str)
+            out = decode_step_cpu(
+                query,
+                keys,
+                values,
+                cache,
+                decode,
+                cache.deferred_flag(),
+                scale=1.0 / math.sqrt(query.shape[3]) if scale is None else scale,
+                logit_softcap=logit_softcap,
+                sink_logits=sink_logits,
+            )
+            cache.commit_single_token()
+            cache._record_attention_call()
+            return out if out.dtype == query.dtype else out.to(query.dtype)
+    # the forward's queries feed a query-aware per-pair table computed by this append (a row's
+    # first flush), exactly as the two-call path of the model integration passes them
+    queries = (
+        query
+        if isinstance(query, Tensor)
+        and isinstance(keys, Tensor)
+        and query.dim() == 4
+        and keys.dim() == 4
+        and tuple(query.shape[::2]) == (keys.shape[0], keys.shape[2])
+        else None
+    )
+    cache.append(keys, values, checks="deferred", queries=queries)
+    return pnmix_attention(
         query,
-        packed_kv(cache),
+        cache,
         scale=scale,
-        causal=causal,
-        block_groups=block_groups,
+        causal=True,
+        backend=backend,
         logit_softcap=logit_softcap,
         sink_logits=sink_logits,
     )
-    cache._record_attention_call()
-    return out.to(device=query.device, dtype=query.dtype)

@@ -58,6 +58,7 @@ from kvlab.pnmix.codecs import (
     TableStatistics,
 )
 from kvlab.pnmix.config import KeyCoding, PNMixConfig, check_int
+from kvlab.pnmix.kernels.spec import KernelKeyDecode, kernel_key_decode
 from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
 from kvlab.pnmix.quantizers import storage_range_message
 from kvlab.pnmix.store import AppendPlan, EncodedGroups, PackedStore, StoreGeometry
@@ -203,6 +204,7 @@ class PNMixCache:
         payload = codec.payload_bytes(config.group_tokens, head_dim, config.storage_dtype)
         self._config = config
         self._codec = codec
+        self._kernel_decode = kernel_key_decode(codec, value_codec, payload)
         self._value_codec = value_codec
         self._rotary = rotary
         self._num_heads = num_key_value_heads
@@ -260,6 +262,12 @@ class PNMixCache:
     def codec(self) -> KeyCodec:
         """The key codec."""
         return self._codec
+
+    @property
+    def kernel_decode(self) -> KernelKeyDecode | str:
+        """The codec as compiled kernels decode it, or why they cannot
+        (:func:`kvlab.pnmix.kernels.spec.kernel_key_decode`; decided once, at construction)."""
+        return self._kernel_decode
 
     @property
     def value_codec(self) -> ValueCodec:
@@ -992,6 +1000,38 @@ class PNMixCache:
                 "them and should be reset. "
                 + storage_range_message("a value", self._config.storage_dtype)
             )
+
+    def single_token_fits(self, keys: Tensor, values: Tensor) -> bool:
+        """Whether appending ``keys [B, H_kv, 1, D]`` / ``values [B, H_kv, 1, Dv]`` (one token
+        per row, floating, on the storage device) only writes one residual slot per row: every
+        row's sinks are full and its residual takes the token without a flush. Then
+        :meth:`commit_single_token` after writing the slot equals ``append(keys, values,
+        checks="deferred")`` (the decode fast path, docs/design.md "Kernels")."""
+        g, s = self._geometry, self._store
+        return (
+            self._device_fixed
+            and keys.dim() == 4
+            and values.dim() == 4
+            and keys.shape == (g.batch_size, g.num_key_value_heads, 1, g.head_dim)
+            and values.shape == (g.batch_size, g.num_key_value_heads, 1, g.value_head_dim)
+            and keys.is_floating_point()
+            and values.is_floating_point()
+            and keys.device == s.device
+            and values.device == s.device
+            and s.single_token_room > 0
+        )
+
+    def deferred_flag(self) -> Tensor:
+        """The device flag that deferred appends AND their validity into (bool, 0-d; created
+        True on first use); :meth:`check_values` reads it."""
+        if self._pending_ok is None:
+            self._pending_ok = torch.ones((), dtype=torch.bool, device=self.device)
+        return self._pending_ok
+
+    def commit_single_token(self) -> None:
+        """Count the token a decode fast path wrote at residual slot ``residual_lengths`` of
+        every row (see :meth:`single_token_fits`)."""
+        self._store.note_residual_token()
 
     def pending_check(self) -> Tensor | None:
         """The device flag of appends not yet checked (True = all valid), or ``None``."""

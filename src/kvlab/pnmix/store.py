@@ -18,10 +18,11 @@ of the batch, kv head ``h``), its stream of tokens in order:
   ``mask [B, ceil(H * P * table_bits / 8)]`` uint8 (entry ``h * P + p`` of row ``b``'s
   little-endian bitstream of ``table_bits``-bit entries).
 
-Per-row counts live on the host (numpy int64 ``[B, H]``: :attr:`sink_lengths`,
-:attr:`group_counts`, :attr:`residual_lengths`), never read back from the device, and so do
-the rows' RoPE position offsets (:attr:`position_offsets`): the token at stream index ``i`` of
-row ``(b, h)`` sits at position ``position_offsets[b, h] + i``. Group buffers
+Per-row counts live on the host (numpy int64 ``[3, B, H]`` :attr:`counts`, also as a CPU tensor
+sharing its memory for kernels; views :attr:`sink_lengths`, :attr:`group_counts`,
+:attr:`residual_lengths`), never read back from the device, and so do the rows' RoPE position
+offsets (:attr:`position_offsets`): the token at stream index ``i`` of row ``(b, h)`` sits at
+position ``position_offsets[b, h] + i``. Group buffers
 grow by doubling; slots beyond a row's count hold zeros or stale finite data and are never read
 as tokens. Flush rule (per row): when the residual reaches ``residual_tokens + group_tokens``
 tokens the oldest ``group_tokens`` become one group; which tokens form which group depends only
@@ -214,11 +215,55 @@ class PackedStore:
         self.mask: Tensor | None = (
             torch.zeros((b, g.mask_bytes), dtype=torch.uint8, device=dev) if g.mask_bytes else None
         )
-        self.sink_lengths = np.zeros((b, h), dtype=np.int64)
-        self.group_counts = np.zeros((b, h), dtype=np.int64)
-        self.residual_lengths = np.zeros((b, h), dtype=np.int64)
+        self._set_counts(np.zeros((3, b, h), dtype=np.int64))
         self.mask_rows = np.zeros((b, h), dtype=bool)
         self.position_offsets = np.zeros((b, h), dtype=np.int64)
+
+    # ------------------------------------------------------------------ counts
+    def _set_counts(self, counts: np.ndarray) -> None:
+        self.counts = counts
+        self.counts_tensor = torch.from_numpy(counts)
+        self._update_room()
+
+    def _update_room(self) -> None:
+        g = self.geometry
+        full = int(self.counts[0].min(initial=g.sink_tokens)) == g.sink_tokens
+        used = int(self.counts[2].max(initial=0))
+        self.single_token_room = g.residual_capacity - used if full else 0
+
+    @property
+    def sink_lengths(self) -> np.ndarray:
+        """int64 ``[B, H]`` (host): sink tokens per row (a view of :attr:`counts`)."""
+        return self.counts[0]
+
+    @sink_lengths.setter
+    def sink_lengths(self, value: np.ndarray) -> None:
+        self.counts[0] = value
+
+    @property
+    def group_counts(self) -> np.ndarray:
+        """int64 ``[B, H]`` (host): quantized groups per row (a view of :attr:`counts`)."""
+        return self.counts[1]
+
+    @group_counts.setter
+    def group_counts(self, value: np.ndarray) -> None:
+        self.counts[1] = value
+
+    @property
+    def residual_lengths(self) -> np.ndarray:
+        """int64 ``[B, H]`` (host): residual tokens per row (a view of :attr:`counts`)."""
+        return self.counts[2]
+
+    @residual_lengths.setter
+    def residual_lengths(self, value: np.ndarray) -> None:
+        self.counts[2] = value
+
+    def note_residual_token(self) -> None:
+        """Count one token per row that a kernel wrote at residual slot ``residual_lengths``
+        (only while :attr:`single_token_room` > 0: sinks full, no flush)."""
+        assert self.single_token_room > 0
+        self.counts[2] += 1
+        self.single_token_room -= 1
 
     # ------------------------------------------------------------------ description
     @property
@@ -436,7 +481,8 @@ class PackedStore:
             self._write_rows(plan, keys, values, encoded)
         self.sink_lengths = self.sink_lengths + plan.sink_take
         self.group_counts = self.group_counts + plan.flush
-        self.residual_lengths = plan.residual_after.copy()
+        self.residual_lengths = plan.residual_after
+        self._update_room()
         assert int(self.sink_lengths.max(initial=0)) <= g.sink_tokens
 
     def _write_uniform(
@@ -600,12 +646,7 @@ class PackedStore:
             setattr(self, name, getattr(self, name).index_select(0, idx))
         if self.mask is not None:
             self.mask = self.mask.index_select(0, idx)
-        for name in (
-            "sink_lengths",
-            "group_counts",
-            "residual_lengths",
-            "mask_rows",
-            "position_offsets",
-        ):
-            setattr(self, name, getattr(self, name)[index].copy())
+        self.mask_rows = self.mask_rows[index].copy()
+        self.position_offsets = self.position_offsets[index].copy()
         self.geometry = dataclasses.replace(self.geometry, batch_size=int(index.shape[0]))
+        self._set_counts(self.counts[:, index].copy())

@@ -381,7 +381,7 @@ class BitAllocCodec(KeyCodec):
         stride = self.bits * d
         lead = packed.shape[:-1]
         shifts = torch.arange(8, device=packed.device)
-        stream = ((packed.long().unsqueeze(-1) >> shifts) & 1).reshape(*lead, -1)
+        stream = ((packed.long().unsqueeze(-1) >> shifts) & 1).reshape(*lead, 8 * packed.shape[-1])
         tokens = stream[..., : t * stride].reshape(*lead, t, stride).float()
         pos, weight = self._layout_index(table, layout)  # [L'..., D * W]
         pos = pos.unsqueeze(-2).expand(*lead, t, pos.shape[-1])

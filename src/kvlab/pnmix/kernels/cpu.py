@@ -1,0 +1,387 @@
+"""The compiled CPU backend of packed attention (docs/design.md, "Kernels").
+
+The C++ source (``cpu_kernel.cpp`` beside this module) is compiled once per machine on first
+use with ``torch.utils.cpp_extension.load_inline`` (``-O3 -march=native``, no fast-math,
+OpenMP when the compiler has it) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by
+default ``~/.cache/torch_extensions``); compiling takes about a minute and logs one line. If it
+cannot be compiled, :func:`load` logs the reason once and returns ``None``: the dispatcher then
+uses the torch reference.
+
+Entry points: :func:`packed_attention_cpu` (the attention of :class:`~kvlab.pnmix.attention.
+PackedKV` storage, what :func:`~kvlab.pnmix.attention.packed_attention_reference` computes) and
+:func:`append_residual_cpu` (one token per row into the residual, the decode step's append).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import platform
+import threading
+from importlib import resources
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvlab.pnmix.hadamard import hadamard_matrix
+from kvlab.pnmix.kernels.spec import KEYS_WIDTHS, KernelKeyDecode
+from kvlab.rope import RotaryConfig
+
+if TYPE_CHECKING:
+    from kvlab.pnmix.attention import PackedKV
+    from kvlab.pnmix.cache import PNMixCache
+
+__all__ = [
+    "append_residual_cpu",
+    "cpu_kernel_status",
+    "decode_step_cpu",
+    "load",
+    "packed_attention_cpu",
+]
+
+_LOG = logging.getLogger("kvlab")
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}
+_EMPTY = torch.empty(0)
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math"]
+_ROPE_TABLES: dict[tuple[RotaryConfig, torch.device], tuple[int, Tensor, Tensor]] = {}
+_HADAMARD: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def rope_table(
+    rotary: RotaryConfig, lo: int, hi: int, device: torch.device | None = None
+) -> tuple[int, Tensor, Tensor]:
+    """cos and sin of ``position * inv_freq`` for every position in ``[lo, hi)`` (and more):
+    ``(base, cos, sin)`` with float32 ``[rows, P]`` tables whose row ``i`` is position ``base
+    + i``; formed in float64 and rounded to float32, exactly as
+    :func:`kvlab.rope.rotate_by_delta` forms them (so that the kernel's rotated keys are the
+    reference's). Cached per RoPE configuration and device (default: the CPU) and grown by
+    doubling (amortized: a decode step almost never rebuilds or copies it)."""
+    device = torch.device("cpu") if device is None else device
+    cached = _ROPE_TABLES.get((rotary, device))
+    if cached is not None:
+        base, cos, _ = cached
+        if base <= lo and hi <= base + cos.shape[0]:
+            return cached
+        lo = min(lo, base)
+        hi = max(hi, base + 2 * cos.shape[0])
+    lo = min(lo, 0)
+    hi = max(hi, 4096)
+    positions = torch.arange(lo, hi, dtype=torch.float64)
+    angles = positions[:, None] * rotary.inv_freq()[None, :]
+    cos = torch.cos(angles).float().contiguous().to(device)
+    sin = torch.sin(angles).float().contiguous().to(device)
+    table = (lo, cos, sin)
+    _ROPE_TABLES[(rotary, device)] = table
+    return table
+
+
+def _hadamard(dv: int, device: torch.device) -> Tensor:
+    h = _HADAMARD.get((dv, device))
+    if h is None:
+        h = _HADAMARD[(dv, device)] = hadamard_matrix(dv, torch.float32).contiguous().to(device)
+    return h
+
+
+def _extras(
+    decode: KernelKeyDecode,
+    *,
+    mask: Tensor | None,
+    payload: Tensor | None,
+    rotary: RotaryConfig | None,
+    position_offsets: np.ndarray | None,
+    group_counts: np.ndarray,
+    sink_tokens: int,
+    group_tokens: int,
+    value_head_dim: int,
+    device: torch.device | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, int, Tensor, int, Tensor]:
+    """The issue-8 arguments of the kernels' entry points (empty tensors where unused):
+    widths, payload, cos, sin, table base, position offsets, sink tokens, value transform.
+    The cos/sin tables and the transform live on ``device`` (default: the CPU), cached; the
+    position offsets are a host tensor."""
+    device = torch.device("cpu") if device is None else device
+    empty = _EMPTY
+    widths = empty
+    if decode.kind == KEYS_WIDTHS:  # the uint8 width table
+        assert mask is not None
+        widths = mask.contiguous()
+    pay = payload if decode.payload_bytes and payload is not None else empty
+    cos = sin = offsets = empty
+    base = 0
+    if decode.rotate_to_position:
+        assert rotary is not None and position_offsets is not None
+        first = position_offsets + sink_tokens
+        last = first + group_counts * group_tokens
+        used = group_counts > 0
+        lo = int(first[used].min()) if used.any() else 0
+        hi = int(last[used].max()) if used.any() else 1
+        base, cos, sin = rope_table(rotary, lo, hi, device)
+        offsets = torch.from_numpy(np.ascontiguousarray(position_offsets, dtype=np.int64))
+    had = _hadamard(value_head_dim, device) if decode.value_hadamard else empty
+    return widths, pay, cos, sin, base, offsets, sink_tokens, had
+
+
+def _source() -> str:
+    return resources.files("kvlab.pnmix.kernels").joinpath("cpu_kernel.cpp").read_text("utf-8")
+
+
+def _module_name(source: str, flags: list[str]) -> str:
+    """A name unique to the source, flags, torch version and this CPU (``-march=native``
+    binaries must not be shared between different processors)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu += next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    digest = hashlib.sha256(
+        "\0".join([source, *flags, torch.__version__, cpu]).encode()
+    ).hexdigest()
+    return f"kvlab_pnmix_cpu_{digest[:16]}"
+
+
+def _built(name: str) -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
+    except Exception:  # a private helper: if it moved, just announce the build
+        return False
+
+
+def _compile() -> ModuleType:
+    from torch.utils.cpp_extension import load_inline
+
+    source = _source()
+    errors = []
+    for openmp in (["-fopenmp"], []):
+        flags = _FLAGS + openmp
+        name = _module_name(source, flags)
+        if not _built(name):
+            _LOG.warning(
+                "kvlab: compiling the PN-Mix CPU attention kernel (once per machine, about a "
+                "minute; set KVLAB_PNMIX_BACKEND=torch to skip it)"
+            )
+        try:
+            return load_inline(
+                name,
+                cpp_sources=[source],
+                functions=["packed_attention", "append_residual", "decode_step"],
+                extra_cflags=flags,
+                extra_ldflags=openmp,
+                verbose=False,
+            )
+        except Exception as err:  # compiler missing, flags refused, headers absent, ...
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            errors.append(f"{' '.join(flags)}: {lines[-1]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def load() -> ModuleType | None:
+    """The compiled module (compiled on the first call), or ``None`` when it cannot be built
+    (the reason is logged once and kept in :func:`cpu_kernel_status`)."""
+    with _LOCK:
+        if "module" not in _STATE:
+            try:
+                _STATE["module"] = _compile()
+            except Exception as err:
+                _STATE["module"] = None
+                _STATE["error"] = str(err)
+                _LOG.warning(
+                    "kvlab: the PN-Mix CPU attention kernel could not be compiled (%s); packed "
+                    "attention uses the torch reference on the CPU",
+                    err,
+                )
+        module = _STATE["module"]
+    return module if isinstance(module, ModuleType) else None
+
+
+def loaded() -> ModuleType | None:
+    """The module if it is already compiled and loaded (never compiles)."""
+    module = _STATE.get("module")
+    return module if isinstance(module, ModuleType) else None
+
+
+def cpu_kernel_status() -> str:
+    """``"not loaded"``, ``"loaded"`` or ``"unavailable: <reason>"``."""
+    if "module" not in _STATE:
+        return "not loaded"
+    return "loaded" if _STATE["module"] is not None else f"unavailable: {_STATE.get('error')}"
+
+
+def _splits(rows: int, group_counts: np.ndarray) -> int:
+    """Group splits per row (split-K): 1 on one thread; else enough tasks for every thread."""
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        return 1
+    groups = int(group_counts.max(initial=0))
+    if groups < 16:
+        return 1
+    return max(1, min(math.ceil(2 * threads / rows), groups // 8))
+
+
+def packed_attention_cpu(
+    query: Tensor,
+    kv: PackedKV,
+    decode: KernelKeyDecode,
+    mu: Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    logit_softcap: float | None,
+    sink_logits: Tensor | None,
+) -> Tensor:
+    """Packed attention by the compiled CPU kernel; the arguments and result of
+    :func:`~kvlab.pnmix.attention.packed_attention_reference` (float32 ``[B, H_q, Q, Dv]``),
+    plus ``decode`` (the codec, :func:`~kvlab.pnmix.kernels.spec.kernel_key_decode`) and
+    ``mu`` (float32 ``[B, H, 1, D]``, the rows' reference keys).
+
+    Raises:
+        RuntimeError: the kernel is not compiled (call :func:`load` first).
+    """
+    module = loaded()
+    if module is None:
+        raise RuntimeError("the PN-Mix CPU kernel is not loaded")
+    b, hq, nq, d = query.shape
+    hkv = kv.sink_keys.shape[1]
+    rows = query.to(device="cpu", dtype=torch.float32) * scale
+    rows = rows.reshape(b, hkv, (hq // hkv) * nq, d).contiguous()
+    counts = torch.from_numpy(np.stack([kv.sink_lengths, kv.group_counts, kv.residual_lengths]))
+    empty = _EMPTY
+    out = module.packed_attention(
+        rows,
+        mu.reshape(b, hkv, d).contiguous(),
+        kv.sink_keys,
+        kv.sink_values,
+        kv.key_codes,
+        kv.key_scalars,
+        kv.value_codes,
+        kv.value_scalars,
+        kv.residual_keys,
+        kv.residual_values,
+        counts,
+        empty if kv.mask is None or decode.kind == KEYS_WIDTHS else kv.mask.contiguous(),
+        kv.layout.first,
+        kv.layout.second,
+        empty if sink_logits is None else sink_logits.detach().to(torch.float32).contiguous(),
+        decode.kind,
+        decode.mode_first,
+        decode.mode_second,
+        kv.bits,
+        kv.group_tokens,
+        nq,
+        causal,
+        0.0 if logit_softcap is None else float(logit_softcap),
+        _splits(b * hkv, kv.group_counts),
+        *_extras(
+            decode,
+            mask=kv.mask,
+            payload=kv.key_payload,
+            rotary=kv.rotary,
+            position_offsets=kv.position_offsets,
+            group_counts=kv.group_counts,
+            sink_tokens=kv.sink_tokens,
+            group_tokens=kv.group_tokens,
+            value_head_dim=kv.sink_values.shape[-1],
+        ),
+    )
+    return out.reshape(b, hq, nq, -1)
+
+
+def append_residual_cpu(
+    keys: Tensor,
+    values: Tensor,
+    residual_keys: Tensor,
+    residual_values: Tensor,
+    positions: np.ndarray,
+    ok: Tensor,
+) -> None:
+    """Write one token per row (``keys [B, H, 1, D]``, ``values [B, H, 1, Dv]``, any floating
+    dtype, rounded to the storage dtype as ``Tensor.to`` rounds) at residual slot
+    ``positions[b, h]`` (host int64 ``[B, H]``) and AND ``ok`` (bool 0-d) with "every rounded
+    value is finite".
+
+    Raises:
+        RuntimeError: the kernel is not compiled, or a position is out of range.
+    """
+    module = loaded()
+    if module is None:
+        raise RuntimeError("the PN-Mix CPU kernel is not loaded")
+    module.append_residual(
+        keys, values, residual_keys, residual_values, torch.from_numpy(positions), ok
+    )
+
+
+def decode_step_cpu(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    cache: PNMixCache,
+    decode: KernelKeyDecode,
+    ok: Tensor,
+    *,
+    scale: float,
+    logit_softcap: float | None,
+    sink_logits: Tensor | None,
+) -> Tensor:
+    """One decode step in one call: ``keys [B, H, 1, D]`` / ``values [B, H, 1, Dv]`` appended
+    to every row's residual of ``cache`` (as :func:`append_residual_cpu`, at slot
+    ``residual_lengths``; ``ok`` AND-ed with their validity), then causal attention of ``query
+    [B, H_q, 1, D]`` over the rows including them (as :func:`packed_attention_cpu`). The caller
+    has checked that every row's sinks are full and its residual has room (no flush) and
+    updates the host counts afterwards. Returns float32 ``[B, H_q, 1, Dv]``.
+
+    Raises:
+        RuntimeError: the kernel is not compiled.
+    """
+    module = loaded()
+    if module is None:
+        raise RuntimeError("the PN-Mix CPU kernel is not loaded")
+    s = cache.store
+    mask = cache.codec_mask()
+    layout = cache.layout
+    g = s.geometry
+    return module.decode_step(
+        query,
+        keys,
+        values,
+        s.sink_keys,
+        s.sink_values,
+        s.key_codes,
+        s.key_scalars,
+        s.value_codes,
+        s.value_scalars,
+        s.residual_keys,
+        s.residual_values,
+        s.counts_tensor,
+        _EMPTY if mask is None or decode.kind == KEYS_WIDTHS else mask,
+        layout.first,
+        layout.second,
+        _EMPTY if sink_logits is None else sink_logits.detach().to(torch.float32).contiguous(),
+        ok,
+        decode.kind,
+        decode.mode_first,
+        decode.mode_second,
+        g.bits,
+        g.group_tokens,
+        float(scale),
+        0.0 if logit_softcap is None else float(logit_softcap),
+        _splits(g.batch_size * g.num_key_value_heads, s.group_counts),
+        *_extras(
+            decode,
+            mask=mask,
+            payload=s.key_payload if g.key_payload_bytes else None,
+            rotary=cache.rotary,
+            position_offsets=s.position_offsets,
+            group_counts=s.group_counts,
+            sink_tokens=g.sink_tokens,
+            group_tokens=g.group_tokens,
+            value_head_dim=g.value_head_dim,
+        ),
+    )
