@@ -125,9 +125,10 @@ def run_window(
     original_positions: bool,
     chunked: bool,
 ) -> torch.Tensor:
-    """Prefill ``ids[:prefill]`` inside ``prefill_context``, then feed ``ids[prefill:prefill +
-    score - 1]`` one at a time (or as one chunk); returns float32 ``[score, V]`` logits, row
-    ``j`` predicting token ``prefill + j``."""
+    """Prefill ``ids[:prefill]`` inside ``prefill_context`` (a kvlab KVzip cache then runs its
+    reconstruction pass, :func:`kvlab.integrations.kvzip.compress`), then feed
+    ``ids[prefill:prefill + score - 1]`` one at a time (or as one chunk); returns float32
+    ``[score, V]`` logits, row ``j`` predicting token ``prefill + j``."""
     rows = []
     with torch.no_grad():
         with prefill_context():
@@ -137,6 +138,11 @@ def run_window(
                 use_cache=True,
                 logits_to_keep=1,
             )
+            if getattr(cache, "needs_reconstruction", False):
+                # kvlab's KVzip: the reconstruction pass scores the prefill, then it evicts
+                from kvlab.integrations.kvzip import compress
+
+                compress(model, cache, ids[:prefill].view(1, -1))
         rows.append(out.logits[0, -1:].float())
         with decode_context():
             steps = [(j, j + 1) for j in range(prefill, prefill + score - 1)]

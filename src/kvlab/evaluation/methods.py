@@ -256,7 +256,13 @@ def _eviction_kwargs(params: Mapping[str, Any]) -> dict[str, Any]:
     composed method's PN-Mix part dropped)."""
     from kvlab.relay.policies import policy_kwargs
 
-    return policy_kwargs({k: v for k, v in _eviction_params(params).items() if k != "calibrated"})
+    return policy_kwargs(
+        {
+            k: v
+            for k, v in _eviction_params(params).items()
+            if k not in ("calibrated", "reconstruction")
+        }
+    )
 
 
 def _eviction_config(params: Mapping[str, Any], prepared: Any) -> Any:
@@ -265,6 +271,16 @@ def _eviction_config(params: Mapping[str, Any], prepared: Any) -> Any:
     from kvlab.integrations.relay_cache import EvictionConfig
 
     kwargs = _eviction_kwargs(params)
+    if params.get("reconstruction"):
+        from kvlab.relay.kvzip import ReconstructionPrompt
+        from kvlab.relay.scorers import get_scorer
+
+        prompt = prepared.get("kvzip_prompt") if prepared else None
+        if not prompt:
+            raise RuntimeError(
+                "a KVzip eviction method needs the repeat prompt of its preparation 'kvzip-prompt'"
+            )
+        kwargs["scorer"] = get_scorer(kwargs["scorer"]).with_prompt(ReconstructionPrompt(**prompt))
     if params.get("calibrated"):
         fractions = prepared.get("layer_fractions") if prepared else None
         if not fractions:
@@ -373,6 +389,18 @@ def _calibrate_layer_budgets(
     return calibration.settings()
 
 
+def _kvzip_prompt(
+    params: Mapping[str, Any],
+    model: Any,
+    tokenizer: Any,
+    text: Any,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    from kvlab.relay.kvzip import ReconstructionPrompt
+
+    return {"kvzip_prompt": ReconstructionPrompt.from_tokenizer(tokenizer).settings()}
+
+
 #: One-time preparations by key.
 PREPARATIONS: dict[str, Preparation] = {
     "pnmix-group-allocation": Preparation(
@@ -400,6 +428,13 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.data",
         ),
         note="calibrating per-layer key groups on the package text",
+    ),
+    "kvzip-prompt": Preparation(
+        run=_kvzip_prompt,
+        text=_calibration_text,
+        modules=("kvlab.relay.kvzip",),
+        note="tokenizing KVzip's repeat prompt",
+        key_params=lambda params: {},
     ),
     "relay-layer-budgets": Preparation(
         run=_calibrate_layer_budgets,
@@ -619,6 +654,15 @@ def _eviction(match: re.Match[str], context: MethodContext) -> Method:
     calibrated = calibrated and "ratio" in params
     if calibrated:
         params["calibrated"] = True
+    reconstruction = get_scorer(scorer).needs_reconstruction
+    if reconstruction:
+        if "ratio" not in params:
+            raise ValueError(
+                f"method {name!r}: the {scorer} scorer evicts once after the prefill, by a "
+                f"reconstruction pass (prefill-score protocol); the {context.protocol} protocol "
+                "evicts while streaming"
+            )
+        params["reconstruction"] = True
     config = EvictionConfig(**_eviction_kwargs(params))  # validates
     settings: dict[str, Any] = {
         "evicted_fraction": ratio,
@@ -632,6 +676,8 @@ def _eviction(match: re.Match[str], context: MethodContext) -> Method:
     # settings (and task hashes) of names whose behaviour did not change stay the same
     if "scorer_options" in policy:
         settings["scorer_settings"] = repr(policy_kwargs(policy)["scorer"])
+    if "layer_budget" in policy:
+        settings["layer_budget"] = policy["layer_budget"]
     for key in ("window_fraction", "observation_tokens"):
         if getattr(config, key) is not None:
             settings[key] = getattr(config, key)
@@ -652,7 +698,9 @@ def _eviction(match: re.Match[str], context: MethodContext) -> Method:
         settings=settings,
         factory="eviction",
         params=params,
-        preparation="relay-layer-budgets" if calibrated else None,
+        preparation="relay-layer-budgets"
+        if calibrated
+        else ("kvzip-prompt" if reconstruction else None),
     )
 
 

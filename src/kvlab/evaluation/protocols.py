@@ -182,6 +182,11 @@ def score_window(
             **extra,
             **_position_kwargs(cache, prefill),
         )
+        if getattr(cache, "needs_reconstruction", False):
+            # KVzip: the reconstruction pass scores the stored prefill, then the cache evicts
+            from kvlab.integrations.kvzip import compress
+
+            compress(model, cache, tokens[:prefill].view(1, -1))
         seconds += time.perf_counter() - start
         storage_prefill = cache_storage(cache)
         consume(0, out.logits[0, -1])

@@ -55,6 +55,10 @@ def default_policy_settings(scorer: str) -> dict[str, Any]:
         # kvpress's ExpectedAttentionPress policy: 4 sinks, no protected window, uniform budgets
         # (the scorer's default allocation); a protected window measured worse
         return {"scorer": "expected-attention", "window_tokens": 0}
+    if scorer == "kvzip":
+        # kvpress's KVzipPress policy: 4 sinks, no protected window, the model's budget to the
+        # top reconstruction scores over every layer and head
+        return {"scorer": "kvzip", "window_tokens": 0, "layer_budget": "scores"}
     if scorer == "snapkv":
         return {
             "scorer": "snapkv",
