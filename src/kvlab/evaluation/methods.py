@@ -33,7 +33,8 @@ Names (``--method``, repeatable):
   (quanto ``axis_key=-1``, hqq ``axis_key=0``), per-token values, groups of 64, residual 128.
 * ``relay@R`` / ``relay:SCORER@R`` — :class:`~kvlab.integrations.RelayModelCache`, RoPE-Relay
   after eviction; ``SCORER`` is any name in :data:`kvlab.relay.scorers.SCORERS` (``snapkv``,
-  the default, ``keynorm``, ``recency``, ``expected-attention``, ``tova``, ``combined``), with
+  the default, ``keynorm``, ``recency``, ``expected-attention``, ``tova``, ``combined``,
+  ``kvzip``), with
   the default policy of :func:`kvlab.relay.policies.default_policy` (chosen by the search in
   docs/results.md). With SnapKV in the prefill-score protocol the budget is also split across
   layers by a calibration on the package's own text before the run (the preparation
@@ -42,6 +43,12 @@ Names (``--method``, repeatable):
   and no relay share it).
 * ``evict-no-relay@R`` / ``evict-no-relay:SCORER@R`` — the same selection, keys left at their
   original positions.
+* ``relay:kvzip@R`` / ``evict-no-relay:kvzip@R`` — KVzip (Kim et al. 2025, arXiv:2505.23416):
+  the cache stores the prefill, a reconstruction pass (the model re-reading the context after
+  "Repeat the previous context exactly.") scores every stored token, then it evicts
+  (:func:`kvlab.integrations.kvzip.compress`, called by the prefill-score protocol right after
+  the prefill forward). The repeat prompt is tokenized once (preparation ``"kvzip-prompt"``).
+  Prefill-score protocol only (one eviction after the prefill).
 * ``relay-legacy:SCORER@R`` / ``evict-no-relay-legacy:SCORER@R`` — the policy before that
   search (:func:`kvlab.relay.policies.legacy_policy`); reproduces the earlier rows.
 * ``streaming-llm@R`` — StreamingLLM (Xiao et al. 2023): 4 sinks + recent window, uniform per

@@ -15,6 +15,12 @@ search in docs/results.md (section 6, "Policy search", issue 9) on SmolLM2-135M 
   (prefill-score) calibrate them on the package's own text before the run
   (:func:`kvlab.integrations.relay_calibration.calibrate_layer_budgets`) and pass the kept
   fractions as ``EvictionConfig.layer_budget``; this module's dicts hold the rest.
+* KVzip (:mod:`kvlab.relay.kvzip`) splits the model's budget across layers by its
+  reconstruction scores (``layer_budget="scores"``, KVzip's own cross-layer selection) and
+  protects a recent window of half of each layer's per-head budget (``window_fraction`` 0.5):
+  on the issue-9 windows that window lowered the KL by a third against kvpress's KVzip policy
+  (no window), docs/results.md section 7. The settings without the window
+  (``window_tokens=0``) reproduce kvpress's ``KVzipPress`` per window.
 * SnapKV scores are multiplied by the value norm (``SnapKVScorer(value_norm=True)``, the
   value-norm rescaling of ExpectedAttention and CriticalKV), max-pooled over 7 tokens and
   compared across heads (adaptive per-head budgets, Ada-KV).
@@ -56,9 +62,10 @@ def default_policy_settings(scorer: str) -> dict[str, Any]:
         # (the scorer's default allocation); a protected window measured worse
         return {"scorer": "expected-attention", "window_tokens": 0}
     if scorer == "kvzip":
-        # kvpress's KVzipPress policy: 4 sinks, no protected window, the model's budget to the
-        # top reconstruction scores over every layer and head
-        return {"scorer": "kvzip", "window_tokens": 0, "layer_budget": "scores"}
+        # KVzip's cross-layer selection (the model's budget to the top reconstruction scores
+        # over every layer and head) plus a protected recent window of half of each layer's
+        # per-head budget (docs/results.md, section 7)
+        return {"scorer": "kvzip", "window_fraction": 0.5, "layer_budget": "scores"}
     if scorer == "snapkv":
         return {
             "scorer": "snapkv",
