@@ -26,11 +26,14 @@ def _prefill(model, config: EvictionConfig, ids: torch.Tensor, **kwargs) -> Rela
     return cache
 
 
-def _reference_scores(model, ids: torch.Tensor, prompt: ReconstructionPrompt, sinks: int):
+def _reference_scores(
+    model, ids: torch.Tensor, prompt: ReconstructionPrompt, sinks: int, observe: int = 0
+):
     """float64 eager attention of the whole ``context + pass`` sequence per chunk: per layer,
     ``[H, n]`` KVzip scores (the pass's probabilities renormalized over the first sinks, the
     chunk and the pass's own tokens, max over the GQA group and the pass's queries; only the
-    chunk's tokens scored)."""
+    chunk's tokens scored), joined by a max with the prefill's last ``observe`` queries'
+    probabilities (max over them and the group)."""
     model64 = type(model)(model.config).eval().double()
     model64.load_state_dict(model.state_dict())
     model64.set_attn_implementation("eager")
@@ -55,15 +58,23 @@ def _reference_scores(model, ids: torch.Tensor, prompt: ReconstructionPrompt, si
             p = p[..., :n].masked_fill(~scored, 0.0)
             best = p.reshape(heads, group, -1, n).amax(dim=(1, 2))
             scores[layer] = torch.maximum(scores[layer], best)
+    if observe:
+        with torch.no_grad():
+            out = model64(ids, output_attentions=True, cache=DynamicCache())
+        for layer, probs in enumerate(out.attentions):
+            seen = probs[0, :, n - observe :, :].reshape(heads, group, observe, n).amax((1, 2))
+            scores[layer] = torch.maximum(scores[layer], seen)
     return scores
 
 
+@pytest.mark.parametrize("observe", [0, 6])
 @pytest.mark.parametrize("chunk_tokens", [2048, 16])
-def test_reconstruction_scores_match_float64_eager_reference(make_llama, chunk_tokens):
+def test_reconstruction_scores_match_float64_eager_reference(make_llama, chunk_tokens, observe):
     model = make_llama(seed=41)
     ids = _ids(40, seed=42)
     prompt = ReconstructionPrompt(**PROMPT, chunk_tokens=chunk_tokens, overlap=3)
-    config = EvictionConfig(ratio=0.5, scorer=KVzipScorer(prompt=prompt), window_tokens=0)
+    scorer = KVzipScorer(prompt=prompt, prefill_queries=observe)
+    config = EvictionConfig(ratio=0.5, scorer=scorer, window_tokens=0)
     cache = _prefill(model, config, ids)
     assert cache.get_seq_length() == 40 and cache.awaiting_reconstruction() == [True]
     assert all(layer.tokens_per_head() == [40, 40] for layer in cache.layers)  # nothing evicted
@@ -71,12 +82,12 @@ def test_reconstruction_scores_match_float64_eager_reference(make_llama, chunk_t
     original = cache.evict_reconstructed
 
     def capture():
-        captured.extend(layer.reconstruction_scores[0].clone() for layer in cache.layers)
+        captured.extend(layer.eviction_scores(0).clone() for layer in cache.layers)
         return original()
 
     cache.evict_reconstructed = capture
     compress(model, cache, ids)
-    reference = _reference_scores(model, ids, prompt, sinks=config.sink_tokens)
+    reference = _reference_scores(model, ids, prompt, sinks=config.sink_tokens, observe=observe)
     for got, want in zip(captured, reference, strict=True):
         torch.testing.assert_close(got[0].double(), want, atol=2e-6, rtol=1e-4)
     # the eviction keeps, per layer, its top scores over the kv heads (adaptive) + sinks
@@ -125,7 +136,10 @@ def test_padded_batch_rows_evict_as_alone(make_llama, relay):
     model = make_llama(seed=45)
     prompt = ReconstructionPrompt(**PROMPT)
     config = EvictionConfig(
-        ratio=0.5, scorer=KVzipScorer(prompt=prompt), window_tokens=2, relay=relay
+        ratio=0.5,
+        scorer=KVzipScorer(prompt=prompt, prefill_queries=5),
+        window_tokens=2,
+        relay=relay,
     )
     long, short = _ids(36, seed=46), _ids(28, seed=47)
     batch = torch.cat([long, torch.cat([torch.zeros(1, 8, dtype=torch.int64), short], 1)])
@@ -145,7 +159,12 @@ def test_padded_batch_rows_evict_as_alone(make_llama, relay):
 
 def _state(cache: RelayModelCache):
     return [
-        (layer.tokens_per_head(), layer.reconstruction_scores, list(layer.evicted))
+        (
+            layer.tokens_per_head(),
+            list(layer.reconstruction_scores),
+            list(layer.observation_scores),
+            list(layer.evicted),
+        )
         for layer in cache.layers
     ]
 
@@ -153,7 +172,7 @@ def _state(cache: RelayModelCache):
 def test_bad_input_fails_once_and_changes_nothing(make_llama):
     model = make_llama(seed=48)
     ids = _ids(24, seed=49)
-    config = EvictionConfig(ratio=0.5, scorer=KVzipScorer(), window_tokens=0)
+    config = EvictionConfig(ratio=0.5, scorer=KVzipScorer(prefill_queries=4), window_tokens=0)
     cache = _prefill(model, config, ids)
     before = _state(cache)
     prompt = ReconstructionPrompt(**PROMPT)

@@ -355,6 +355,8 @@ class RelayLayer(CacheLayerMixin):
         self.forwards = 0
         self.events: list[EvictionEvent] = []
         self.reconstruction_scores: list[Tensor | None] = []
+        # per row: the prefill's observation-window attention (KVzipScorer(prefill_queries=w))
+        self.observation_scores: list[Tensor | None] = []
         self.evicted: list[bool] = []
         self._pending: _Pending | None = None
         self.is_initialized = False
@@ -372,6 +374,7 @@ class RelayLayer(CacheLayerMixin):
         self.stream_lengths = [0] * batch
         self.next_positions = [0] * batch
         self.reconstruction_scores = [None] * batch
+        self.observation_scores = [None] * batch
         self.evicted = [False] * batch
         self.is_initialized = True
 
@@ -418,6 +421,7 @@ class RelayLayer(CacheLayerMixin):
         self.stream_lengths = [self.stream_lengths[b] for b in rows]
         self.next_positions = [self.next_positions[b] for b in rows]
         self.reconstruction_scores = [self.reconstruction_scores[b] for b in rows]
+        self.observation_scores = [self.observation_scores[b] for b in rows]
         self.evicted = [self.evicted[b] for b in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -696,6 +700,8 @@ class RelayLayer(CacheLayerMixin):
             softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
             s_aux=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
         )
+        if self.deferred and getattr(self.scorer, "prefill_queries", 0):
+            self._observe(query, scaling, plan)
         due = self._rows_due(plan)
         for b in due:
             self.evict(query[b : b + 1, :, plan.num_new - plan.real[b] :], scaling, row=b)
@@ -732,6 +738,35 @@ class RelayLayer(CacheLayerMixin):
             )
             self.forward_state.plan = plan
         return pending, plan
+
+    def _observe(self, query: Tensor, scaling: float, plan: _ForwardPlan) -> None:
+        """Before the reconstruction pass: record, per sequence fed real tokens, the attention
+        of this forward's last ``scorer.prefill_queries`` queries over its stored tokens (max
+        over them and the GQA group, float32 ``[1, H, S]``), which the eviction joins to the
+        reconstruction scores by a max (docs/design.md, "Reconstruction scoring"). A later
+        storing forward replaces it: the newest context queries observe."""
+        assert self.store is not None
+        for b in range(plan.batch):
+            real = plan.real[b]
+            if real == 0 or self.evicted[b]:
+                continue
+            view = self.store.padded([b])
+            probs = self._window_attention(
+                query[b : b + 1, :, plan.num_new - real :],
+                scaling,
+                view.keys,
+                view.valid,
+                self.scorer.prefill_queries,  # type: ignore[attr-defined]
+            )
+            self.observation_scores[b] = probs.amax(dim=(2, 3))
+
+    def eviction_scores(self, row: int) -> Tensor | None:
+        """The reconstruction scores of sequence ``row`` joined (max) with its observation
+        scores, float32 ``[1, H, S]``, or ``None`` before a reconstruction pass."""
+        scores, seen = self.reconstruction_scores[row], self.observation_scores[row]
+        if scores is None or seen is None:
+            return scores
+        return torch.maximum(scores, seen)
 
     def _attend_reconstruction(
         self,
@@ -1304,8 +1339,8 @@ class RelayModelCache(Cache):
         for i, layer in enumerate(layers):
             assert layer.store is not None
             for b in rows:
-                scores = layer.reconstruction_scores[b]
-                layer.reconstruction_scores[b] = None
+                scores = layer.eviction_scores(b)
+                layer.reconstruction_scores[b] = layer.observation_scores[b] = None
                 total = None if totals[b] is None else totals[b][i]
                 events.append(layer.evict(None, None, b, reconstruction=scores, layer_total=total))
             layer.store.shrink()
@@ -1323,7 +1358,7 @@ class RelayModelCache(Cache):
         budget = 0
         for layer in layers:
             assert layer.store is not None
-            scores = layer.reconstruction_scores[row]
+            scores = layer.eviction_scores(row)
             assert scores is not None
             keys.append(layer.split_keys(row, scores).flatten())
             per_head, _ = layer._layer_budget(layer.store.counts(row))

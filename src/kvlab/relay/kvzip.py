@@ -259,9 +259,15 @@ class KVzipScorer(Scorer):
         kernel_size: odd max-pooling width in tokens (1, the default, is KVzip's: no pooling).
         prompt: the repeat request's token ids that :func:`kvlab.integrations.kvzip.compress`
             uses by default, or ``None`` (then ``compress`` must be given one).
+        prefill_queries: also score by the attention of the prefill's last ``prefill_queries``
+            queries (SnapKV's observation window, Li et al. 2024, arXiv:2404.14469): per slot
+            the max of its reconstruction score and of the probability any of those queries,
+            in any query head of the GQA group, gives it — the observation window's queries
+            treated as more reconstruction queries. 0 (KVzip's own): none.
 
     Raises:
-        ValueError: an even or non-positive ``kernel_size``; at scoring time, missing
+        ValueError: an even or non-positive ``kernel_size``, a negative ``prefill_queries``;
+            at scoring time, missing
             reconstruction scores (the cache ran no reconstruction pass).
     """
 
@@ -274,16 +280,25 @@ class KVzipScorer(Scorer):
         value_norm: bool = False,
         kernel_size: int = 1,
         prompt: ReconstructionPrompt | None = None,
+        prefill_queries: int = 0,
     ) -> None:
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be an odd int >= 1, got {kernel_size}")
+        if prefill_queries < 0:
+            raise ValueError(f"prefill_queries must be >= 0, got {prefill_queries}")
+        self.prefill_queries = prefill_queries
         self.value_norm = value_norm
         self.kernel_size = kernel_size
         self.prompt = prompt
 
     def with_prompt(self, prompt: ReconstructionPrompt) -> KVzipScorer:
         """This scorer with the repeat prompt ``prompt`` (a copy)."""
-        return KVzipScorer(value_norm=self.value_norm, kernel_size=self.kernel_size, prompt=prompt)
+        return KVzipScorer(
+            value_norm=self.value_norm,
+            kernel_size=self.kernel_size,
+            prompt=prompt,
+            prefill_queries=self.prefill_queries,
+        )
 
     def score(self, inputs: ScoreInputs) -> Tensor:
         if inputs.reconstruction is None:
@@ -297,7 +312,10 @@ class KVzipScorer(Scorer):
         return out
 
     def __repr__(self) -> str:
-        return f"KVzipScorer(value_norm={self.value_norm}, kernel_size={self.kernel_size})"
+        return (
+            f"KVzipScorer(value_norm={self.value_norm}, kernel_size={self.kernel_size}, "
+            f"prefill_queries={self.prefill_queries})"
+        )
 
 
 SCORERS["kvzip"] = KVzipScorer
