@@ -154,7 +154,8 @@ def test_kvzip_names_need_the_prompt_preparation_and_the_prefill_score_protocol(
     config = method.make_cache(CONFIG, {"kvzip_prompt": PROMPT}).eviction
     assert isinstance(config.scorer, KVzipScorer)
     assert config.scorer.prompt == ReconstructionPrompt(**PROMPT)
-    assert config.layer_budget == "scores" and config.window_fraction == 0.5
+    assert config.layer_budget == "scores" and config.scores_share == 0.75
+    assert config.window_fraction == 0.375 and config.scorer.prefill_queries == 128
     assert config.relay is (kind == "relay")
     with pytest.raises(ValueError, match="prefill-score"):
         parse_method(f"{kind}:kvzip@0.5", protocol="stream", cache_slots=512)

@@ -102,7 +102,8 @@ def test_reconstruction_scores_match_float64_eager_reference(make_llama, chunk_t
             assert torch.equal(kept, top.view(2, 40)[h].nonzero().view(-1))
 
 
-def test_scores_layer_budget_splits_by_the_global_top_scores(make_llama):
+@pytest.mark.parametrize("share", [1.0, 0.75, 0.3])
+def test_scores_layer_budget_splits_by_the_global_top_scores(make_llama, share):
     model = make_llama(seed=43)
     ids = _ids(48, seed=44)
     prompt = ReconstructionPrompt(**PROMPT)
@@ -112,6 +113,7 @@ def test_scores_layer_budget_splits_by_the_global_top_scores(make_llama):
         window_tokens=0,
         relay=False,
         layer_budget="scores",
+        scores_share=share,
     )
     cache = _prefill(model, config, ids)
     compress(model, cache, ids)
@@ -121,14 +123,22 @@ def test_scores_layer_budget_splits_by_the_global_top_scores(make_llama):
     budget = 2 * 2 * 24  # layers * kv heads * kept per head
     top = torch.zeros(keys.numel(), dtype=torch.bool)
     top[torch.topk(keys.flatten(), budget).indices] = True
-    top = top.view_as(keys)
-    total = 0
+    won = top.view_as(keys).sum((1, 2)).tolist()
+    # share s of the budget by the scores, the rest uniform; largest remainder to integers
+    want = [share * w + (1 - share) * budget / 2 for w in won]
+    totals = [int(w) for w in want]
+    for i in sorted(range(2), key=lambda i: want[i] - totals[i], reverse=True)[
+        : budget - sum(totals)
+    ]:
+        totals[i] += 1
     for i, layer in enumerate(cache.layers):
+        assert sum(layer.tokens_per_head()) == totals[i]
+        mine = torch.zeros(2 * 48, dtype=torch.bool)
+        mine[torch.topk(keys[i].flatten(), totals[i]).indices] = True
         for h in range(2):
             kept = layer.segment(0, h).original_positions.view(-1).sort().values
-            assert torch.equal(kept, top[i, h].nonzero().view(-1))
-        total += sum(layer.tokens_per_head())
-    assert total == budget
+            assert torch.equal(kept, mine.view(2, 48)[h].nonzero().view(-1))
+    assert sum(totals) == budget
 
 
 @pytest.mark.parametrize("relay", [True, False])
@@ -205,6 +215,12 @@ def test_configurations_kvzip_cannot_run_are_refused_at_construction(make_llama)
         EvictionConfig(capacity=64, scorer="kvzip")
     with pytest.raises(ValueError, match="reconstruction pass"):
         EvictionConfig(ratio=0.5, scorer="snapkv", layer_budget="scores")
+    with pytest.raises(ValueError, match="scores_share"):
+        EvictionConfig(ratio=0.5, scorer="kvzip", scores_share=0.5)
+    with pytest.raises(ValueError, match="scores_share"):
+        EvictionConfig(ratio=0.5, scorer="kvzip", layer_budget="scores", scores_share=0.0)
+    with pytest.raises(ValueError, match="prefill_queries"):
+        KVzipScorer(prefill_queries=-1)
     model = make_llama(seed=52)
     with pytest.raises(ValueError, match="reconstruction pass"):
         ComposedModelCache(model.config, EvictionConfig(ratio=0.5, scorer="kvzip"))

@@ -683,8 +683,9 @@ def _eviction(match: re.Match[str], context: MethodContext) -> Method:
     # settings (and task hashes) of names whose behaviour did not change stay the same
     if "scorer_options" in policy:
         settings["scorer_settings"] = repr(policy_kwargs(policy)["scorer"])
-    if "layer_budget" in policy:
-        settings["layer_budget"] = policy["layer_budget"]
+    for key in ("layer_budget", "scores_share"):
+        if key in policy:
+            settings[key] = policy[key]
     for key in ("window_fraction", "observation_tokens"):
         if getattr(config, key) is not None:
             settings[key] = getattr(config, key)

@@ -112,9 +112,14 @@ class EvictionConfig:
             (budgets proportional to them, e.g. from a calibration); always the same total;
             or ``"scores"`` (a reconstruction scorer only, e.g. KVzip: the model's budget goes
             to the top scores over every layer and kv head — KVzip's cross-layer selection,
-            Kim et al. 2025, arXiv:2505.23416 — so each layer keeps what its scores win).
+            Kim et al. 2025, arXiv:2505.23416 — so each layer keeps what its scores win;
+            ``scores_share`` of it, the rest split uniformly).
             Anything but ``"uniform"`` needs every decoder layer to be full attention.
         pyramid_beta: PyramidKV's steepness ``beta`` (``k_min = k / beta``), >= 1.
+        scores_share: with ``layer_budget="scores"``, the share of each layer's budget that
+            follows the scores: layer ``l`` keeps ``s * T_l + (1 - s) * T / L`` tokens
+            (``T_l`` its winners over every layer, ``T`` the model's budget; integers by
+            largest remainder). In (0, 1]; 1 is KVzip's own split.
         window_fraction: when set, the protected recent window of each eviction is this
             fraction of the layer's per-head budget (``round(f * k)`` tokens, at most
             ``k - sink_tokens``) instead of ``window_tokens``; in [0, 1).
@@ -132,6 +137,7 @@ class EvictionConfig:
     layer_budget: str | tuple[float, ...] = "uniform"
     pyramid_beta: float = 20.0
     window_fraction: float | None = None
+    scores_share: float = 1.0
 
     def __post_init__(self) -> None:
         if (self.ratio is None) == (self.capacity is None):
@@ -185,6 +191,10 @@ class EvictionConfig:
                 "pass after a prefill (kvlab.integrations.kvzip.compress): it needs ratio, not "
                 "capacity"
             )
+        if not 0.0 < self.scores_share <= 1.0:
+            raise ValueError(f"scores_share must lie in (0, 1], got {self.scores_share}")
+        if self.scores_share != 1.0 and self.layer_budget != "scores":
+            raise ValueError("scores_share needs layer_budget='scores'")
         if self.layer_budget == "scores" and not get_scorer(self.scorer).needs_reconstruction:
             raise ValueError(
                 "layer_budget 'scores' splits the budget by a reconstruction pass's scores over "
@@ -1366,4 +1376,15 @@ class RelayModelCache(Cache):
         sizes = [k.numel() for k in keys]
         top = torch.topk(torch.cat(keys), budget, sorted=False).indices
         owner = torch.bucketize(top, torch.tensor(sizes, device=top.device).cumsum(0), right=True)
-        return [int(n) for n in torch.bincount(owner, minlength=len(layers)).tolist()]
+        won = [int(n) for n in torch.bincount(owner, minlength=len(layers)).tolist()]
+        share = self.eviction.scores_share
+        if share == 1.0:
+            return won
+        # s * won + (1 - s) * uniform, to integers by largest remainder (same total); each
+        # layer stays between its protected tokens and what it holds (both splits do)
+        want = [share * w + (1.0 - share) * budget / len(layers) for w in won]
+        out = [int(w) for w in want]
+        order = sorted(range(len(want)), key=lambda i: want[i] - out[i], reverse=True)
+        for i in order[: budget - sum(out)]:
+            out[i] += 1
+        return out
