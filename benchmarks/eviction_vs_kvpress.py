@@ -41,7 +41,11 @@ all layers of a multi-token forward.
 
 kvlab policies beyond the method names: ``--policy NAME=JSON`` builds a
 :class:`kvlab.integrations.EvictionConfig` from ``{"ratio": 0.5, ...}`` (any field; a
-``"scorer_args"`` object constructs the scorer named by ``"scorer"`` with those arguments).
+``"scorer_args"`` object constructs the scorer named by ``"scorer"`` with those arguments; a
+KVzip scorer gets the repeat prompt in the model's tokenizer, and its cache runs the
+reconstruction pass after the prefill), e.g. kvpress's KVzip policy:
+``--policy 'kvzip-kvpress={"ratio": 0.5, "scorer": "kvzip", "relay": false, "window_tokens": 0,
+"layer_budget": "scores"}'``.
 """
 
 from __future__ import annotations
@@ -125,9 +129,10 @@ def run_window(
     original_positions: bool,
     chunked: bool,
 ) -> torch.Tensor:
-    """Prefill ``ids[:prefill]`` inside ``prefill_context``, then feed ``ids[prefill:prefill +
-    score - 1]`` one at a time (or as one chunk); returns float32 ``[score, V]`` logits, row
-    ``j`` predicting token ``prefill + j``."""
+    """Prefill ``ids[:prefill]`` inside ``prefill_context`` (a kvlab KVzip cache then runs its
+    reconstruction pass, :func:`kvlab.integrations.kvzip.compress`), then feed
+    ``ids[prefill:prefill + score - 1]`` one at a time (or as one chunk); returns float32
+    ``[score, V]`` logits, row ``j`` predicting token ``prefill + j``."""
     rows = []
     with torch.no_grad():
         with prefill_context():
@@ -137,6 +142,11 @@ def run_window(
                 use_cache=True,
                 logits_to_keep=1,
             )
+            if getattr(cache, "needs_reconstruction", False):
+                # kvlab's KVzip: the reconstruction pass scores the prefill, then it evicts
+                from kvlab.integrations.kvzip import compress
+
+                compress(model, cache, ids[:prefill].view(1, -1))
         rows.append(out.logits[0, -1:].float())
         with decode_context():
             steps = [(j, j + 1) for j in range(prefill, prefill + score - 1)]
@@ -393,6 +403,13 @@ def side_kvlab(args: argparse.Namespace) -> None:
         elif kwargs.get("scorer") == "combined" and "parts" in kwargs:
             parts = kwargs.pop("parts")
             kwargs["scorer"] = SCORERS["combined"](parts, kwargs.pop("weights", None))
+        scorer = SCORERS[kwargs["scorer"]]() if isinstance(kwargs.get("scorer"), str) else None
+        scorer = kwargs.get("scorer") if scorer is None else scorer
+        if getattr(scorer, "needs_reconstruction", False):
+            # KVzip: the repeat prompt in this tokenizer (kvlab eval's preparation does the same)
+            from kvlab.relay import ReconstructionPrompt
+
+            kwargs["scorer"] = scorer.with_prompt(ReconstructionPrompt.from_tokenizer(tokenizer))
         config = EvictionConfig(**kwargs)
 
         def make(model_config: Any, config: EvictionConfig = config) -> Any:

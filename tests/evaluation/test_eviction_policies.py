@@ -138,3 +138,47 @@ def test_layer_budget_calibration_is_one_preparation_cached_on_disk(
         return [{k: v for k, v in s.items() if k != "settings"} for s in strip_timing(summaries)]
 
     assert numbers(second.summaries) == numbers(first.summaries)
+
+
+PROMPT = {"first_ids": [5, 6, 7], "next_ids": [8, 9], "suffix_ids": [10]}
+
+
+@pytest.mark.parametrize("kind", ["relay", "evict-no-relay"])
+def test_kvzip_names_need_the_prompt_preparation_and_the_prefill_score_protocol(kind):
+    from kvlab.relay import KVzipScorer, ReconstructionPrompt
+
+    method = parse_method(f"{kind}:kvzip@0.5")
+    assert method.preparation == "kvzip-prompt"
+    with pytest.raises(RuntimeError, match="prepared"):
+        method.make_cache(CONFIG)
+    config = method.make_cache(CONFIG, {"kvzip_prompt": PROMPT}).eviction
+    assert isinstance(config.scorer, KVzipScorer)
+    assert config.scorer.prompt == ReconstructionPrompt(**PROMPT)
+    assert config.layer_budget == "scores" and config.scores_share == 0.75
+    assert config.window_fraction == 0.375 and config.scorer.prefill_queries == 128
+    assert config.relay is (kind == "relay")
+    with pytest.raises(ValueError, match="prefill-score"):
+        parse_method(f"{kind}:kvzip@0.5", protocol="stream", cache_slots=512)
+
+
+def test_score_window_runs_the_kvzip_reconstruction_after_the_prefill():
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from kvlab.evaluation.metrics import cache_storage
+    from kvlab.evaluation.protocols import score_window
+    from kvlab.integrations import use_attention
+    from kvlab.integrations.kvzip import compress
+
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    tokens = torch.randint(11, 96, (72,), generator=torch.Generator().manual_seed(6))
+    method = parse_method("evict-no-relay:kvzip@0.5")
+    prepared = {"kvzip_prompt": PROMPT}
+    result = score_window(model, tokens, method, prefill=64, score=8, prepared=prepared)
+    by_hand = method.make_cache(model.config, prepared)
+    with torch.no_grad(), use_attention(model, "kvlab"):
+        model(tokens[:64].view(1, -1), cache=by_hand)
+    compress(model, by_hand, tokens[:64].view(1, -1))
+    assert result.storage_prefill == cache_storage(by_hand)
+    assert sum(sum(layer.tokens_per_head()) for layer in by_hand.layers) == 2 * 2 * 32

@@ -18,7 +18,8 @@ __all__ = ["eval_command", "parse_counts", "sweep_command"]
 
 _METHOD_HELP = (
     "KV-cache method, repeatable: " + ", ".join(available_method_names()) + ". R = evicted "
-    "fraction; SCORER = snapkv (default), keynorm or recency. Default (prefill-score): full, "
+    "fraction; SCORER = snapkv (default), keynorm, recency, expected-attention, tova, "
+    "combined or kvzip (prefill-score only). Default (prefill-score): full, "
     "PN-Mix (2/4-bit), kivi-2bit, int4, int2, relay and evict-no-relay per scorer, "
     "streaming-llm, and transformers' QuantizedCache when installed; stream: full, "
     "relay:snapkv@0.5, evict-no-relay:snapkv@0.5, streaming-llm@0.5; needle: full, "

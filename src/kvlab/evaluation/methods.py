@@ -33,7 +33,8 @@ Names (``--method``, repeatable):
   (quanto ``axis_key=-1``, hqq ``axis_key=0``), per-token values, groups of 64, residual 128.
 * ``relay@R`` / ``relay:SCORER@R`` — :class:`~kvlab.integrations.RelayModelCache`, RoPE-Relay
   after eviction; ``SCORER`` is any name in :data:`kvlab.relay.scorers.SCORERS` (``snapkv``,
-  the default, ``keynorm``, ``recency``, ``expected-attention``, ``tova``, ``combined``), with
+  the default, ``keynorm``, ``recency``, ``expected-attention``, ``tova``, ``combined``,
+  ``kvzip``), with
   the default policy of :func:`kvlab.relay.policies.default_policy` (chosen by the search in
   docs/results.md). With SnapKV in the prefill-score protocol the budget is also split across
   layers by a calibration on the package's own text before the run (the preparation
@@ -42,6 +43,12 @@ Names (``--method``, repeatable):
   and no relay share it).
 * ``evict-no-relay@R`` / ``evict-no-relay:SCORER@R`` — the same selection, keys left at their
   original positions.
+* ``relay:kvzip@R`` / ``evict-no-relay:kvzip@R`` — KVzip (Kim et al. 2025, arXiv:2505.23416):
+  the cache stores the prefill, a reconstruction pass (the model re-reading the context after
+  "Repeat the previous context exactly.") scores every stored token, then it evicts
+  (:func:`kvlab.integrations.kvzip.compress`, called by the prefill-score protocol right after
+  the prefill forward). The repeat prompt is tokenized once (preparation ``"kvzip-prompt"``).
+  Prefill-score protocol only (one eviction after the prefill).
 * ``relay-legacy:SCORER@R`` / ``evict-no-relay-legacy:SCORER@R`` — the policy before that
   search (:func:`kvlab.relay.policies.legacy_policy`); reproduces the earlier rows.
 * ``streaming-llm@R`` — StreamingLLM (Xiao et al. 2023): 4 sinks + recent window, uniform per
@@ -256,7 +263,13 @@ def _eviction_kwargs(params: Mapping[str, Any]) -> dict[str, Any]:
     composed method's PN-Mix part dropped)."""
     from kvlab.relay.policies import policy_kwargs
 
-    return policy_kwargs({k: v for k, v in _eviction_params(params).items() if k != "calibrated"})
+    return policy_kwargs(
+        {
+            k: v
+            for k, v in _eviction_params(params).items()
+            if k not in ("calibrated", "reconstruction")
+        }
+    )
 
 
 def _eviction_config(params: Mapping[str, Any], prepared: Any) -> Any:
@@ -265,6 +278,16 @@ def _eviction_config(params: Mapping[str, Any], prepared: Any) -> Any:
     from kvlab.integrations.relay_cache import EvictionConfig
 
     kwargs = _eviction_kwargs(params)
+    if params.get("reconstruction"):
+        from kvlab.relay.kvzip import ReconstructionPrompt
+        from kvlab.relay.scorers import get_scorer
+
+        prompt = prepared.get("kvzip_prompt") if prepared else None
+        if not prompt:
+            raise RuntimeError(
+                "a KVzip eviction method needs the repeat prompt of its preparation 'kvzip-prompt'"
+            )
+        kwargs["scorer"] = get_scorer(kwargs["scorer"]).with_prompt(ReconstructionPrompt(**prompt))
     if params.get("calibrated"):
         fractions = prepared.get("layer_fractions") if prepared else None
         if not fractions:
@@ -373,6 +396,18 @@ def _calibrate_layer_budgets(
     return calibration.settings()
 
 
+def _kvzip_prompt(
+    params: Mapping[str, Any],
+    model: Any,
+    tokenizer: Any,
+    text: Any,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    from kvlab.relay.kvzip import ReconstructionPrompt
+
+    return {"kvzip_prompt": ReconstructionPrompt.from_tokenizer(tokenizer).settings()}
+
+
 #: One-time preparations by key.
 PREPARATIONS: dict[str, Preparation] = {
     "pnmix-group-allocation": Preparation(
@@ -400,6 +435,13 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.data",
         ),
         note="calibrating per-layer key groups on the package text",
+    ),
+    "kvzip-prompt": Preparation(
+        run=_kvzip_prompt,
+        text=_calibration_text,
+        modules=("kvlab.relay.kvzip",),
+        note="tokenizing KVzip's repeat prompt",
+        key_params=lambda params: {},
     ),
     "relay-layer-budgets": Preparation(
         run=_calibrate_layer_budgets,
@@ -619,6 +661,15 @@ def _eviction(match: re.Match[str], context: MethodContext) -> Method:
     calibrated = calibrated and "ratio" in params
     if calibrated:
         params["calibrated"] = True
+    reconstruction = get_scorer(scorer).needs_reconstruction
+    if reconstruction:
+        if "ratio" not in params:
+            raise ValueError(
+                f"method {name!r}: the {scorer} scorer evicts once after the prefill, by a "
+                f"reconstruction pass (prefill-score protocol); the {context.protocol} protocol "
+                "evicts while streaming"
+            )
+        params["reconstruction"] = True
     config = EvictionConfig(**_eviction_kwargs(params))  # validates
     settings: dict[str, Any] = {
         "evicted_fraction": ratio,
@@ -632,6 +683,9 @@ def _eviction(match: re.Match[str], context: MethodContext) -> Method:
     # settings (and task hashes) of names whose behaviour did not change stay the same
     if "scorer_options" in policy:
         settings["scorer_settings"] = repr(policy_kwargs(policy)["scorer"])
+    for key in ("layer_budget", "scores_share"):
+        if key in policy:
+            settings[key] = policy[key]
     for key in ("window_fraction", "observation_tokens"):
         if getattr(config, key) is not None:
             settings[key] = getattr(config, key)
@@ -652,7 +706,9 @@ def _eviction(match: re.Match[str], context: MethodContext) -> Method:
         settings=settings,
         factory="eviction",
         params=params,
-        preparation="relay-layer-budgets" if calibrated else None,
+        preparation="relay-layer-budgets"
+        if calibrated
+        else ("kvzip-prompt" if reconstruction else None),
     )
 
 

@@ -5,8 +5,10 @@ executing many of them and reporting live in :mod:`~kvlab.evaluation.plan`,
 
 ``prefill-score`` (:func:`score_window`): a fixed window of ``P + S`` tokens. The method's cache
 receives the first ``P`` tokens in one forward (the prefill — where eviction methods evict and
-PN-Mix computes its mix mask), then the next ``S`` tokens are scored **one token at a time**:
-the prefill's last logits predict token ``P``; feeding token ``P + j`` predicts ``P + j + 1``.
+PN-Mix computes its mix mask; a KVzip cache then runs its reconstruction pass and evicts,
+:func:`kvlab.integrations.kvzip.compress`, inside the prefill's timing), then the next ``S``
+tokens are scored **one token at a time**: the prefill's last logits predict token ``P``;
+feeding token ``P + j`` predicts ``P + j + 1``.
 Chunked scoring would let a chunk's tokens attend to each other exactly and flatter quantized
 caches. The full-cache (``DynamicCache``) run of the same window is the reference for the KL.
 
@@ -182,6 +184,11 @@ def score_window(
             **extra,
             **_position_kwargs(cache, prefill),
         )
+        if getattr(cache, "needs_reconstruction", False):
+            # KVzip: the reconstruction pass scores the stored prefill, then the cache evicts
+            from kvlab.integrations.kvzip import compress
+
+            compress(model, cache, tokens[:prefill].view(1, -1))
         seconds += time.perf_counter() - start
         storage_prefill = cache_storage(cache)
         consume(0, out.logits[0, -1])

@@ -56,6 +56,7 @@ from kvlab.integrations.relay_cache import (
     _Pending,
 )
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
+from kvlab.relay.scorers import get_scorer
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
 __all__ = ["ComposedLayer", "ComposedModelCache"]
@@ -443,6 +444,12 @@ class ComposedModelCache(RelayModelCache):
                 "ComposedModelCache evicts once, after the prefill (EvictionConfig.ratio); "
                 "capacity (stream) mode would evict tokens already packed into PN-Mix groups, "
                 "which breaks the groups (docs/design.md, 'Eviction composed with PN-Mix')"
+            )
+        if get_scorer(eviction.scorer).needs_reconstruction:
+            raise ValueError(
+                f"ComposedModelCache evicts at its first forward; scorer "
+                f"{get_scorer(eviction.scorer).name!r} needs a reconstruction pass after the "
+                "prefill (kvlab.integrations.kvzip.compress), which it does not run"
             )
         text_config = model_config.get_text_config(decoder=True)
         config = pnmix or PNMixConfig()

@@ -51,6 +51,8 @@ exact up to float rounding. Pass :meth:`RelayModelCache.position_ids` to skip th
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,12 +65,20 @@ from kvlab.integrations.model_support import layer_rotary, plan_model
 from kvlab.relay.attention import ragged_attention
 from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 from kvlab.relay.core import relay
+from kvlab.relay.kvzip import reconstruction_attention
 from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
 from kvlab.relay.scorers import ScoreInputs, Scorer, get_scorer
 from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
-__all__ = ["EvictionConfig", "EvictionEvent", "RelayLayer", "RelayModelCache", "RelayView"]
+__all__ = [
+    "EvictionConfig",
+    "EvictionEvent",
+    "ReconstructionSpan",
+    "RelayLayer",
+    "RelayModelCache",
+    "RelayView",
+]
 
 
 @dataclass(frozen=True)
@@ -99,9 +109,17 @@ class EvictionConfig:
         layer_budget: how the model's budget is split across layers (``ratio`` only):
             ``"uniform"`` (every layer ``(1 - ratio) * n``), ``"pyramid"`` (PyramidKV, see
             :mod:`kvlab.relay.layer_budgets`), or one positive weight per decoder layer
-            (budgets proportional to them, e.g. from a calibration); always the same total.
+            (budgets proportional to them, e.g. from a calibration); always the same total;
+            or ``"scores"`` (a reconstruction scorer only, e.g. KVzip: the model's budget goes
+            to the top scores over every layer and kv head — KVzip's cross-layer selection,
+            Kim et al. 2025, arXiv:2505.23416 — so each layer keeps what its scores win;
+            ``scores_share`` of it, the rest split uniformly).
             Anything but ``"uniform"`` needs every decoder layer to be full attention.
         pyramid_beta: PyramidKV's steepness ``beta`` (``k_min = k / beta``), >= 1.
+        scores_share: with ``layer_budget="scores"``, the share of each layer's budget that
+            follows the scores: layer ``l`` keeps ``s * T_l + (1 - s) * T / L`` tokens
+            (``T_l`` its winners over every layer, ``T`` the model's budget; integers by
+            largest remainder). In (0, 1]; 1 is KVzip's own split.
         window_fraction: when set, the protected recent window of each eviction is this
             fraction of the layer's per-head budget (``round(f * k)`` tokens, at most
             ``k - sink_tokens``) instead of ``window_tokens``; in [0, 1).
@@ -119,6 +137,7 @@ class EvictionConfig:
     layer_budget: str | tuple[float, ...] = "uniform"
     pyramid_beta: float = 20.0
     window_fraction: float | None = None
+    scores_share: float = 1.0
 
     def __post_init__(self) -> None:
         if (self.ratio is None) == (self.capacity is None):
@@ -150,9 +169,9 @@ class EvictionConfig:
         if self.observation_tokens is not None and self.observation_tokens < 1:
             raise ValueError(f"observation_tokens must be >= 1, got {self.observation_tokens}")
         if isinstance(self.layer_budget, str):
-            if self.layer_budget not in ("uniform", "pyramid"):
+            if self.layer_budget not in ("uniform", "pyramid", "scores"):
                 raise ValueError(
-                    "layer_budget must be 'uniform', 'pyramid' or per-layer weights, got "
+                    "layer_budget must be 'uniform', 'pyramid', 'scores' or per-layer weights, got "
                     f"{self.layer_budget!r}"
                 )
         else:
@@ -166,7 +185,21 @@ class EvictionConfig:
             raise ValueError(f"window_fraction must lie in [0, 1), got {self.window_fraction}")
         if self.pyramid_beta < 1:
             raise ValueError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
-        get_scorer(self.scorer)  # validates the name
+        if get_scorer(self.scorer).needs_reconstruction and self.ratio is None:
+            raise ValueError(
+                f"scorer {get_scorer(self.scorer).name!r} scores the tokens by a reconstruction "
+                "pass after a prefill (kvlab.integrations.kvzip.compress): it needs ratio, not "
+                "capacity"
+            )
+        if not 0.0 < self.scores_share <= 1.0:
+            raise ValueError(f"scores_share must lie in (0, 1], got {self.scores_share}")
+        if self.scores_share != 1.0 and self.layer_budget != "scores":
+            raise ValueError("scores_share needs layer_budget='scores'")
+        if self.layer_budget == "scores" and not get_scorer(self.scorer).needs_reconstruction:
+            raise ValueError(
+                "layer_budget 'scores' splits the budget by a reconstruction pass's scores over "
+                f"every layer; scorer {get_scorer(self.scorer).name!r} scores layer by layer"
+            )
 
     def head_slots(self, tokens_per_head: int) -> int:
         """The per-head cap (relay slots) for an eviction of heads holding ``tokens_per_head``."""
@@ -215,17 +248,33 @@ class _ForwardPlan:
     real: list[int]
     shift: Tensor | None
     first_eviction: list[int] = field(default_factory=list)
+    reconstruction: bool = False
 
     @property
     def padded(self) -> bool:
         return any(r != self.num_new for r in self.real)
 
 
+@dataclass(frozen=True)
+class ReconstructionSpan:
+    """What a reconstruction pass rebuilds in one sequence: the stored tokens with stream
+    indices ``start .. end - 1`` (scored in this pass), and the first ``sinks`` tokens that
+    join the scores' normalization when ``start > 0`` (KVzip's chunked scoring,
+    :mod:`kvlab.relay.kvzip`)."""
+
+    start: int
+    end: int
+    sinks: int = 4
+
+
 class _ForwardState:
-    """Shared by the layers of one :class:`RelayModelCache`: the current forward's plan."""
+    """Shared by the layers of one :class:`RelayModelCache`: the current forward's plan, and
+    during a reconstruction pass the span of each sequence (``None`` for a sequence the pass
+    does not feed)."""
 
     def __init__(self) -> None:
         self.plan: _ForwardPlan | None = None
+        self.reconstruction: list[ReconstructionSpan | None] | None = None
 
 
 class RelayView(CacheView):
@@ -301,6 +350,8 @@ class RelayLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.scorer: Scorer = get_scorer(config.scorer)
         self.allocation = config.allocation or self.scorer.default_allocation
+        # a scorer fed by a reconstruction pass: the ratio eviction waits for it
+        self.deferred = self.scorer.needs_reconstruction
         self.forward_state = forward_state if forward_state is not None else _ForwardState()
         self.num_layers = 1  # set by RelayModelCache (per-layer budgets need it)
         self._clear()
@@ -313,6 +364,10 @@ class RelayLayer(CacheLayerMixin):
         self.next_positions: list[int] = []
         self.forwards = 0
         self.events: list[EvictionEvent] = []
+        self.reconstruction_scores: list[Tensor | None] = []
+        # per row: the prefill's observation-window attention (KVzipScorer(prefill_queries=w))
+        self.observation_scores: list[Tensor | None] = []
+        self.evicted: list[bool] = []
         self._pending: _Pending | None = None
         self.is_initialized = False
 
@@ -328,6 +383,9 @@ class RelayLayer(CacheLayerMixin):
         self.padding = [0] * batch
         self.stream_lengths = [0] * batch
         self.next_positions = [0] * batch
+        self.reconstruction_scores = [None] * batch
+        self.observation_scores = [None] * batch
+        self.evicted = [False] * batch
         self.is_initialized = True
 
     def update(
@@ -372,6 +430,9 @@ class RelayLayer(CacheLayerMixin):
         self.padding = [self.padding[b] for b in rows]
         self.stream_lengths = [self.stream_lengths[b] for b in rows]
         self.next_positions = [self.next_positions[b] for b in rows]
+        self.reconstruction_scores = [self.reconstruction_scores[b] for b in rows]
+        self.observation_scores = [self.observation_scores[b] for b in rows]
+        self.evicted = [self.evicted[b] for b in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row-select the storage by ``beam_idx`` (beam search; reads the indices to the host)."""
@@ -453,11 +514,17 @@ class RelayLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx} stores on {store.device}, got {keys.device}")
 
     def _plan(
-        self, pending: _Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
+        self,
+        pending: _Pending,
+        attention_mask: Tensor | None,
+        kwargs: dict[str, Any],
+        *,
+        reconstruction: bool = False,
     ) -> _ForwardPlan:
         """Check this forward's inputs against the layer's state and derive the plan. Reads the
         device at most once per forward (one transfer: the mask check and new columns, the
-        position ids), and not at all when neither is given.
+        position ids), and not at all when neither is given. A ``reconstruction`` pass stores
+        nothing: its rows may be all padding, and it plans no eviction.
 
         Raises:
             ValueError: a mask that is not 2-D ``[B, seen + T]``, not left padding, or
@@ -513,7 +580,7 @@ class RelayLayer(CacheLayerMixin):
                         f"attention_mask row {b} has a zero after a one: RelayModelCache "
                         "supports left padding only"
                     )
-                if zeros and stream[b] > 0:
+                if zeros and stream[b] > 0 and not reconstruction:
                     raise ValueError(
                         f"attention_mask row {b} pads after real tokens; left padding must "
                         "come before a sequence's first token"
@@ -540,7 +607,7 @@ class RelayLayer(CacheLayerMixin):
             shift = torch.tensor(deltas, dtype=torch.int64, device=device).view(-1, 1, 1)
 
         first = []
-        if self.eviction.ratio is not None:
+        if self.eviction.ratio is not None and not self.deferred and not reconstruction:
             first = [b for b in range(batch) if stream[b] == 0 and real[b] > 1]
             for b in first:
                 self._check_first_eviction(real[b], heads, b)
@@ -551,6 +618,7 @@ class RelayLayer(CacheLayerMixin):
             real=real,
             shift=shift,
             first_eviction=first,
+            reconstruction=reconstruction,
         )
 
     def _layer_budget(self, before: list[int]) -> tuple[int, int]:
@@ -625,10 +693,13 @@ class RelayLayer(CacheLayerMixin):
             RuntimeError: ``attend`` without a preceding ``update``.
         """
         pending, plan = self._take_pending(attention_mask, kwargs)
+        spans = self.forward_state.reconstruction
         keys = pending.keys
         if plan.shift is not None and self.uses_rope:
             keys = rotate_by_delta(keys, plan.shift, self.rotary)
             query = rotate_by_delta(query, plan.shift, self.rotary)
+        if spans is not None:
+            return self._attend_reconstruction(query, keys, pending.values, scaling, plan, kwargs)
         self._commit(keys, pending.values, plan)
         assert self.store is not None
         out = ragged_attention(
@@ -639,6 +710,8 @@ class RelayLayer(CacheLayerMixin):
             softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
             s_aux=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
         )
+        if self.deferred and getattr(self.scorer, "prefill_queries", 0):
+            self._observe(query, scaling, plan)
         due = self._rows_due(plan)
         for b in due:
             self.evict(query[b : b + 1, :, plan.num_new - plan.real[b] :], scaling, row=b)
@@ -660,15 +733,141 @@ class RelayLayer(CacheLayerMixin):
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("RelayView.attend called without a preceding update()")
+        spans = self.forward_state.reconstruction
         plan = self.forward_state.plan
         if (
             plan is None
             or plan.forward_index != self.forwards
             or (plan.batch, plan.num_new) != tuple(pending.keys.shape[0:3:2])
+            or plan.reconstruction != (spans is not None)
         ):
-            plan = self._plan(pending, attention_mask, kwargs)
+            plan = (
+                self._plan(pending, attention_mask, kwargs)
+                if spans is None
+                else self._plan(pending, attention_mask, kwargs, reconstruction=True)
+            )
             self.forward_state.plan = plan
         return pending, plan
+
+    def _observe(self, query: Tensor, scaling: float, plan: _ForwardPlan) -> None:
+        """Before the reconstruction pass: record, per sequence fed real tokens, the attention
+        of this forward's last ``scorer.prefill_queries`` queries over its stored tokens (max
+        over them and the GQA group, float32 ``[1, H, S]``), which the eviction joins to the
+        reconstruction scores by a max (docs/design.md, "Reconstruction scoring"). A later
+        storing forward replaces it: the newest context queries observe."""
+        assert self.store is not None
+        for b in range(plan.batch):
+            real = plan.real[b]
+            if real == 0 or self.evicted[b]:
+                continue
+            view = self.store.padded([b])
+            probs = self._window_attention(
+                query[b : b + 1, :, plan.num_new - real :],
+                scaling,
+                view.keys,
+                view.valid,
+                self.scorer.prefill_queries,  # type: ignore[attr-defined]
+            )
+            self.observation_scores[b] = probs.amax(dim=(2, 3))
+
+    def eviction_scores(self, row: int) -> Tensor | None:
+        """The reconstruction scores of sequence ``row`` joined (max) with its observation
+        scores, float32 ``[1, H, S]``, or ``None`` before a reconstruction pass."""
+        scores, seen = self.reconstruction_scores[row], self.observation_scores[row]
+        if scores is None or seen is None:
+            return scores
+        return torch.maximum(scores, seen)
+
+    def _attend_reconstruction(
+        self,
+        query: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        scaling: float,
+        plan: _ForwardPlan,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        """A reconstruction pass through this layer (docs/design.md, "RoPE-Relay:
+        Reconstruction scoring"): each fed sequence's real queries attend over its stored tokens
+        and, causally, the pass's own tokens (:func:`kvlab.relay.kvzip.reconstruction_attention`),
+        the per-slot scores are max-accumulated into :attr:`reconstruction_scores`, and nothing
+        is stored. Sequence by sequence, so a row's scores never depend on its neighbours.
+
+        Raises:
+            ValueError: a sequence that already evicted, or that receives tokens without a span.
+        """
+        assert self.store is not None and self.forward_state.reconstruction is not None
+        spans = self.forward_state.reconstruction
+        batch, q_heads, t, _ = query.shape
+        out = query.new_zeros(batch, q_heads, t, values.shape[-1])
+        for b in range(batch):
+            real, span = plan.real[b], spans[b]
+            if real == 0:
+                continue
+            if span is None or self.evicted[b]:
+                raise ValueError(
+                    f"row {b} of a reconstruction pass: "
+                    + ("it has evicted already" if self.evicted[b] else "no span given")
+                )
+            view = self.store.padded([b])
+            pos = view.original_positions
+            chunk = view.valid & (pos >= span.start) & (pos < span.end)
+            columns = None
+            if span.start > 0 or span.end < self.stream_lengths[b]:
+                columns = chunk | (view.valid & (pos < min(span.sinks, span.start)))
+            o, scores = reconstruction_attention(
+                query[b : b + 1, :, t - real :],
+                view.keys,
+                view.values,
+                view.valid,
+                keys[b : b + 1, :, t - real :],
+                values[b : b + 1, :, t - real :],
+                scale=scaling,
+                score_columns=columns,
+                softcap=kwargs.get("softcap"),
+                s_aux=kwargs.get("s_aux"),
+            )
+            out[b, :, t - real :] = o[0]
+            scores = scores.masked_fill(~chunk, 0.0)
+            previous = self.reconstruction_scores[b]
+            self.reconstruction_scores[b] = (
+                scores if previous is None else torch.maximum(previous, scores)
+            )
+        return out
+
+    def split_keys(self, row: int, reconstruction: Tensor) -> Tensor:
+        """The keys by which ``layer_budget="scores"`` ranks this layer's stored tokens of
+        sequence ``row`` against every other layer's: float32 ``[H, S]`` (padded view) — the
+        scorer's scores, ``+inf`` where protected (sinks and the uniform split's recent window,
+        as :meth:`evict` protects them), ``-inf`` on empty slots.
+
+        Args:
+            row: the sequence.
+            reconstruction: ``[1, H, S]`` its reconstruction scores (:meth:`evict`).
+        """
+        assert self.store is not None
+        per_head, _ = self._layer_budget(self.store.counts(row))
+        view = self.store.padded([row])
+        scores = self.scorer.score(
+            ScoreInputs(
+                keys=view.keys,
+                values=view.values,
+                valid=view.valid,
+                original_positions=view.original_positions,
+                rotary=self.rotary if self.uses_rope else None,
+                next_position=self.next_positions[row],
+                reconstruction=reconstruction,
+            )
+        ).float()
+        protected = protected_mask(
+            view.original_positions,
+            view.valid,
+            stream_length=self.stream_lengths[row],
+            sink_tokens=self.eviction.sink_tokens,
+            window_tokens=self._protected_window(per_head),
+        )
+        scores = scores.masked_fill(protected, float("inf"))
+        return scores.masked_fill(~view.valid, float("-inf"))[0]
 
     def _commit(self, keys: Tensor, values: Tensor, plan: _ForwardPlan) -> None:
         """Append each row's real new tokens at its stream indices and RoPE positions."""
@@ -756,7 +955,9 @@ class RelayLayer(CacheLayerMixin):
         cfg = self.eviction
         assert cfg.ratio is not None
         mean = max(1, round((1.0 - cfg.ratio) * tokens))
-        if cfg.layer_budget == "uniform" or self.num_layers == 1:
+        if cfg.layer_budget in ("uniform", "scores") or self.num_layers == 1:
+            # "scores": the split is decided by the scores at eviction (evict_reconstructed);
+            # its per-layer bounds are the uniform ones
             return [mean] * self.num_layers
         top = min(slots, tokens)
         recent = cfg.window_tokens if cfg.window_fraction is None else 1
@@ -784,33 +985,63 @@ class RelayLayer(CacheLayerMixin):
         return budgets[self.layer_idx] if len(budgets) > 1 else budgets[0]
 
     # ---------------------------------------------------------------- eviction
-    def evict(self, query: Tensor, scaling: float, row: int = 0) -> EvictionEvent:
+    def evict(
+        self,
+        query: Tensor | None,
+        scaling: float | None,
+        row: int = 0,
+        *,
+        reconstruction: Tensor | None = None,
+        layer_total: int | None = None,
+    ) -> EvictionEvent:
         """Evict in sequence ``row``: budget and protected window, score, allocate, select,
         relay (or not), compact (docs/design.md, "RoPE-Relay: Eviction policy").
 
         Args:
             query: that row's real queries of the current forward ``[1, H_q, Q, D]`` at cache
-                positions (the scorers' observation window and ExpectedAttention's queries).
-            scaling: the model's softmax scale.
+                positions (the scorers' observation window and ExpectedAttention's queries), or
+                ``None`` for a scorer that reads neither (a reconstruction scorer).
+            scaling: the model's softmax scale (``None`` with ``query``).
             row: the sequence.
+            reconstruction: ``[1, H, S]`` float32 reconstruction scores of the row's padded
+                view (KVzip), for a scorer with ``needs_reconstruction``.
+            layer_total: tokens this layer keeps summed over its kv heads, replacing the
+                configured layer budget (``layer_budget="scores"``, decided over every layer by
+                :meth:`RelayModelCache.evict_reconstructed`), or ``None``.
+
+        Raises:
+            ValueError: ``query`` missing for a scorer that needs it.
         """
         assert self.store is not None
+        if query is None and (self.scorer.needs_window_attention or self.scorer.needs_queries):
+            raise ValueError(f"the {self.scorer.name} scorer needs the forward's queries")
         cfg = self.eviction
         before = self.store.counts(row)
         heads = len(before)
         # the budget and the protected window first: the observation window follows them
         per_head, slots = self._layer_budget(before)
+        # layer_total replaces the budget, not the protected window (that of the uniform split,
+        # which the split over layers protected: docs/design.md, "RoPE-Relay: Reconstruction
+        # scoring")
+        total = per_head * heads if layer_total is None else layer_total
         recent = self._protected_window(per_head)
         view = self.store.padded([row])
         keys, values, valid = view.keys, view.values, view.valid
         orig, rot = view.original_positions, view.rotary_positions
         window = probs = None
         if self.scorer.needs_window_attention:
+            assert query is not None and scaling is not None
             probs = self._window_attention(
                 query, scaling, keys, valid, self._observation_tokens(recent)
             )
             window = probs.sum((2, 3))
-        q_len, next_position = query.shape[2], self.next_positions[row]
+        next_position = self.next_positions[row]
+        query_positions = None
+        if query is not None:
+            q_len = query.shape[2]
+            query_positions = torch.arange(
+                next_position - q_len, next_position, device=query.device
+            )
         scores = self.scorer.score(
             ScoreInputs(
                 keys=keys,
@@ -820,11 +1051,10 @@ class RelayLayer(CacheLayerMixin):
                 window_attention=window,
                 window_probs=probs,
                 queries=query if self.scorer.needs_queries else None,
-                query_positions=torch.arange(
-                    next_position - q_len, next_position, device=query.device
-                ),
+                query_positions=query_positions,
                 rotary=self.rotary if self.uses_rope else None,  # None: a NoPE layer
                 next_position=next_position,
+                reconstruction=reconstruction,
             )
         )
         protected = protected_mask(
@@ -838,7 +1068,7 @@ class RelayLayer(CacheLayerMixin):
             scores,
             valid,
             protected,
-            total=per_head * heads,
+            total=total,
             allocation=self.allocation,
             cap=slots,
             comparable_across_heads=self.scorer.comparable_across_heads,
@@ -874,6 +1104,7 @@ class RelayLayer(CacheLayerMixin):
                 orig[0].gather(1, order),
                 rot[0].gather(1, order),
             )
+        self.evicted[row] = True
         event = EvictionEvent(
             layer_idx=self.layer_idx,
             stream_length=self.stream_lengths[row],
@@ -933,6 +1164,13 @@ class RelayModelCache(Cache):
                 raise ValueError(
                     f"layer_budget has {len(config.layer_budget)} weights for {layers} layers"
                 )
+        if get_scorer(config.scorer).needs_reconstruction and plan.window_layers:
+            # a reconstruction pass must store nothing; window layers store every forward
+            raise ValueError(
+                f"scorer {get_scorer(config.scorer).name!r} needs every decoder layer to be full "
+                f"attention (its reconstruction pass stores nothing); layers "
+                f"{list(plan.window_layers)} are sliding/chunked"
+            )
         self.plan = plan
         self.eviction = config
         self.rotary = rotary or layer_rotary(text_config)
@@ -1022,3 +1260,131 @@ class RelayModelCache(Cache):
     def events(self) -> list[EvictionEvent]:
         """Every eviction of every layer, in layer order."""
         return [event for layer in self._relay_layers() for event in layer.events]
+
+    # ------------------------------------------------------------ reconstruction scoring
+    @property
+    def needs_reconstruction(self) -> bool:
+        """Whether the eviction waits for a reconstruction pass (a KVzip scorer,
+        :mod:`kvlab.relay.kvzip`): forwards then only store, until
+        :func:`kvlab.integrations.kvzip.compress` scores the stored tokens and evicts."""
+        return get_scorer(self.eviction.scorer).needs_reconstruction
+
+    def awaiting_reconstruction(self) -> list[bool]:
+        """Per sequence, whether it holds tokens that wait for a reconstruction pass (stored,
+        never evicted)."""
+        layer = self._relay_layers()[0]
+        if not layer.deferred:
+            return [False] * len(layer.stream_lengths)
+        return [n > 0 and not e for n, e in zip(layer.stream_lengths, layer.evicted, strict=True)]
+
+    def check_reconstruction_eviction(self, rows: Sequence[int]) -> None:
+        """Run the budget checks of the deferred eviction of ``rows`` (each holding its stream
+        length per kv head) without changing anything.
+
+        Raises:
+            ValueError: a budget the eviction could not meet (see ``_check_first_eviction``).
+        """
+        layer = self._relay_layers()[0]
+        assert layer.store is not None
+        for b in rows:
+            layer._check_first_eviction(layer.stream_lengths[b], layer.store.heads, b)
+
+    @contextmanager
+    def reconstruction_pass(self, spans: Sequence[ReconstructionSpan | None]) -> Iterator[None]:
+        """Inside this context a forward of the model through the cache is a *reconstruction
+        pass* (docs/design.md, "RoPE-Relay: Reconstruction scoring"): sequence ``b``'s real
+        tokens (``spans[b]`` says which stored tokens they rebuild; ``None`` for a row fed only
+        padding) attend over its stored tokens and their own, every full-attention layer
+        max-accumulates its reconstruction scores, and nothing is stored (tokens seen,
+        positions and storage unchanged). Used by :func:`kvlab.integrations.kvzip.compress`.
+
+        Raises:
+            ValueError: a cache whose scorer needs no reconstruction, ``spans`` not one per
+                sequence, or a span for a sequence that is not awaiting one.
+        """
+        if not self.needs_reconstruction:
+            raise ValueError("this cache's scorer needs no reconstruction pass")
+        awaiting = self.awaiting_reconstruction()
+        if len(spans) != len(awaiting):
+            raise ValueError(f"{len(spans)} spans for {len(awaiting)} sequences")
+        for b, span in enumerate(spans):
+            if span is not None and not awaiting[b]:
+                raise ValueError(f"row {b} is not awaiting a reconstruction pass")
+        state = self._relay_layers()[0].forward_state
+        state.plan, state.reconstruction = None, list(spans)
+        try:
+            yield
+        finally:
+            state.plan, state.reconstruction = None, None
+
+    def discard_reconstruction(self) -> None:
+        """Forget every accumulated reconstruction score (e.g. after a failed pass)."""
+        for layer in self._relay_layers():
+            layer.reconstruction_scores = [None] * len(layer.reconstruction_scores)
+
+    def evict_reconstructed(self) -> list[EvictionEvent]:
+        """Evict every sequence whose tokens every layer has reconstruction scores for, with
+        those scores, through the layer's policy (budget and protected window, the scorer,
+        per-head allocation, selection, relay or not, compaction), then forget the scores.
+        Budgets are checked for every sequence before any layer changes.
+
+        Returns:
+            the new :class:`EvictionEvent` s, layer by layer.
+
+        Raises:
+            ValueError: no sequence has complete scores, or a budget the eviction cannot meet.
+        """
+        layers = self._relay_layers()
+        awaiting = self.awaiting_reconstruction()
+        rows = [
+            b
+            for b, wait in enumerate(awaiting)
+            if wait and all(layer.reconstruction_scores[b] is not None for layer in layers)
+        ]
+        if not rows:
+            raise ValueError("no sequence has reconstruction scores in every layer")
+        self.check_reconstruction_eviction(rows)
+        totals = {b: self._split_by_scores(b) for b in rows}
+        events = []
+        for i, layer in enumerate(layers):
+            assert layer.store is not None
+            for b in rows:
+                scores = layer.eviction_scores(b)
+                layer.reconstruction_scores[b] = layer.observation_scores[b] = None
+                total = None if totals[b] is None else totals[b][i]
+                events.append(layer.evict(None, None, b, reconstruction=scores, layer_total=total))
+            layer.store.shrink()
+        return events
+
+    def _split_by_scores(self, row: int) -> list[int] | None:
+        """Per layer, the tokens (summed over kv heads) sequence ``row`` keeps under
+        ``layer_budget="scores"``: the model's budget (the uniform split's total) goes to the
+        top :meth:`RelayLayer.split_keys` over every layer and kv head (KVzip's cross-layer
+        selection; protected tokens always win). ``None`` for any other ``layer_budget``."""
+        if self.eviction.layer_budget != "scores":
+            return None
+        layers = self._relay_layers()
+        keys = []
+        budget = 0
+        for layer in layers:
+            assert layer.store is not None
+            scores = layer.eviction_scores(row)
+            assert scores is not None
+            keys.append(layer.split_keys(row, scores).flatten())
+            per_head, _ = layer._layer_budget(layer.store.counts(row))
+            budget += per_head * layer.store.heads
+        sizes = [k.numel() for k in keys]
+        top = torch.topk(torch.cat(keys), budget, sorted=False).indices
+        owner = torch.bucketize(top, torch.tensor(sizes, device=top.device).cumsum(0), right=True)
+        won = [int(n) for n in torch.bincount(owner, minlength=len(layers)).tolist()]
+        share = self.eviction.scores_share
+        if share == 1.0:
+            return won
+        # s * won + (1 - s) * uniform, to integers by largest remainder (same total); each
+        # layer stays between its protected tokens and what it holds (both splits do)
+        want = [share * w + (1.0 - share) * budget / len(layers) for w in won]
+        out = [int(w) for w in want]
+        order = sorted(range(len(want)), key=lambda i: want[i] - out[i], reverse=True)
+        for i in order[: budget - sum(out)]:
+            out[i] += 1
+        return out

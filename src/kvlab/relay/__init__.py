@@ -6,7 +6,8 @@ The package holds the mechanism's parts, none of which imports ``transformers``:
 * :mod:`~kvlab.relay.core` — the relay itself (:func:`relay`, :func:`relay_attention`): kept
   keys right-aligned at positions ending at one shared endpoint, by pure rotation.
 * :mod:`~kvlab.relay.scorers` (with :mod:`~kvlab.relay.expected_attention`,
-  :mod:`~kvlab.relay.tova` and :mod:`~kvlab.relay.combined`) / :mod:`~kvlab.relay.budgets` /
+  :mod:`~kvlab.relay.tova`, :mod:`~kvlab.relay.combined` and :mod:`~kvlab.relay.kvzip`) /
+  :mod:`~kvlab.relay.budgets` /
   :mod:`~kvlab.relay.layer_budgets` / :mod:`~kvlab.relay.policies` — the eviction policy:
   which tokens each (layer, kv head) keeps, how a layer's budget is split across heads, how the
   model's budget is split across layers, and the named default policies.
@@ -23,11 +24,12 @@ from __future__ import annotations
 from kvlab.relay.attention import ragged_attention
 from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 
-# combined, expected_attention and tova register their scorers in SCORERS on import; this
+# combined, expected_attention, kvzip and tova register their scorers in SCORERS on import; this
 # package always runs first, so SCORERS is complete wherever kvlab.relay.* is imported
 from kvlab.relay.combined import CombinedScorer
 from kvlab.relay.core import EMPTY_POSITION, RelayedCache, relay, relay_attention, relay_logits
 from kvlab.relay.expected_attention import ExpectedAttentionScorer
+from kvlab.relay.kvzip import KVzipScorer, ReconstructionPrompt, reconstruction_attention
 from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
 from kvlab.relay.scorers import SCORERS, ScoreInputs, Scorer, get_scorer
 from kvlab.relay.storage import PaddedSegments, RelayStore, Segment
@@ -38,7 +40,9 @@ __all__ = [
     "SCORERS",
     "CombinedScorer",
     "ExpectedAttentionScorer",
+    "KVzipScorer",
     "PaddedSegments",
+    "ReconstructionPrompt",
     "RelayStore",
     "RelayedCache",
     "ScoreInputs",
@@ -50,6 +54,7 @@ __all__ = [
     "protected_mask",
     "pyramid_layer_budgets",
     "ragged_attention",
+    "reconstruction_attention",
     "relay",
     "relay_attention",
     "relay_logits",

@@ -15,6 +15,12 @@ search in docs/results.md (section 6, "Policy search", issue 9) on SmolLM2-135M 
   (prefill-score) calibrate them on the package's own text before the run
   (:func:`kvlab.integrations.relay_calibration.calibrate_layer_budgets`) and pass the kept
   fractions as ``EvictionConfig.layer_budget``; this module's dicts hold the rest.
+* KVzip (:mod:`kvlab.relay.kvzip`): three quarters of the model's budget split across layers
+  by the scores (``layer_budget="scores"``, ``scores_share`` 0.75; KVzip's own cross-layer
+  selection is share 1), the prefill's last 128 queries scored with the reconstruction pass's
+  (``KVzipScorer(prefill_queries=128)``), a protected recent window of 3/8 of each layer's
+  per-head budget (``window_fraction`` 0.375); docs/results.md section 7 has the search. With
+  ``window_tokens=0`` and nothing else the policy reproduces kvpress's ``KVzipPress``.
 * SnapKV scores are multiplied by the value norm (``SnapKVScorer(value_norm=True)``, the
   value-norm rescaling of ExpectedAttention and CriticalKV), max-pooled over 7 tokens and
   compared across heads (adaptive per-head budgets, Ada-KV).
@@ -55,6 +61,18 @@ def default_policy_settings(scorer: str) -> dict[str, Any]:
         # kvpress's ExpectedAttentionPress policy: 4 sinks, no protected window, uniform budgets
         # (the scorer's default allocation); a protected window measured worse
         return {"scorer": "expected-attention", "window_tokens": 0}
+    if scorer == "kvzip":
+        # KVzip's cross-layer selection (three quarters of the model's budget to the top scores
+        # over every layer and head, the rest uniform), the prefill's last 128 queries joined
+        # to the reconstruction queries, a protected recent window of 3/8 of each layer's
+        # per-head budget (docs/results.md, section 7)
+        return {
+            "scorer": "kvzip",
+            "scorer_options": {"prefill_queries": 128},
+            "window_fraction": 0.375,
+            "layer_budget": "scores",
+            "scores_share": 0.75,
+        }
     if scorer == "snapkv":
         return {
             "scorer": "snapkv",

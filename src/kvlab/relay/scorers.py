@@ -24,9 +24,10 @@ Scorers (``SCORERS``):
   norm. Probabilities share one scale across heads, which lets the adaptive allocation give
   concentrated heads fewer tokens (Feng et al. 2024, "Ada-KV", arXiv:2407.11550).
 
-Two more scorers live in their own modules and register here when :mod:`kvlab.relay` is
-imported: ``"expected-attention"`` (:mod:`kvlab.relay.expected_attention`) and ``"tova"``
-(:mod:`kvlab.relay.tova`).
+More scorers live in their own modules and register here when :mod:`kvlab.relay` is
+imported: ``"expected-attention"`` (:mod:`kvlab.relay.expected_attention`), ``"tova"``
+(:mod:`kvlab.relay.tova`), ``"combined"`` (:mod:`kvlab.relay.combined`) and ``"kvzip"``
+(:mod:`kvlab.relay.kvzip`, scored by a reconstruction pass after the prefill).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class ScoreInputs:
         rotary: the layer's :class:`~kvlab.rope.RotaryConfig` (to undo or average RoPE), or
             ``None`` for a layer without RoPE (NoPE: queries and keys are not rotated).
         next_position: rotary position the next token will get (where future queries start).
+        reconstruction: ``[B, H, S]`` float32 per-slot scores of a reconstruction pass (KVzip,
+            :mod:`kvlab.relay.kvzip`; for scorers with ``needs_reconstruction``), or ``None``.
     """
 
     keys: Tensor
@@ -85,6 +88,7 @@ class ScoreInputs:
     query_positions: Tensor | None = None
     rotary: RotaryConfig | None = None
     next_position: int | None = None
+    reconstruction: Tensor | None = None
 
 
 class Scorer:
@@ -92,6 +96,8 @@ class Scorer:
     :attr:`ScoreInputs.window_attention` and ``window_probs``); ``observation_tokens`` (the
     observation window this scorer needs, or ``None`` for the cache's setting);
     ``needs_queries`` (the cache then passes the forward's queries and positions);
+    ``needs_reconstruction`` (the cache then defers a ratio eviction until a reconstruction
+    pass scored its tokens: :mod:`kvlab.relay.kvzip`);
     ``comparable_across_heads`` (whether raw scores of different heads share a scale);
     ``default_allocation`` (``"adaptive"`` or ``"uniform"``)."""
 
@@ -99,6 +105,7 @@ class Scorer:
     needs_window_attention: bool = False
     observation_tokens: int | None = None
     needs_queries: bool = False
+    needs_reconstruction: bool = False
     comparable_across_heads: bool = True
     default_allocation: str = "adaptive"
 

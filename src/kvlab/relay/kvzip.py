@@ -1,0 +1,321 @@
+"""KVzip: score cached tokens by how much the model attends to them while re-reading the context
+(Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
+arXiv:2505.23416; the formula of NVIDIA kvpress 0.5.5's ``KVzipPress``).
+
+After the prefill of a context ``C`` (nothing evicted yet), a *reconstruction pass* feeds, on
+top of the cache, ``prompt + suffix + C`` — "Repeat the previous context exactly." and the
+context itself, teacher-forced. In every layer the pass's queries attend over the cached
+context and, causally, over the pass's own tokens; the score of cached token ``i`` of kv head
+``h`` is the largest softmax probability any query of the pass, in any query head of ``h``'s
+GQA group, gives it::
+
+    score[h, i] = max_{g in group(h), j in pass} softmax_j(scale * q_{g,j} . [K_C ; K_pass])[i]
+
+The softmax runs over every cached context token and the pass tokens up to ``j`` (KVzip's
+normalization; the pass's own tokens take part in it but are never scored). Long contexts are
+reconstructed in chunks (KVzip's ``chunk_size``, 2048 tokens): the pass for the chunk
+``[s, e)`` still attends over the whole cache (its hidden states are exact), but its scores
+are normalized over the first ``min(n_sink, s)`` context tokens, the chunk and the pass's own
+tokens only, and only the chunk's tokens are scored (kvpress's ``_compute_cross_attention``).
+The pass's tokens are never stored: the cache keeps the context only.
+
+This module holds the model-free parts: the prompt (:class:`ReconstructionPrompt`), the
+attention of one pass over one sequence that also returns the scores
+(:func:`reconstruction_attention`) and the scorer (:class:`KVzipScorer`) that turns the scores
+into keep-scores for the eviction policy (:mod:`kvlab.relay.budgets`). The pass itself runs in
+:class:`kvlab.integrations.RelayModelCache` (docs/design.md, "RoPE-Relay: Reconstruction
+scoring"), driven by :func:`kvlab.integrations.kvzip.compress`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvlab.attention_logits import softcap_logits, softmax_with_sinks
+from kvlab.relay.scorers import SCORERS, ScoreInputs, Scorer, pool_scores
+
+__all__ = [
+    "FIRST_PROMPT",
+    "NEXT_PROMPT",
+    "KVzipScorer",
+    "ReconstructionChunk",
+    "ReconstructionPrompt",
+    "reconstruction_attention",
+]
+
+#: KVzip's repeat request for the first chunk of a context.
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+#: KVzip's repeat request for later chunks, followed by the last tokens of the previous chunk.
+NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclass(frozen=True)
+class ReconstructionChunk:
+    """One reconstruction pass of one sequence: it rebuilds the context tokens ``start .. end -
+    1`` (stream indices) and feeds ``ids`` (prompt, suffix, those tokens)."""
+
+    start: int
+    end: int
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReconstructionPrompt:
+    """The token ids of KVzip's repeat request, without a chat template (raw-text contexts).
+
+    Attributes:
+        first_ids: ``FIRST_PROMPT`` tokenized (no special tokens).
+        next_ids: ``NEXT_PROMPT`` tokenized; later chunks append the previous chunk's last
+            ``overlap`` tokens to it.
+        suffix_ids: what separates the request from the repeated text (KVzip's ``"\\n"`` for
+            models without a chat template).
+        chunk_tokens: context tokens reconstructed per pass (KVzip's 2048).
+        overlap: tokens of the previous chunk quoted in a later chunk's request (KVzip's 8).
+
+    Raises:
+        ValueError: empty ``first_ids``, ``chunk_tokens < 1`` or ``overlap < 0``.
+    """
+
+    first_ids: tuple[int, ...]
+    next_ids: tuple[int, ...]
+    suffix_ids: tuple[int, ...]
+    chunk_tokens: int = 2048
+    overlap: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.first_ids:
+            raise ValueError("first_ids must not be empty")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.overlap < 0:
+            raise ValueError(f"overlap must be >= 0, got {self.overlap}")
+        for name in ("first_ids", "next_ids", "suffix_ids"):
+            object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+
+    @classmethod
+    def from_tokenizer(
+        cls, tokenizer: Any, *, suffix: str = "\n", chunk_tokens: int = 2048, overlap: int = 8
+    ) -> ReconstructionPrompt:
+        """KVzip's prompts tokenized by ``tokenizer`` (``tokenizer.encode(text,
+        add_special_tokens=False)``)."""
+
+        def encode(text: str) -> tuple[int, ...]:
+            return tuple(int(i) for i in tokenizer.encode(text, add_special_tokens=False))
+
+        return cls(
+            first_ids=encode(FIRST_PROMPT),
+            next_ids=encode(NEXT_PROMPT),
+            suffix_ids=encode(suffix),
+            chunk_tokens=chunk_tokens,
+            overlap=overlap,
+        )
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-ready fields (the constructor's keyword arguments)."""
+        return {
+            "first_ids": list(self.first_ids),
+            "next_ids": list(self.next_ids),
+            "suffix_ids": list(self.suffix_ids),
+            "chunk_tokens": self.chunk_tokens,
+            "overlap": self.overlap,
+        }
+
+    def chunks(self, context: Sequence[int]) -> list[ReconstructionChunk]:
+        """The passes that reconstruct ``context`` (a sequence's stored tokens, stream order):
+        chunk ``c`` covers ``[c * chunk_tokens, (c + 1) * chunk_tokens)``; its ids are
+        ``first_ids`` (chunk 0) or ``next_ids`` + the previous chunk's last ``overlap`` ids,
+        then ``suffix_ids``, then the chunk's ids (kvpress's ``KVzipPress.prepare``)."""
+        ctx = [int(i) for i in context]
+        out = []
+        for start in range(0, len(ctx), self.chunk_tokens):
+            end = min(start + self.chunk_tokens, len(ctx))
+            if start == 0:
+                request = list(self.first_ids)
+            else:
+                request = list(self.next_ids) + ctx[max(0, start - self.overlap) : start]
+            ids = tuple(request + list(self.suffix_ids) + ctx[start:end])
+            out.append(ReconstructionChunk(start=start, end=end, ids=ids))
+        return out
+
+
+def reconstruction_attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid: Tensor,
+    own_keys: Tensor,
+    own_values: Tensor,
+    *,
+    scale: float,
+    score_columns: Tensor | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
+    block_queries: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """Attention of one sequence's reconstruction-pass queries, and the KVzip scores.
+
+    Args:
+        query: ``[1, H_q, Q, D]`` the pass's queries (rotated at the positions following the
+            cache).
+        keys: ``[1, H, S, D]`` the sequence's cached keys per kv head (padded view);
+            values: ``[1, H, S, Dv]``.
+        valid: bool ``[1, H, S]``: the cached slots (others never attended, scored 0).
+        own_keys: ``[1, H, Q, D]`` the pass's own keys (same rotation); own_values:
+            ``[1, H, Q, Dv]``. Query ``j`` sees own tokens ``0 .. j``.
+        scale: softmax scale of the logits.
+        score_columns: bool ``[1, H, S]`` or ``None``: the cached slots the *scores* are
+            normalized over (a later chunk: the first sinks and the chunk); ``None`` = every
+            valid slot (then the scores are the attention probabilities themselves). Slots
+            outside it score 0.
+        softcap: Gemma 2 attention-logit soft-cap, or ``None``; s_aux: ``[H_q]`` learned sink
+            logits (GPT-OSS), or ``None`` (both as in :mod:`kvlab.attention_logits`).
+        block_queries: queries per block (bounds the float32 logits held at once).
+
+    Returns:
+        ``(out, scores)``: ``out`` ``[1, H_q, Q, Dv]`` in the query dtype (exact softmax
+        attention over the cached slots and the causal own tokens, computed in float32);
+        ``scores`` float32 ``[1, H, S]``: per slot, the max over the queries and the GQA
+        group's query heads of its softmax probability (module docstring), 0 where not
+        scored.
+
+    Raises:
+        ValueError: shapes that do not fit together (``H_q`` not a multiple of ``H``).
+    """
+    _, q_heads, q_len, dim = query.shape
+    heads, slots = keys.shape[1], keys.shape[2]
+    if (
+        query.shape[0] != 1
+        or keys.shape[0] != 1
+        or q_heads % heads
+        or keys.shape[-1] != dim
+        or own_keys.shape != (1, heads, q_len, dim)
+        or values.shape[:3] != keys.shape[:3]
+        or own_values.shape[:3] != own_keys.shape[:3]
+        or valid.shape != keys.shape[:3]
+    ):
+        raise ValueError(
+            f"reconstruction_attention: query {tuple(query.shape)}, keys {tuple(keys.shape)}, "
+            f"values {tuple(values.shape)}, valid {tuple(valid.shape)}, own keys "
+            f"{tuple(own_keys.shape)}, own values {tuple(own_values.shape)} do not fit"
+        )
+    group = q_heads // heads
+    k_all = torch.cat([keys, own_keys], dim=2).float()[0]  # [H, S + Q, D]
+    v_all = torch.cat([values, own_values], dim=2).float()[0]  # [H, S + Q, Dv]
+    q = query.float()[0].reshape(heads, group, q_len, dim)
+    sinks = None if s_aux is None else s_aux.float().view(heads, group, 1, 1)
+    cached = valid[0].view(heads, 1, 1, slots)
+    subset = None if score_columns is None else (score_columns[0] & valid[0])
+    own_index = torch.arange(q_len, device=query.device)
+    out = torch.empty(heads, group, q_len, v_all.shape[-1], dtype=torch.float32, device=q.device)
+    scores = torch.zeros(heads, slots, dtype=torch.float32, device=q.device)
+    for a in range(0, q_len, block_queries):
+        b = min(a + block_queries, q_len)
+        logits = torch.einsum("hgqd,hkd->hgqk", q[:, :, a:b], k_all) * scale
+        logits = softcap_logits(logits, softcap)
+        causal = own_index.view(1, -1) <= own_index[a:b].view(-1, 1)  # [b - a, Q]
+        allowed = torch.cat(
+            [
+                cached.expand(heads, 1, b - a, slots),
+                causal.view(1, 1, b - a, q_len).expand(heads, 1, -1, -1),
+            ],
+            dim=-1,
+        )
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        probs = softmax_with_sinks(logits, sinks)  # [H, G, b - a, S + Q]
+        out[:, :, a:b] = torch.einsum("hgqk,hkd->hgqd", probs, v_all)
+        if subset is not None:
+            keep = torch.cat(
+                [
+                    subset.view(heads, 1, 1, slots).expand(heads, 1, b - a, slots),
+                    causal.view(1, 1, b - a, q_len).expand(heads, 1, -1, -1),
+                ],
+                dim=-1,
+            )
+            probs = softmax_with_sinks(logits.masked_fill(~keep, float("-inf")), sinks)
+            probs = probs[..., :slots].masked_fill(~subset.view(heads, 1, 1, slots), 0.0)
+        block_max = probs[..., :slots].amax(dim=(1, 2))  # [H, S]
+        scores = torch.maximum(scores, block_max)
+    scores = scores.masked_fill(~valid[0], 0.0)
+    out = out.reshape(1, q_heads, q_len, -1).to(query.dtype)
+    return out, scores.unsqueeze(0)
+
+
+class KVzipScorer(Scorer):
+    """The reconstruction-pass attention of each cached token (KVzip), optionally times the
+    value norm and max-pooled over neighbours.
+
+    Scores are attention probabilities, on one scale across heads and layers, so the adaptive
+    per-head allocation (Ada-KV) compares them directly — as KVzip's own selection does, which
+    keeps the model's top scores over every layer and head.
+
+    Args:
+        value_norm: multiply the score by ``||v||_2`` of the token (the value-norm rescaling
+            of ExpectedAttention / CriticalKV; KVzip+ uses ``||W_O v||``).
+        kernel_size: odd max-pooling width in tokens (1, the default, is KVzip's: no pooling).
+        prompt: the repeat request's token ids that :func:`kvlab.integrations.kvzip.compress`
+            uses by default, or ``None`` (then ``compress`` must be given one).
+        prefill_queries: also score by the attention of the prefill's last ``prefill_queries``
+            queries (SnapKV's observation window, Li et al. 2024, arXiv:2404.14469): per slot
+            the max of its reconstruction score and of the probability any of those queries,
+            in any query head of the GQA group, gives it — the observation window's queries
+            treated as more reconstruction queries. 0 (KVzip's own): none.
+
+    Raises:
+        ValueError: an even or non-positive ``kernel_size``, a negative ``prefill_queries``;
+            at scoring time, missing
+            reconstruction scores (the cache ran no reconstruction pass).
+    """
+
+    name = "kvzip"
+    needs_reconstruction = True
+
+    def __init__(
+        self,
+        *,
+        value_norm: bool = False,
+        kernel_size: int = 1,
+        prompt: ReconstructionPrompt | None = None,
+        prefill_queries: int = 0,
+    ) -> None:
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd int >= 1, got {kernel_size}")
+        if prefill_queries < 0:
+            raise ValueError(f"prefill_queries must be >= 0, got {prefill_queries}")
+        self.prefill_queries = prefill_queries
+        self.value_norm = value_norm
+        self.kernel_size = kernel_size
+        self.prompt = prompt
+
+    def with_prompt(self, prompt: ReconstructionPrompt) -> KVzipScorer:
+        """This scorer with the repeat prompt ``prompt`` (a copy)."""
+        return KVzipScorer(
+            value_norm=self.value_norm,
+            kernel_size=self.kernel_size,
+            prompt=prompt,
+            prefill_queries=self.prefill_queries,
+        )
+
+    def score(self, inputs: ScoreInputs) -> Tensor:
+        if inputs.reconstruction is None:
+            raise ValueError(
+                "the kvzip scorer needs reconstruction scores: run kvlab.integrations.kvzip."
+                "compress(model, cache, input_ids) after the prefill"
+            )
+        out = pool_scores(inputs.reconstruction, inputs.valid, self.kernel_size, "max")
+        if self.value_norm:
+            out = out * torch.linalg.vector_norm(inputs.values.float(), dim=-1)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"KVzipScorer(value_norm={self.value_norm}, kernel_size={self.kernel_size}, "
+            f"prefill_queries={self.prefill_queries})"
+        )
+
+
+SCORERS["kvzip"] = KVzipScorer

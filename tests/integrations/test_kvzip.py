@@ -1,0 +1,226 @@
+"""KVzip inside RelayModelCache: the reconstruction pass's scores against a float64 eager
+reference, the eviction they drive, padded batches, and refusals that change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvlab.integrations import KVLAB_ATTENTION, EvictionConfig, RelayModelCache, use_attention
+from kvlab.integrations.composed_cache import ComposedModelCache
+from kvlab.integrations.kvzip import compress
+from kvlab.relay import KVzipScorer, ReconstructionPrompt
+
+PROMPT = dict(first_ids=(5, 6, 7), next_ids=(8, 9), suffix_ids=(10,))
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(11, 96, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefill(model, config: EvictionConfig, ids: torch.Tensor, **kwargs) -> RelayModelCache:
+    cache = RelayModelCache(model.config, config)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        model(ids, cache=cache, **kwargs)
+    return cache
+
+
+def _reference_scores(
+    model, ids: torch.Tensor, prompt: ReconstructionPrompt, sinks: int, observe: int = 0
+):
+    """float64 eager attention of the whole ``context + pass`` sequence per chunk: per layer,
+    ``[H, n]`` KVzip scores (the pass's probabilities renormalized over the first sinks, the
+    chunk and the pass's own tokens, max over the GQA group and the pass's queries; only the
+    chunk's tokens scored), joined by a max with the prefill's last ``observe`` queries'
+    probabilities (max over them and the group)."""
+    model64 = type(model)(model.config).eval().double()
+    model64.load_state_dict(model.state_dict())
+    model64.set_attn_implementation("eager")
+    n = ids.shape[1]
+    heads = model.config.num_key_value_heads
+    group = model.config.num_attention_heads // heads
+    scores = [
+        torch.zeros(heads, n, dtype=torch.float64) for _ in range(model.config.num_hidden_layers)
+    ]
+    for chunk in prompt.chunks(ids[0].tolist()):
+        full = torch.cat([ids, torch.tensor([chunk.ids])], dim=1)
+        with torch.no_grad():
+            out = model64(full, output_attentions=True, cache=DynamicCache())
+        scored = torch.zeros(n, dtype=torch.bool)
+        scored[chunk.start : chunk.end] = True
+        subset = scored.clone()
+        subset[: min(sinks, chunk.start)] = True  # in the normalization, not scored
+        keep = torch.cat([subset, torch.ones(len(chunk.ids), dtype=torch.bool)])
+        for layer, probs in enumerate(out.attentions):
+            p = probs[0, :, n:, :] * keep  # [H_q, Q, n + Q]; causal zeros stay zero
+            p = p / p.sum(-1, keepdim=True)
+            p = p[..., :n].masked_fill(~scored, 0.0)
+            best = p.reshape(heads, group, -1, n).amax(dim=(1, 2))
+            scores[layer] = torch.maximum(scores[layer], best)
+    if observe:
+        with torch.no_grad():
+            out = model64(ids, output_attentions=True, cache=DynamicCache())
+        for layer, probs in enumerate(out.attentions):
+            seen = probs[0, :, n - observe :, :].reshape(heads, group, observe, n).amax((1, 2))
+            scores[layer] = torch.maximum(scores[layer], seen)
+    return scores
+
+
+@pytest.mark.parametrize("observe", [0, 6])
+@pytest.mark.parametrize("chunk_tokens", [2048, 16])
+def test_reconstruction_scores_match_float64_eager_reference(make_llama, chunk_tokens, observe):
+    model = make_llama(seed=41)
+    ids = _ids(40, seed=42)
+    prompt = ReconstructionPrompt(**PROMPT, chunk_tokens=chunk_tokens, overlap=3)
+    scorer = KVzipScorer(prompt=prompt, prefill_queries=observe)
+    config = EvictionConfig(ratio=0.5, scorer=scorer, window_tokens=0)
+    cache = _prefill(model, config, ids)
+    assert cache.get_seq_length() == 40 and cache.awaiting_reconstruction() == [True]
+    assert all(layer.tokens_per_head() == [40, 40] for layer in cache.layers)  # nothing evicted
+    captured = []
+    original = cache.evict_reconstructed
+
+    def capture():
+        captured.extend(layer.eviction_scores(0).clone() for layer in cache.layers)
+        return original()
+
+    cache.evict_reconstructed = capture
+    compress(model, cache, ids)
+    reference = _reference_scores(model, ids, prompt, sinks=config.sink_tokens, observe=observe)
+    for got, want in zip(captured, reference, strict=True):
+        torch.testing.assert_close(got[0].double(), want, atol=2e-6, rtol=1e-4)
+    # the eviction keeps, per layer, its top scores over the kv heads (adaptive) + sinks
+    for layer, want in zip(cache.layers, reference, strict=True):
+        assert sum(layer.tokens_per_head()) == 40
+        key = want.clone()
+        key[:, : config.sink_tokens] = float("inf")
+        top = torch.zeros_like(key, dtype=torch.bool).flatten()
+        top[torch.topk(key.flatten(), 40).indices] = True
+        for h in range(2):
+            kept = layer.segment(0, h).original_positions.view(-1).sort().values
+            assert torch.equal(kept, top.view(2, 40)[h].nonzero().view(-1))
+
+
+@pytest.mark.parametrize("share", [1.0, 0.75, 0.3])
+def test_scores_layer_budget_splits_by_the_global_top_scores(make_llama, share):
+    model = make_llama(seed=43)
+    ids = _ids(48, seed=44)
+    prompt = ReconstructionPrompt(**PROMPT)
+    config = EvictionConfig(
+        ratio=0.5,
+        scorer=KVzipScorer(prompt=prompt),
+        window_tokens=0,
+        relay=False,
+        layer_budget="scores",
+        scores_share=share,
+    )
+    cache = _prefill(model, config, ids)
+    compress(model, cache, ids)
+    reference = _reference_scores(model, ids, prompt, sinks=config.sink_tokens)
+    keys = torch.stack(reference)  # [L, H, n]
+    keys[..., : config.sink_tokens] = float("inf")
+    budget = 2 * 2 * 24  # layers * kv heads * kept per head
+    top = torch.zeros(keys.numel(), dtype=torch.bool)
+    top[torch.topk(keys.flatten(), budget).indices] = True
+    won = top.view_as(keys).sum((1, 2)).tolist()
+    # share s of the budget by the scores, the rest uniform; largest remainder to integers
+    want = [share * w + (1 - share) * budget / 2 for w in won]
+    totals = [int(w) for w in want]
+    for i in sorted(range(2), key=lambda i: want[i] - totals[i], reverse=True)[
+        : budget - sum(totals)
+    ]:
+        totals[i] += 1
+    for i, layer in enumerate(cache.layers):
+        assert sum(layer.tokens_per_head()) == totals[i]
+        mine = torch.zeros(2 * 48, dtype=torch.bool)
+        mine[torch.topk(keys[i].flatten(), totals[i]).indices] = True
+        for h in range(2):
+            kept = layer.segment(0, h).original_positions.view(-1).sort().values
+            assert torch.equal(kept, mine.view(2, 48)[h].nonzero().view(-1))
+    assert sum(totals) == budget
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_padded_batch_rows_evict_as_alone(make_llama, relay):
+    model = make_llama(seed=45)
+    prompt = ReconstructionPrompt(**PROMPT)
+    config = EvictionConfig(
+        ratio=0.5,
+        scorer=KVzipScorer(prompt=prompt, prefill_queries=5),
+        window_tokens=2,
+        relay=relay,
+    )
+    long, short = _ids(36, seed=46), _ids(28, seed=47)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 8, dtype=torch.int64), short], 1)])
+    mask = torch.ones(2, 36, dtype=torch.int64)
+    mask[1, :8] = 0
+    cache = _prefill(model, config, batch, attention_mask=mask)
+    compress(model, cache, batch)
+    for row, ids in ((0, long), (1, short)):
+        alone = _prefill(model, config, ids)
+        compress(model, alone, ids)
+        for got, want in zip(cache.layers, alone.layers, strict=True):
+            for h in range(2):
+                a, b = got.segment(row, h), want.segment(0, h)
+                assert torch.equal(a.original_positions, b.original_positions)
+                torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+
+
+def _state(cache: RelayModelCache):
+    return [
+        (
+            layer.tokens_per_head(),
+            list(layer.reconstruction_scores),
+            list(layer.observation_scores),
+            list(layer.evicted),
+        )
+        for layer in cache.layers
+    ]
+
+
+def test_bad_input_fails_once_and_changes_nothing(make_llama):
+    model = make_llama(seed=48)
+    ids = _ids(24, seed=49)
+    config = EvictionConfig(ratio=0.5, scorer=KVzipScorer(prefill_queries=4), window_tokens=0)
+    cache = _prefill(model, config, ids)
+    before = _state(cache)
+    prompt = ReconstructionPrompt(**PROMPT)
+    with pytest.raises(ValueError, match="repeat prompt"):
+        compress(model, cache, ids)
+    with pytest.raises(ValueError, match=r"\[B, seen\]"):
+        compress(model, cache, ids[:, :-1], prompt=prompt)
+    assert _state(cache) == before
+    compress(model, cache, ids, prompt=prompt)
+    with pytest.raises(ValueError, match="evicted already"):
+        compress(model, cache, ids, prompt=prompt)
+    plain = _prefill(model, EvictionConfig(ratio=0.5, window_tokens=4), ids)
+    with pytest.raises(ValueError, match="needs a reconstruction"):
+        compress(model, plain, ids, prompt=prompt)
+
+
+def test_impossible_budget_fails_before_the_model_runs(make_llama):
+    model = make_llama(seed=50)
+    ids = _ids(12, seed=51)
+    config = EvictionConfig(ratio=0.9, scorer=KVzipScorer(), sink_tokens=4, window_tokens=4)
+    cache = _prefill(model, config, ids)
+    before = _state(cache)
+    with pytest.raises(ValueError, match="cannot evict"):
+        compress(model, cache, ids, prompt=ReconstructionPrompt(**PROMPT))
+    assert _state(cache) == before
+
+
+def test_configurations_kvzip_cannot_run_are_refused_at_construction(make_llama):
+    with pytest.raises(ValueError, match="needs ratio"):
+        EvictionConfig(capacity=64, scorer="kvzip")
+    with pytest.raises(ValueError, match="reconstruction pass"):
+        EvictionConfig(ratio=0.5, scorer="snapkv", layer_budget="scores")
+    with pytest.raises(ValueError, match="scores_share"):
+        EvictionConfig(ratio=0.5, scorer="kvzip", scores_share=0.5)
+    with pytest.raises(ValueError, match="scores_share"):
+        EvictionConfig(ratio=0.5, scorer="kvzip", layer_budget="scores", scores_share=0.0)
+    with pytest.raises(ValueError, match="prefill_queries"):
+        KVzipScorer(prefill_queries=-1)
+    model = make_llama(seed=52)
+    with pytest.raises(ValueError, match="reconstruction pass"):
+        ComposedModelCache(model.config, EvictionConfig(ratio=0.5, scorer="kvzip"))

@@ -1,0 +1,140 @@
+"""KVzip's model-free parts: the reconstruction attention against a float64 reference, the
+prompt's chunks, the scorer's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab.relay import KVzipScorer, ReconstructionPrompt, reconstruction_attention
+from kvlab.relay.scorers import ScoreInputs
+
+
+def _reference(query, keys, values, valid, own_keys, own_values, scale, columns):
+    """float64 loops: per query head and query, softmax over the valid cached slots and the
+    causal own tokens (scores: over ``columns`` and the causal own tokens)."""
+    _, hq, q_len, _ = query.shape
+    heads, slots = keys.shape[1], keys.shape[2]
+    group = hq // heads
+    out = torch.zeros(hq, q_len, values.shape[-1], dtype=torch.float64)
+    scores = torch.zeros(heads, slots, dtype=torch.float64)
+    for g in range(hq):
+        h = g // group
+        k = torch.cat([keys[0, h], own_keys[0, h]]).double()
+        v = torch.cat([values[0, h], own_values[0, h]]).double()
+        for j in range(q_len):
+            logits = (k @ query[0, g, j].double()) * scale
+            allowed = torch.cat([valid[0, h], torch.arange(q_len) <= j])
+            p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), 0)
+            out[g, j] = p @ v
+            subset = valid[0, h] if columns is None else valid[0, h] & columns[0, h]
+            keep = torch.cat([subset, torch.arange(q_len) <= j])
+            ps = torch.softmax(logits.masked_fill(~keep, float("-inf")), 0)[:slots]
+            scores[h] = torch.maximum(scores[h], ps.masked_fill(~subset, 0.0))
+    return out, scores
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 3]),
+    slots=st.integers(1, 12),
+    q_len=st.integers(1, 9),
+    subset=st.booleans(),
+    block=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_reconstruction_attention_matches_float64_reference(
+    heads, group, slots, q_len, subset, block, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    dim = 8
+    query = torch.randn(1, heads * group, q_len, dim, generator=gen)
+    keys = torch.randn(1, heads, slots, dim, generator=gen)
+    values = torch.randn(1, heads, slots, 5, generator=gen)
+    own_keys = torch.randn(1, heads, q_len, dim, generator=gen)
+    own_values = torch.randn(1, heads, q_len, 5, generator=gen)
+    valid = torch.rand(1, heads, slots, generator=gen) < 0.8
+    columns = (torch.rand(1, heads, slots, generator=gen) < 0.6) if subset else None
+    out, scores = reconstruction_attention(
+        query,
+        keys,
+        values,
+        valid,
+        own_keys,
+        own_values,
+        scale=0.3,
+        score_columns=columns,
+        block_queries=block,
+    )
+    ref_out, ref_scores = _reference(query, keys, values, valid, own_keys, own_values, 0.3, columns)
+    assert out.dtype == query.dtype and scores.dtype == torch.float32
+    torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores[0].double(), ref_scores, atol=1e-6, rtol=1e-5)
+    assert bool((scores[~valid] == 0).all())
+
+
+def test_reconstruction_attention_refuses_shapes_that_do_not_fit():
+    q = torch.randn(1, 3, 4, 8)  # 3 query heads over 2 kv heads
+    k = torch.randn(1, 2, 5, 8)
+    v = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        reconstruction_attention(
+            q, k, v, torch.ones(1, 2, 5, dtype=torch.bool), k[:, :, :4], v[:, :, :4], scale=1.0
+        )
+
+
+def test_prompt_chunks_follow_kvpress_layout():
+    prompt = ReconstructionPrompt((7, 8), (9,), (5,), chunk_tokens=4, overlap=2)
+    chunks = prompt.chunks(range(100, 110))
+    assert [(c.start, c.end) for c in chunks] == [(0, 4), (4, 8), (8, 10)]
+    assert chunks[0].ids == (7, 8, 5, 100, 101, 102, 103)
+    assert chunks[1].ids == (9, 102, 103, 5, 104, 105, 106, 107)
+    assert chunks[2].ids == (9, 106, 107, 5, 108, 109)
+    assert ReconstructionPrompt(**prompt.settings()) == prompt
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(first_ids=(), next_ids=(1,), suffix_ids=()),
+        dict(first_ids=(1,), next_ids=(1,), suffix_ids=(), chunk_tokens=0),
+        dict(first_ids=(1,), next_ids=(1,), suffix_ids=(), overlap=-1),
+    ],
+)
+def test_prompt_refuses_bad_settings(kwargs):
+    with pytest.raises(ValueError):
+        ReconstructionPrompt(**kwargs)
+
+
+def test_scorer_refuses_bad_kernel_and_missing_scores():
+    with pytest.raises(ValueError, match="odd"):
+        KVzipScorer(kernel_size=2)
+    keys = torch.randn(1, 2, 6, 4)
+    inputs = ScoreInputs(
+        keys=keys,
+        values=keys,
+        valid=torch.ones(1, 2, 6, dtype=torch.bool),
+        original_positions=torch.arange(6).expand(1, 2, 6),
+    )
+    with pytest.raises(ValueError, match="reconstruction scores"):
+        KVzipScorer().score(inputs)
+
+
+def test_scorer_value_norm_multiplies_the_reconstruction_scores():
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(1, 2, 6, 4, generator=gen)
+    recon = torch.rand(1, 2, 6, generator=gen)
+    inputs = ScoreInputs(
+        keys=values,
+        values=values,
+        valid=torch.ones(1, 2, 6, dtype=torch.bool),
+        original_positions=torch.arange(6).expand(1, 2, 6),
+        reconstruction=recon,
+    )
+    assert torch.equal(KVzipScorer().score(inputs), recon)
+    torch.testing.assert_close(
+        KVzipScorer(value_norm=True).score(inputs), recon * values.norm(dim=-1)
+    )
