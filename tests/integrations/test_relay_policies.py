@@ -331,3 +331,32 @@ def test_layer_budgets_are_refused_with_window_layers():
         with pytest.raises(ValueError, match="every decoder layer to be full attention"):
             RelayModelCache(config, EvictionConfig(ratio=0.5, layer_budget=layer_budget))
     RelayModelCache(config, EvictionConfig(ratio=0.5))  # uniform layers: fine
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75, 0.875, 0.9375])
+def test_calibrated_fractions_stay_feasible_at_any_ratio(ratio):
+    from kvlab.integrations.relay_calibration import DEFAULT_FRACTIONS, fractions_around
+    from kvlab.relay.layer_budgets import allocate_layer_fractions
+
+    mean = 1.0 - ratio
+    fractions = fractions_around(mean)
+    assert min(fractions) < mean <= max(fractions) <= 1.0
+    if ratio == 0.5:
+        assert fractions == DEFAULT_FRACTIONS  # the recorded 50 % calibrations are unchanged
+    prefill, layers = 512, 6
+    # a made-up sensitivity: deeper layers lose more at the same kept fraction
+    sens = [{f: (layer + 1) * (1.0 - f) for f in fractions} for layer in range(layers)]
+    chosen = allocate_layer_fractions(sens, mean, tokens=prefill)
+    assert sum(round(f * prefill) for f in chosen) <= layers * round(mean * prefill)
+    if mean < min(DEFAULT_FRACTIONS):
+        fixed = [{f: (layer + 1) * (1.0 - f) for f in DEFAULT_FRACTIONS} for layer in range(layers)]
+        with pytest.raises(ValueError, match="no per-layer choice fits the budget"):
+            allocate_layer_fractions(fixed, mean, tokens=prefill)
+
+
+def test_fractions_around_refuses_a_mean_outside_the_unit_interval():
+    from kvlab.integrations.relay_calibration import fractions_around
+
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="mean_fraction"):
+            fractions_around(bad)

@@ -33,9 +33,30 @@ from kvlab.integrations.pnmix_calibration import CALIBRATION_START
 from kvlab.integrations.relay_cache import EvictionConfig, RelayLayer, RelayModelCache
 from kvlab.relay.layer_budgets import allocate_layer_fractions
 
-__all__ = ["LayerBudgetCalibration", "calibrate_layer_budgets", "layer_eviction_sensitivity"]
+__all__ = [
+    "LayerBudgetCalibration",
+    "calibrate_layer_budgets",
+    "fractions_around",
+    "layer_eviction_sensitivity",
+]
 
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.75)
+#: The kept fractions :func:`calibrate_layer_budgets` measures, as multiples of the mean.
+FRACTION_MULTIPLES = (0.5, 1.0, 1.5)
+
+
+def fractions_around(mean_fraction: float) -> tuple[float, ...]:
+    """The kept fractions measured per layer for a mean kept fraction: 0.5, 1 and 1.5 times
+    ``mean_fraction``, capped at 1 (``(0.25, 0.5, 0.75)`` at 50 % eviction). Measuring around
+    the mean keeps the allocation feasible at any ratio: a layer can always go below the mean
+    (fixed fractions such as 0.25 leave no choice within the budget at 87.5 % eviction).
+
+    Raises:
+        ValueError: ``mean_fraction`` outside (0, 1].
+    """
+    if not 0.0 < mean_fraction <= 1.0:
+        raise ValueError(f"mean_fraction must lie in (0, 1], got {mean_fraction}")
+    return tuple(sorted({min(1.0, m * mean_fraction) for m in FRACTION_MULTIPLES}))
 
 
 @torch.no_grad()
@@ -189,13 +210,13 @@ def calibrate_layer_budgets(
     start: int = CALIBRATION_START,
     prefill: int = 512,
     score: int = 128,
-    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    fractions: Sequence[float] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> LayerBudgetCalibration:
     """Measure :func:`layer_eviction_sensitivity` on the calibration text and choose per-layer
     kept fractions with mean ``1 - config.ratio``
     (:func:`kvlab.relay.layer_budgets.allocate_layer_fractions`); ``progress(done, total)``
-    reports decoder layers.
+    reports decoder layers. ``fractions`` defaults to :func:`fractions_around` the mean.
 
     Raises:
         ValueError: ``config.ratio`` unset, a text shorter than ``prefill + score`` tokens, or
@@ -212,6 +233,8 @@ def calibrate_layer_budgets(
         raise ValueError(f"calibration text has {ids.shape[1]} tokens; {prefill + score} needed")
     first = max(0, min(start, ids.shape[1] - prefill - score))
     window = ids[:, first : first + prefill + score]
+    if fractions is None:
+        fractions = fractions_around(1.0 - config.ratio)
     sens = layer_eviction_sensitivity(
         model, window, config, prefill=prefill, fractions=fractions, progress=progress
     )
