@@ -241,8 +241,9 @@ def test_docs_commands_say_where_their_text_comes_from():
     for doc in (results, readme):
         assert "/work/" not in doc
     texts = set(re.findall(r"--text (\S+)", results))
-    assert texts == {"hamlet.txt"}
+    assert texts == {"hamlet.txt", "devil.dict"}
     assert "gutenberg.org" in results and "c24e002c" in results
+    assert "apt-get download dict-devil" in results and "703d1225d2fb9276" in results
 
 
 def test_fast_subset_leaves_out_real_model_and_end_to_end_jobs():
