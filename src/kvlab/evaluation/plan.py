@@ -32,6 +32,7 @@ from kvlab.evaluation.methods import Method
 
 __all__ = [
     "DTYPES",
+    "IMPLEMENTATION_MODULES",
     "PROTOCOLS",
     "RESULT_MODULES",
     "EvalConfig",
@@ -48,12 +49,22 @@ __all__ = [
 PROTOCOLS = ("prefill-score", "stream", "needle")
 DTYPES = ("float32", "bfloat16", "float16")
 
-#: Modules whose source decides a task's result; their code hash is part of every task key.
-RESULT_MODULES = (
+#: The kvlab modules that implement the compressed caches and the model they run in (the
+#: artifact lists their files; each is part of :data:`RESULT_MODULES`).
+IMPLEMENTATION_MODULES = (
     "kvlab.rope",
+    "kvlab.models.loading",
     "kvlab.relay.core",
+    "kvlab.relay.attention",
+    "kvlab.relay.storage",
     "kvlab.relay.scorers",
     "kvlab.relay.budgets",
+    "kvlab.relay.policies",
+    "kvlab.relay.layer_budgets",
+    "kvlab.relay.expected_attention",
+    "kvlab.relay.tova",
+    "kvlab.relay.combined",
+    "kvlab.relay.kvzip",
     "kvlab.pnmix.cache",
     "kvlab.pnmix.attention",
     "kvlab.pnmix.packing",
@@ -65,15 +76,26 @@ RESULT_MODULES = (
     "kvlab.pnmix.bitalloc",
     "kvlab.pnmix.hadamard",
     "kvlab.pnmix.outliers",
+    "kvlab.pnmix.prerope",
     "kvlab.pnmix.values",
     "kvlab.pnmix.width_codec",
-    "kvlab.relay.attention",
-    "kvlab.relay.storage",
+    "kvlab.pnmix.kernels.cpu",
+    "kvlab.pnmix.kernels.dispatch",
+    "kvlab.pnmix.kernels.spec",
+    "kvlab.pnmix.kernels.triton_decode",
     "kvlab.integrations.model_support",
     "kvlab.integrations.attention",
     "kvlab.integrations.pnmix_cache",
+    "kvlab.integrations.pnmix_calibration",
     "kvlab.integrations.relay_cache",
-    "kvlab.models.loading",
+    "kvlab.integrations.relay_calibration",
+    "kvlab.integrations.composed_cache",
+    "kvlab.integrations.kvzip",
+)
+
+#: Modules whose source decides a task's result; their code hash is part of every task key.
+RESULT_MODULES = (
+    *IMPLEMENTATION_MODULES,
     "kvlab.evaluation.methods",
     "kvlab.evaluation.metrics",
     "kvlab.evaluation.protocols",

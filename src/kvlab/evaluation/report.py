@@ -28,7 +28,14 @@ from typing import Any
 from kvlab.evaluation.methods import Method
 from kvlab.evaluation.metrics import CacheStorage, percentile, perplexity
 from kvlab.evaluation.outputs import EvalPaths
-from kvlab.evaluation.plan import EvalConfig, ModelRef, Plan, Task, TextRef
+from kvlab.evaluation.plan import (
+    IMPLEMENTATION_MODULES,
+    EvalConfig,
+    ModelRef,
+    Plan,
+    Task,
+    TextRef,
+)
 from kvlab.evaluation.protocols import WindowScore
 
 __all__ = [
@@ -42,33 +49,6 @@ __all__ = [
     "write_eval_report",
 ]
 
-IMPLEMENTATION_MODULES = (
-    "kvlab.rope",
-    "kvlab.relay.core",
-    "kvlab.pnmix.cache",
-    "kvlab.pnmix.attention",
-    "kvlab.pnmix.packing",
-    "kvlab.pnmix.quantizers",
-    "kvlab.pnmix.allocation",
-    "kvlab.pnmix.codecs",
-    "kvlab.pnmix.config",
-    "kvlab.pnmix.store",
-    "kvlab.pnmix.bitalloc",
-    "kvlab.pnmix.hadamard",
-    "kvlab.pnmix.outliers",
-    "kvlab.pnmix.values",
-    "kvlab.pnmix.width_codec",
-    "kvlab.relay.attention",
-    "kvlab.relay.storage",
-    "kvlab.integrations.model_support",
-    "kvlab.integrations.attention",
-    "kvlab.integrations.pnmix_cache",
-    "kvlab.integrations.pnmix_calibration",
-    "kvlab.integrations.relay_cache",
-    "kvlab.relay.scorers",
-    "kvlab.relay.budgets",
-    "kvlab.models.loading",
-)
 RUNNER_MODULES = (
     "kvlab.evaluation.harness",
     "kvlab.evaluation.plan",
