@@ -12,7 +12,8 @@ __all__ = ["build_metric_artifact", "build_validation_record", "is_formal_compar
 
 
 def is_formal_comparison(seeds: Sequence[int], baselines_compared: bool) -> bool:
-    """SPEC §4: a comparison is formal only with at least 3 seeds *and* a baseline compared."""
+    """A comparison is formal only with at least 3 seeds *and* a baseline compared
+    (docs/diagnostics.md, "PN-Mix")."""
     return len(seeds) >= 3 and bool(baselines_compared)
 
 

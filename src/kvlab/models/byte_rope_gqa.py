@@ -1,7 +1,7 @@
 """The random-initialized single-layer byte-level RoPE GQA model of the PN-Mix diagnostic.
 
-SPEC §3: ``nn.Embedding(256, 128)`` and bias-free ``nn.Linear`` q/k/v projections with
-PyTorch's default initializations, RMS-normalized input, 4 query heads, 2 kv heads,
+docs/diagnostics.md, "PN-Mix": ``nn.Embedding(256, 128)`` and bias-free ``nn.Linear`` q/k/v
+projections with PyTorch's default initializations, RMS-normalized input, 4 query heads, 2 kv heads,
 head_dim 32, full rotary (half layout, as Llama), base 10000. Built on the CPU under
 ``torch.manual_seed(seed)`` so every device gets the same weights for a seed.
 """
