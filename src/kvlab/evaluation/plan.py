@@ -50,7 +50,8 @@ PROTOCOLS = ("prefill-score", "stream", "needle")
 DTYPES = ("float32", "bfloat16", "float16")
 
 #: The kvlab modules that implement the compressed caches and the model they run in (the
-#: artifact lists their files; each is part of :data:`RESULT_MODULES`).
+#: artifact lists their files; each is part of :data:`RESULT_MODULES`). The Triton kernel is
+#: not listed: it needs the optional ``triton`` package and runs only on CUDA.
 IMPLEMENTATION_MODULES = (
     "kvlab.rope",
     "kvlab.models.loading",
@@ -82,7 +83,6 @@ IMPLEMENTATION_MODULES = (
     "kvlab.pnmix.kernels.cpu",
     "kvlab.pnmix.kernels.dispatch",
     "kvlab.pnmix.kernels.spec",
-    "kvlab.pnmix.kernels.triton_decode",
     "kvlab.integrations.model_support",
     "kvlab.integrations.attention",
     "kvlab.integrations.pnmix_cache",
