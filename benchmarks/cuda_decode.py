@@ -4,16 +4,21 @@ Needs CUDA and the ``triton`` extra (``pip install -e ".[test,triton]"`` on top 
 Two parts, written to ``--out`` (``results.json``, ``results.md``, the reproduce log):
 
 1. **Decode attention**: one query per head (SmolLM2-135M shape: 9 query heads, 3 kv heads,
-   head_dim 64), batch 8, 64K tokens per sequence. Times (CUDA events, median of
-   ``triton.testing.do_bench``) the Triton packed decode (``pnmix_attention(...,
-   backend="triton")``), ``torch`` SDPA in float16 over the exact cache (the issue's baseline,
-   target: Triton ≥ 2× faster) and the torch reference backend; reports the bytes each reads
-   (PN-Mix persistent bytes vs the float16 cache) and checks Triton against the reference.
+   head_dim 64), batch 8, 64K tokens per sequence. Times (medians of
+   ``triton.testing.do_bench``, CUDA events) the Triton packed decode end to end
+   (``pnmix_attention(..., backend="triton")``, host work and launches included), ``torch``
+   SDPA in float16 over the exact cache (the issue's baseline, target: Triton ≥ 2× faster)
+   and the torch reference backend; then the two Triton kernels alone in each launch
+   configuration of ``SWEEP`` (``tl.dot`` or reduced broadcast products, warps, groups per
+   split), replayed from a CUDA graph (``do_bench_cudagraph``) as SDPA is for the
+   kernel-to-kernel ratio; each checked against the reference (tests/fixtures/kernel_checks.py
+   tolerance). Reports the bytes each reads (PN-Mix persistent bytes vs the float16 cache).
    Rows: the seed coding at each ``--group-tokens``, and ``pn-mix`` (the ``kvlab eval``
    method's configuration: pre-RoPE per-pair widths, 1 % outliers, Hadamard values, groups of
    32; its tables from random prefill queries) unless ``--codings seed``.
-2. **Diagnostic record**: ``kvlab reproduce --paper pn-mix --device cuda --seeds 42`` into
-   ``--out/reproduce`` (its stdout in ``reproduce.log``).
+2. **Diagnostic record**: ``kvlab reproduce --paper pn-mix --device cuda --seeds 42,43,44``
+   into ``--out/reproduce`` (its stdout in ``reproduce.log``): the metric artifact and, on
+   CUDA, the v1 validation record (three seeds, each rerun on the CPU for the agreement check).
 
     python benchmarks/cuda_decode.py --out runs/cuda_decode
 
@@ -37,10 +42,9 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 9, 3, 64
 def decode_attention(
     batch: int, context: int, group_tokens: int, device: torch.device, coding: str = "seed"
 ) -> dict[str, object]:
-    import triton.testing
 
     from kvlab.evaluation.methods import PNMIX_METHODS
-    from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
+    from kvlab.pnmix import PNMixCache, PNMixConfig
     from kvlab.rope import RotaryConfig, apply_rotary
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -77,40 +81,106 @@ def decode_attention(
             ).half()
         cache.append(keys[:, :, chunk], values[:, :, chunk], queries=queries)
     torch.cuda.synchronize(device)
+    return time_kernels(query, keys, values, cache, coding)
 
-    def triton_packed() -> torch.Tensor:
-        return pnmix_attention(query, cache, causal=False, backend="triton")
 
-    def torch_packed() -> torch.Tensor:
-        return pnmix_attention(query, cache, causal=False, backend="torch")
+#: The Triton launch configurations timed: (dot, num_warps, groups_per_split); None = default.
+SWEEP = [(False, 4, None)] + [(True, w, g) for w in (4, 8) for g in (None, 2, 4, 8, 16, 32)]
+
+
+def time_kernels(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cache: object,
+    coding: str,
+) -> dict[str, object]:
+    """Times (milliseconds, medians) and errors of one cache: fp16 SDPA over the exact cache,
+    the torch reference, ``pnmix_attention(backend="triton")`` end to end (host work and
+    launches included, CUDA events), and each :data:`SWEEP` configuration of the two Triton
+    kernels alone, replayed from a CUDA graph (as SDPA is, for the kernel-to-kernel ratio)."""
+    import triton.testing
+
+    from kvlab.pnmix import pnmix_attention
+    from kvlab.pnmix.attention import _reference_keys, packed_kv
+    from kvlab.pnmix.kernels.triton_decode import triton_launcher
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
+    from kernel_checks import kernel_tolerance
+
+    def bench(fn: object) -> float:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+    def graph(fn: object) -> float:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
     def sdpa_fp16() -> torch.Tensor:
         return F.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
 
-    ref = torch_packed().float()
-    out = triton_packed().float()
-    err = float((out - ref).abs().max())
-    times = {
-        name: float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
-        for name, fn in (
-            ("triton_packed_ms", triton_packed),
-            ("sdpa_fp16_ms", sdpa_fp16),
-            ("torch_packed_ms", torch_packed),
+    q32 = query.float()  # checks in float32: a float16 output would round both to its ulp
+    ref = pnmix_attention(q32, cache, causal=False, backend="torch")
+    tol = kernel_tolerance(q32, cache)  # type: ignore[arg-type]
+    out = pnmix_attention(q32, cache, causal=False, backend="triton")
+    kv = packed_kv(cache)  # type: ignore[arg-type]
+    mu = _reference_keys(kv)
+    sweep = []
+    for dot, warps, gps in SWEEP:
+        launch = triton_launcher(
+            q32,
+            kv,
+            cache.kernel_decode,  # type: ignore[attr-defined]
+            mu,
+            scale=query.shape[-1] ** -0.5,
+            causal=False,
+            logit_softcap=None,
+            sink_logits=None,
+            groups_per_split=gps,
+            dot=dot,
+            num_warps=warps,
         )
+        err = float((launch() - ref).abs().max())
+        sweep.append(
+            {
+                "dot": dot,
+                "num_warps": warps,
+                "groups_per_split": gps,
+                "graph_ms": graph(launch),
+                "max_abs_error": err,
+                "within_tolerance": err <= tol,
+            }
+        )
+        print(coding, sweep[-1], flush=True)
+    ok = [r for r in sweep if r["within_tolerance"]] or sweep
+    best = min(ok, key=lambda r: r["graph_ms"])
+    times = {
+        "triton_packed_ms": bench(
+            lambda: pnmix_attention(query, cache, causal=False, backend="triton")
+        ),
+        "sdpa_fp16_ms": bench(sdpa_fp16),
+        "sdpa_fp16_graph_ms": graph(sdpa_fp16),
+        "torch_packed_ms": bench(
+            lambda: pnmix_attention(query, cache, causal=False, backend="torch")
+        ),
     }
     fp16_bytes = 2 * keys.numel() * keys.element_size()
+    persistent = cache.persistent_bytes  # type: ignore[attr-defined]
     return {
         "coding": coding,
-        "batch": batch,
-        "context_tokens": context,
-        "group_tokens": config.group_tokens,
+        "batch": keys.shape[0],
+        "context_tokens": keys.shape[2],
+        "group_tokens": cache.config.group_tokens,  # type: ignore[attr-defined]
         **times,
+        "best_kernel": best,
         "sdpa_fp16_over_triton": times["sdpa_fp16_ms"] / times["triton_packed_ms"],
-        "pnmix_persistent_bytes": cache.persistent_bytes,
+        "sdpa_over_best_kernel_graph": times["sdpa_fp16_graph_ms"] / best["graph_ms"],
+        "pnmix_persistent_bytes": persistent,
         "fp16_cache_bytes": fp16_bytes,
-        "bytes_ratio": fp16_bytes / cache.persistent_bytes,
-        "triton_vs_torch_max_abs_error": err,
+        "bytes_ratio": fp16_bytes / persistent,
+        "best_kernel_bandwidth_gb_s": persistent / best["graph_ms"] / 1e6,
+        "triton_vs_torch_max_abs_error": float((out - ref).abs().max()),
+        "tolerance": tol,
         "output_max_abs": float(ref.abs().max()),
+        "sweep": sweep,
     }
 
 
@@ -123,6 +193,9 @@ def main() -> None:
     parser.add_argument("--group-tokens", default="32,128", help="PN-Mix key groups to time")
     parser.add_argument("--codings", default="seed,pn-mix", help="'seed' and/or 'pn-mix'")
     parser.add_argument("--skip-reproduce", action="store_true")
+    parser.add_argument(
+        "--reproduce-seeds", default="42,43,44", help="seeds (the v1 record passes with three)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("cuda_decode.py needs a CUDA device (torch.cuda.is_available() is False)")
@@ -161,7 +234,7 @@ def main() -> None:
             "--device",
             "cuda",
             "--seeds",
-            "42",
+            args.reproduce_seeds,
             "--output-dir",
             str(args.out / "reproduce"),
         ]
@@ -171,17 +244,24 @@ def main() -> None:
     lines = [
         f"Device: {result['device']}, torch {result['torch']}, triton {result['triton']}",
         "",
-        "| coding | batch | context | groups | Triton packed | SDPA fp16 | SDPA / Triton "
-        "| torch packed | PN-Mix bytes | fp16 bytes | bytes ratio | max abs err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| coding | batch | context | groups | Triton end to end | SDPA fp16 | SDPA / Triton "
+        "| best kernel (graph) | SDPA (graph) | SDPA / kernel | kernel GB/s | torch packed "
+        "| PN-Mix bytes | fp16 bytes | bytes ratio | max abs err (tol) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        k = r["best_kernel"]
         lines.append(
             f"| {r['coding']} | {r['batch']} | {r['context_tokens']} | {r['group_tokens']} "
             f"| {r['triton_packed_ms']:.3f} ms | {r['sdpa_fp16_ms']:.3f} ms "
-            f"| {r['sdpa_fp16_over_triton']:.2f}× | {r['torch_packed_ms']:.3f} ms "
+            f"| {r['sdpa_fp16_over_triton']:.2f}× "
+            f"| {k['graph_ms']:.4f} ms (dot={k['dot']}, warps {k['num_warps']}, "
+            f"gps {k['groups_per_split']}) | {r['sdpa_fp16_graph_ms']:.4f} ms "
+            f"| {r['sdpa_over_best_kernel_graph']:.2f}× | {r['best_kernel_bandwidth_gb_s']:.0f} "
+            f"| {r['torch_packed_ms']:.3f} ms "
             f"| {r['pnmix_persistent_bytes']:,} | {r['fp16_cache_bytes']:,} "
-            f"| {r['bytes_ratio']:.2f}× | {r['triton_vs_torch_max_abs_error']:.2e} |"
+            f"| {r['bytes_ratio']:.2f}× | {r['triton_vs_torch_max_abs_error']:.2e} "
+            f"({r['tolerance']:.1e}) |"
         )
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")

@@ -110,3 +110,19 @@ def test_validation_record_fails_on_disagreement_and_one_seed(run) -> None:
 def test_cpu_run_writes_no_validation_record(run) -> None:
     assert run.extra_paths == []
     assert not list(run.context.output_dir.glob("validation-*"))
+
+
+def test_fused_kernel_check_is_computed_from_the_backend_each_seed_used(run) -> None:
+    """``fused_kernel`` is true only when every seed's packed attention ran on the Triton
+    kernel (the CPU run here used the C++ kernel or the torch reference)."""
+    fake = AcceleratorInfo(vendor="NVIDIA", model="FAKE")
+    assert {r.details["attention_backend"] for r in run.results} <= {"cpu", "torch"}
+    assert validation_record(run, fake, run.results)["execution_checks"]["fused_kernel"] is False
+    fused = [
+        dataclasses.replace(r, details={**r.details, "attention_backend": "triton"})
+        for r in run.results
+    ]
+    one_not = [fused[0], *run.results[1:]]
+    for results, expected in ((fused, True), (one_not, False)):
+        record = validation_record(dataclasses.replace(run, results=results), fake, run.results)
+        assert record["execution_checks"]["fused_kernel"] is expected

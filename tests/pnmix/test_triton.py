@@ -184,10 +184,8 @@ ISSUE8 = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(ISSUE8)))
-def test_triton_matches_the_reference_on_the_issue8_codecs(case: int) -> None:
-    """Per-pair widths, exact outliers, pre-RoPE keys (partial rotary, both layouts, moved
-    position offsets), Hadamard values; padded rows, GQA 3, Q = 1 and Q = 3 causal."""
+def issue8_cache(case: int) -> tuple[PNMixCache, torch.Generator]:
+    """The cache of ISSUE8 row ``case`` (rows of 40 and 27 tokens) and the generator after it."""
     coding, outliers, values_coding, layout, dtype, relayed = ISSUE8[case]
     d, dv, rotary_dim = 16, 8, 12
     rotary = RotaryConfig(d, rotary_dim, 10000.0, layout)  # type: ignore[arg-type]
@@ -220,12 +218,59 @@ def test_triton_matches_the_reference_on_the_issue8_codecs(case: int) -> None:
     if relayed:
         cache.set_position_offsets([[5, 0], [17, 3]])
     assert not isinstance(cache.kernel_decode, str)
+    return cache, gen
+
+
+def issue8_tolerance(query: torch.Tensor, cache: PNMixCache) -> float:
+    tol = kernel_tolerance(query, cache)
+    if cache.value_codec.transforms_output:  # the output transform's own rounding
+        dv = cache.value_head_dim
+        tol += 4 * dv * 1.2e-7 * dv**0.5 * float(cache.dequantize()[1].abs().max())
+    return tol
+
+
+@pytest.mark.parametrize("case", range(len(ISSUE8)))
+def test_triton_matches_the_reference_on_the_issue8_codecs(case: int) -> None:
+    """Per-pair widths, exact outliers, pre-RoPE keys (partial rotary, both layouts, moved
+    position offsets), Hadamard values; padded rows, GQA 3, Q = 1 and Q = 3 causal."""
+    cache, gen = issue8_cache(case)
     for nq in (1, 3):
-        query = torch.randn(2, 6, nq, d, generator=gen).to(DEVICE)
+        query = torch.randn(2, 6, nq, cache.head_dim, generator=gen).to(DEVICE)
         ref = pnmix_attention(query, cache, backend="torch")
         out = pnmix_attention(query, cache, backend="triton")
-        tol = kernel_tolerance(query, cache)
-        if cache.value_codec.transforms_output:  # the output transform's own rounding
-            tol += 4 * dv * 1.2e-7 * dv**0.5 * float(cache.dequantize()[1].abs().max())
+        tol = issue8_tolerance(query, cache)
         err = float((out - ref).abs().max())
         assert err <= tol, (err, tol)
+
+
+@pytest.mark.parametrize("case", range(len(ISSUE8)))
+def test_triton_products_by_dot_or_by_reduction_agree(case: int) -> None:
+    """``dot=True`` (``tl.dot``, blocks padded to 16) and ``dot=False`` (broadcast products
+    reduced over an axis) both stay within the reference's tolerance; a launcher replays the
+    same result into the same buffer."""
+    from kvlab.pnmix.attention import _reference_keys, packed_kv
+    from kvlab.pnmix.kernels.triton_decode import triton_launcher
+
+    cache, gen = issue8_cache(case)
+    query = torch.randn(2, 6, 3, cache.head_dim, generator=gen).to(DEVICE)
+    kv = packed_kv(cache)
+    mu = _reference_keys(kv)
+    ref = pnmix_attention(query, cache, backend="torch")
+    tol = issue8_tolerance(query, cache)
+    for dot in (False, True):
+        launch = triton_launcher(
+            query,
+            kv,
+            cache.kernel_decode,  # type: ignore[arg-type]
+            mu,
+            scale=query.shape[-1] ** -0.5,
+            causal=True,
+            logit_softcap=None,
+            sink_logits=None,
+            groups_per_split=2,
+            dot=dot,
+        )
+        first = launch().clone()
+        again = launch()
+        assert torch.equal(first, again)
+        assert float((first - ref).abs().max()) <= tol, dot

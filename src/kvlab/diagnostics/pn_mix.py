@@ -38,6 +38,7 @@ from kvlab.models.byte_rope_gqa import ByteRopeGQA, ByteRopeGQAConfig
 from kvlab.pnmix.attention import pnmix_attention
 from kvlab.pnmix.cache import PNMixCache
 from kvlab.pnmix.config import PNMixConfig
+from kvlab.pnmix.kernels.dispatch import select_backend
 
 __all__ = ["CPU_CUDA_TOLERANCE", "PAPER", "run_protocol", "run_seed"]
 
@@ -55,8 +56,10 @@ BASELINE_METRICS = (
     "value_bytes",
     "persistent_cache_bytes",
 )
-FUSED_KERNEL = False
-"""Attention from packed codes is composed of torch operations, not one fused kernel."""
+FUSED_BACKENDS = ("triton",)
+"""Packed-attention backends that count as a fused kernel on an accelerator (the validation
+record's ``fused_kernel`` check: every seed's attention ran on one of them; the torch
+reference is composed of torch operations)."""
 CPU_CUDA_TOLERANCE = {"relative": 1e-3, "absolute": 1e-5}
 """Same-seed CPU vs CUDA agreement: every measured metric within
 ``absolute + relative * |cpu value|``; every deterministic metric exactly equal."""
@@ -230,6 +233,7 @@ def run_seed(context: RunContext, seed: int) -> SeedResult:
         "model_parameter_sha256": model.parameter_sha256(),
         "mask_frozen_after_prefill": main["mask_frozen_after_prefill"],
         "packed_codes_consumed_by_attention": packed_codes_consumed(main["cache"], last_query),
+        "attention_backend": select_backend("auto", context.device, main["cache"].kernel_decode),
     }
     assert context.text is not None
     return SeedResult(metrics=metrics, data_sha256=context.text.sha256, details=details)
@@ -323,7 +327,7 @@ def validation_record(
         "three_initializations": len(context.seeds) == 3 and len(parameter_hashes) == 3,
         "actual_attention_calls_per_run": calls.pop() if len(calls) == 1 else -1,
         "unified_cli_cuda_and_same_seed_agreement": agreement,
-        "fused_kernel": FUSED_KERNEL,
+        "fused_kernel": all(r.details["attention_backend"] in FUSED_BACKENDS for r in run.results),
         "offline_checkpoint_extraction_tested": False,
         "full_pretrained_llm_quality_tested": False,
     }

@@ -26,6 +26,7 @@ imported: ``triton.jit`` reads it at decoration). Importing this module requires
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,7 +45,7 @@ from kvlab.pnmix.kernels.spec import (
 if TYPE_CHECKING:
     from kvlab.pnmix.attention import PackedKV
 
-__all__ = ["packed_attention_triton"]
+__all__ = ["packed_attention_triton", "triton_launcher"]
 
 
 @triton.jit
@@ -127,24 +128,27 @@ def _decode_tile(
             polar = tl.where(first, r * tl.cos(level), r * tl.sin(level))
             k = tl.where(pn[None, :], polar, k)
     if HAS_PAYLOAD:
-        # K storage-dtype values (little-endian bytes), then K int16 flat indices t * D + d
+        # K storage-dtype values (little-endian bytes), then K int16 flat indices t * D + d;
+        # written over the tile through one-hot products (one term per hit: exact)
         e = tl.arange(0, BLOCK_K)
         e_ok = e < K
         v_lo = tl.load(pbase + 2 * e, mask=e_ok, other=0).to(tl.int32)
         v_hi = tl.load(pbase + 2 * e + 1, mask=e_ok, other=0).to(tl.int32)
         bits16 = (v_lo | (v_hi << 8)).to(tl.int16)
-        if BF16:
-            vals = bits16.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        if BF16:  # noqa: SIM108 (a constexpr branch)
+            vals = bits16.to(tl.bfloat16, bitcast=True)
         else:
-            vals = bits16.to(tl.float16, bitcast=True).to(tl.float32)
+            vals = bits16.to(tl.float16, bitcast=True)
         i_lo = tl.load(pbase + 2 * K + 2 * e, mask=e_ok, other=0).to(tl.int32)
         i_hi = tl.load(pbase + 2 * K + 2 * e + 1, mask=e_ok, other=0).to(tl.int32)
-        idx = tl.where(e_ok, i_lo | (i_hi << 8), -1)
-        flat = t[:, None] * D + chan[None, :]
-        match = flat[:, :, None] == idx[None, None, :]
-        hit = tl.sum(match.to(tl.int32), axis=2) > 0
-        val = tl.sum(tl.where(match, vals[None, None, :], 0.0), axis=2)
-        k = tl.where(hit, val, k)
+        idx = i_lo | (i_hi << 8)
+        t_e = tl.where(e_ok, idx // D, -1)
+        d_e = tl.where(e_ok, idx % D, -1)
+        one_t = t[:, None] == t_e[None, :]  # [BT, BK]
+        one_d = (d_e[:, None] == chan[None, :]).to(vals.dtype)  # [BK, BD]
+        hit = tl.dot(one_t.to(vals.dtype), one_d, out_dtype=tl.float32)
+        val = tl.dot(tl.where(one_t, vals[None, :], 0).to(vals.dtype), one_d, out_dtype=tl.float32)
+        k = tl.where(hit > 0.5, val, k)
     return k
 
 
@@ -229,6 +233,7 @@ def _split_kernel(
     ROTATE: tl.constexpr,
     BF16: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -278,7 +283,10 @@ def _split_kernel(
                 other=0.0,
             ).to(tl.float32)
             k = tl.where(is_sink[:, None], ks, kr) - mu[None, :]
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            if DOT:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
             if SOFTCAP:
                 s = _softcap(s, qmu[:, None], softcap)
             seen = (ok_s | ok_r)[None, :] & (stream[None, :] < limit[:, None]) & m_ok[:, None]
@@ -295,7 +303,10 @@ def _split_kernel(
                 other=0.0,
             ).to(tl.float32)
             v = tl.where(is_sink[:, None], vs_, vr)
-            acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if DOT:
+                acc += tl.dot(p, v, input_precision="ieee")
+            else:
+                acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
     else:
         levels = (1 << BITS) - 1
         has_pn = (MODE_FIRST == 1) or (MODE_SECOND == 1)
@@ -418,7 +429,10 @@ def _split_kernel(
                     rotated = tl.where(is_first[None, :], first_val, second_val)
                     k = tl.where(rot_ok, rotated, k)
                 k = tl.where(tile_ok, k - mu[None, :], 0.0)
-                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+                if DOT:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
                 if SOFTCAP:
                     s = _softcap(s, qmu[:, None], softcap)
                 stream = s_len + g * T + t
@@ -430,7 +444,10 @@ def _split_kernel(
                 v_scale = tl.load(vsbase + t, mask=t_ok, other=0.0).to(tl.float32)
                 v_zero = tl.load(vsbase + T + t, mask=t_ok, other=0.0).to(tl.float32)
                 w = p * v_scale[None, :]
-                acc += tl.sum(w[:, :, None] * vc[None, :, :], axis=1)
+                if DOT:
+                    acc += tl.dot(w, vc, input_precision="ieee")
+                else:
+                    acc += tl.sum(w[:, :, None] * vc[None, :, :], axis=1)
                 accz += tl.sum(p * v_zero[None, :], axis=1)
     base = (row * (NS + 1) + split) * M + offs_m
     tl.store(part_m + base, m_run, mask=m_ok)
@@ -552,11 +569,52 @@ def packed_attention_triton(
     logit_softcap: float | None,
     sink_logits: Tensor | None,
     groups_per_split: int | None = None,
+    dot: bool = False,
+    num_warps: int | None = None,
 ) -> Tensor:
     """Packed attention by the Triton kernels; arguments and result as
     :func:`~kvlab.pnmix.kernels.cpu.packed_attention_cpu` (float32 ``[B, H_q, Q, Dv]``).
+    ``groups_per_split``, ``dot``, ``num_warps``: as :func:`triton_launcher`."""
+    return triton_launcher(
+        query,
+        kv,
+        decode,
+        mu,
+        scale=scale,
+        causal=causal,
+        logit_softcap=logit_softcap,
+        sink_logits=sink_logits,
+        groups_per_split=groups_per_split,
+        dot=dot,
+        num_warps=num_warps,
+    )()
+
+
+def triton_launcher(
+    query: Tensor,
+    kv: PackedKV,
+    decode: KernelKeyDecode,
+    mu: Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    logit_softcap: float | None,
+    sink_logits: Tensor | None,
+    groups_per_split: int | None = None,
+    dot: bool = False,
+    num_warps: int | None = None,
+) -> Callable[[], Tensor]:
+    """Everything :func:`packed_attention_triton` does before its two kernel launches, once:
+    returns a function that launches them (and nothing else: it can be captured in a CUDA
+    graph) and returns the float32 ``[B, H_q, Q, Dv]`` output (the same buffer every call).
+
     ``groups_per_split``: quantized groups per split (default: enough splits to give the
-    device about 1,024 programs)."""
+    device about 1,024 programs). ``dot``: the products ``q·k`` and ``p·v`` as ``tl.dot`` in
+    IEEE float32 (blocks of at least 16 rows, tokens and channels, padded and masked) rather
+    than broadcast products reduced over an axis (the default, the path timed on an H200 in
+    docs/benchmarks.md; ``dot=True`` is checked against the reference under
+    ``TRITON_INTERPRET=1`` and waits for a CUDA timing: benchmarks/cuda_decode.py sweeps
+    both). ``num_warps``: Triton's (default 4)."""
     b, hq, nq, d = query.shape
     hkv = kv.sink_keys.shape[1]
     rep = hq // hkv
@@ -569,7 +627,7 @@ def packed_attention_triton(
     mu_rows = mu.reshape(rows, d).contiguous()
     counts_host = np.stack([kv.sink_lengths, kv.group_counts, kv.residual_lengths]).reshape(3, -1)
     counts = torch.from_numpy(np.ascontiguousarray(counts_host)).to(dev, non_blocking=True)
-    block_m = min(_pow2(m_rows), 16)
+    block_m = min(_pow2(m_rows), 16) if not dot else min(max(_pow2(m_rows), 16), 64)
     mblocks = math.ceil(m_rows / block_m)
     g_max = int(kv.group_counts.max(initial=0))
     if groups_per_split is None:
@@ -579,11 +637,13 @@ def packed_attention_triton(
     part_m = torch.empty((rows, ns + 1, m_rows), dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((rows, ns + 1, m_rows, dv), dtype=torch.float32, device=dev)
+    out = torch.empty((rows, m_rows, dv), dtype=torch.float32, device=dev)
     has_mask = kv.mask is not None and decode.mode_first != decode.mode_second
     mask = kv.mask.to(torch.uint8).contiguous() if has_mask else counts  # unused when no mask
     cap = 0.0 if logit_softcap is None else float(logit_softcap)
-    block_d, block_dv = _pow2(d), _pow2(dv)
-    extra = {} if dev.type == "cpu" else {"enable_fp_fusion": False}
+    extra: dict[str, object] = {} if dev.type == "cpu" else {"enable_fp_fusion": False}
+    if num_warps is not None:
+        extra["num_warps"] = num_warps
     from kvlab.pnmix.kernels.cpu import _extras  # the tables both compiled backends read
 
     widths, payload, cos, sin, rope_base, offsets, sink_tokens, hadamard = _extras(
@@ -601,7 +661,11 @@ def packed_attention_triton(
     e_bytes = payload.shape[-1] if payload.numel() else 0
     n_out = e_bytes // (kv.sink_keys.element_size() + 2)
     kind = {KEYS_PER_TOKEN: 1, KEYS_WIDTHS: 2}.get(decode.kind, 0)
-    _split_kernel[(rows, ns + 1, mblocks)](
+    # tl.dot's smallest block is 16: the products' blocks under dot=True; the tokens and
+    # channels of a key tile whenever the payload is written over it by one-hot products
+    floor = 16 if dot or n_out > 0 else 1
+    block_d, block_dv = _pow2(d, floor), _pow2(dv, 16 if dot else 1)
+    split_args = (
         q,
         mu_rows,
         _pointer(kv.sink_keys),
@@ -641,6 +705,8 @@ def packed_attention_triton(
         n_out,
         rope_base,
         sink_tokens,
+    )
+    split_meta = dict(
         D=d,
         DV=dv,
         T=t,
@@ -652,7 +718,7 @@ def packed_attention_triton(
         CAUSAL=causal,
         SOFTCAP=logit_softcap is not None,
         BLOCK_M=block_m,
-        BLOCK_T=min(_pow2(t), 32),
+        BLOCK_T=max(min(_pow2(t), 32), floor),
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
         BLOCK_E=32,
@@ -660,16 +726,16 @@ def packed_attention_triton(
         HAS_PAYLOAD=n_out > 0,
         ROTATE=bool(decode.rotate_to_position),
         BF16=kv.sink_keys.dtype == torch.bfloat16,
-        BLOCK_K=_pow2(n_out),
+        BLOCK_K=_pow2(n_out, 16),
+        DOT=dot,
         **extra,
     )
-    out = torch.empty((rows, m_rows, dv), dtype=torch.float32, device=dev)
     sinks = (
         sink_logits.detach().to(device=dev, dtype=torch.float32).contiguous()
         if sink_logits is not None
         else out
     )
-    _merge_kernel[(rows, mblocks)](
+    merge_args = (
         part_m,
         part_l,
         part_acc,
@@ -683,6 +749,8 @@ def packed_attention_triton(
         hkv,
         rep,
         ns,
+    )
+    merge_meta = dict(
         D=d,
         DV=dv,
         HAS_SINKS=sink_logits is not None,
@@ -693,4 +761,10 @@ def packed_attention_triton(
         BLOCK_DV=block_dv,
         **extra,
     )
-    return out.reshape(b, hq, nq, dv)
+
+    def launch() -> Tensor:
+        _split_kernel[(rows, ns + 1, mblocks)](*split_args, **split_meta)
+        _merge_kernel[(rows, mblocks)](*merge_args, **merge_meta)
+        return out.reshape(b, hq, nq, dv)
+
+    return launch
