@@ -320,3 +320,10 @@ def test_short_prompt_bounds():
         with pytest.raises(ValueError, match="cannot evict"):
             model(prompt(1, LONGEST_REFUSED, 7), cache=make_cache("gemma3", "relay", SHORT_RELAY))
         model(prompt(1, LONGEST_REFUSED + 1, 7), cache=make_cache("gemma3", "relay", SHORT_RELAY))
+
+
+@pytest.mark.parametrize("kind", ["pnmix", "composed"])
+def test_unknown_backend_environment_is_refused_at_construction(kind, monkeypatch):
+    monkeypatch.setenv("KVLAB_PNMIX_BACKEND", "fast")
+    with pytest.raises(ValueError, match=r"KVLAB_PNMIX_BACKEND='fast': must be 'auto' or one of"):
+        make_cache("gemma3", kind)

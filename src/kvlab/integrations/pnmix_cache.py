@@ -60,6 +60,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlab.integrations.attention import CacheView, dense_causal_attention
 from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
+from kvlab.pnmix.kernels.dispatch import requested_backend
 from kvlab.rope import RotaryConfig
 
 __all__ = ["PNMixLayer", "PNMixModelCache", "PNMixView", "pnmix_config_for_model"]
@@ -523,8 +524,9 @@ class PNMixModelCache(Cache):
     Raises:
         ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
             unsupported (linear-attention or KV-sharing layers, latent attention), a RoPE that
-            :class:`kvlab.rope.RotaryConfig` does not support, or ``layer_group_tokens`` of the
-            wrong length or with a value PNMixConfig rejects.
+            :class:`kvlab.rope.RotaryConfig` does not support, ``layer_group_tokens`` of the
+            wrong length or with a value PNMixConfig rejects, or an unknown
+            ``KVLAB_PNMIX_BACKEND`` (:func:`kvlab.pnmix.kernels.dispatch.requested_backend`).
     """
 
     def __init__(
@@ -541,6 +543,7 @@ class PNMixModelCache(Cache):
         # reason); full-attention layers hold PN-Mix, sliding/chunked layers only their window.
         plan = plan_model(text_config)
         plan.check(type(self).__name__)
+        requested_backend("auto")  # the layers build their PNMixCache at the first token
         config = config or PNMixConfig()
         if match_rotary:
             config = pnmix_config_for_model(text_config, config)
