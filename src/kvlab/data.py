@@ -93,10 +93,13 @@ def read_text_file(path: str | Path) -> TextSource:
     """A user text file, read as raw bytes; its id is the file name.
 
     Raises:
+        IsADirectoryError: the path is a folder.
         FileNotFoundError: no such file.
         ValueError: the file is empty, or not UTF-8 text (:func:`check_text`).
     """
     file = Path(path)
+    if file.is_dir():
+        raise IsADirectoryError(f"text file {file} is a folder; give a UTF-8 text file")
     if not file.is_file():
         raise FileNotFoundError(f"text file not found: {file}")
     data = file.read_bytes()

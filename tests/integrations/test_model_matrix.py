@@ -1,6 +1,7 @@
 """The model matrix: every supported transformers family, each kvlab cache, exact or refused.
 
-For each family (a tiny random-initialized config built here, no downloads):
+For each family (a tiny random-initialized config, ``FAMILIES`` in tests/fixtures/tiny_models.py,
+built in the test, no downloads):
 
 * with a NON-compressing kvlab cache, the ``"kvlab"`` attention reproduces the model's own
   ``sdpa`` (or ``eager``, where the family has no SDPA path) logits in float32 to 1e-5, in a
@@ -18,12 +19,12 @@ For each family (a tiny random-initialized config built here, no downloads):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 import transformers
+from tiny_models import COMMON, FAMILIES, prompt
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -33,178 +34,9 @@ from kvlab.integrations.pnmix_cache import PNMixLayer, PNMixModelCache
 from kvlab.integrations.relay_cache import RelayLayer
 from kvlab.pnmix import PNMixConfig
 
-VOCAB = 96
-WINDOW = 6  # sliding window (tokens) of every windowed family: far below the prompt
 PROMPT = 20
 CHUNK = 5
 NEW_TOKENS = 6
-COMMON: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-@dataclass(frozen=True)
-class Family:
-    """A tiny config of one transformers family and what the matrix expects of it."""
-
-    model_class: str
-    config_class: str
-    settings: dict[str, Any]
-    #: config overrides that switch the family's special attention feature off (the
-    #: sensitivity check: the reference logits must change)
-    feature_off: dict[str, Any] = field(default_factory=dict)
-    #: caches that must refuse the compressing configuration, with a phrase of the message
-    refused: dict[str, str] = field(default_factory=dict)
-    #: set learned sinks (GPT-OSS s_aux) to N(0, 1) so they matter
-    sinks: bool = False
-
-    def build(self, seed: int = 0, **overrides: Any) -> Any:
-        config = getattr(transformers, self.config_class)(
-            **{**COMMON, **self.settings, **overrides}
-        )
-        torch.manual_seed(seed)
-        model = getattr(transformers, self.model_class)(config).eval()
-        if self.sinks:
-            gen = torch.Generator().manual_seed(seed + 1)
-            for layer in model.model.layers:
-                sinks = layer.self_attn.sinks
-                sinks.data.copy_(torch.randn(sinks.shape, generator=gen))
-        model.generation_config.eos_token_id = None  # always generate NEW_TOKENS
-        model.set_attn_implementation(reference_attention(model))
-        return model
-
-
-def reference_attention(model: Any) -> str:
-    """The model's own attention: SDPA where the family supports it, else eager."""
-    return "sdpa" if type(model)._supports_sdpa else "eager"
-
-
-SLIDING = "sliding_attention"
-FULL = "full_attention"
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaForCausalLM", "LlamaConfig", dict(num_hidden_layers=2, head_dim=16)),
-    # sliding_window and no layer_types: every layer is a window layer
-    "mistral": Family(
-        "MistralForCausalLM",
-        "MistralConfig",
-        dict(num_hidden_layers=2, head_dim=16, sliding_window=WINDOW),
-        feature_off=dict(sliding_window=None),
-    ),
-    # use_sliding_window: layers >= max_window_layers slide
-    "qwen2": Family(
-        "Qwen2ForCausalLM",
-        "Qwen2Config",
-        dict(
-            num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
-        ),
-        feature_off=dict(use_sliding_window=False),
-    ),
-    "qwen3": Family("Qwen3ForCausalLM", "Qwen3Config", dict(num_hidden_layers=2, head_dim=16)),
-    # attention-logit soft-capping + alternating sliding layers; no SDPA path (eager reference)
-    "gemma2": Family(
-        "Gemma2ForCausalLM",
-        "Gemma2Config",
-        dict(
-            num_hidden_layers=3,
-            head_dim=16,
-            sliding_window=WINDOW,
-            attn_logit_softcapping=0.05,  # below the logits' scale: it matters
-            final_logit_softcapping=None,
-            query_pre_attn_scalar=16,
-        ),
-        feature_off=dict(attn_logit_softcapping=None),
-    ),
-    # per-layer-type RoPE (nested rope_parameters), q/k norm, sliding then full layer
-    "gemma3": Family(
-        "Gemma3ForCausalLM",
-        "Gemma3TextConfig",
-        dict(
-            num_hidden_layers=3,
-            head_dim=16,
-            sliding_window=WINDOW,
-            layer_types=[SLIDING, FULL, SLIDING],
-            query_pre_attn_scalar=16,
-        ),
-        feature_off=dict(sliding_window=512),
-    ),
-    # partial rotary (rotate_half on the first rotary_dim channels)
-    "phi": Family(
-        "PhiForCausalLM", "PhiConfig", dict(num_hidden_layers=2, partial_rotary_factor=0.5)
-    ),
-    "stablelm": Family(
-        "StableLmForCausalLM",
-        "StableLmConfig",
-        dict(num_hidden_layers=2, partial_rotary_factor=0.25),
-    ),
-    "gpt_neox": Family(
-        "GPTNeoXForCausalLM",
-        "GPTNeoXConfig",
-        dict(num_hidden_layers=2, partial_rotary_factor=0.25, num_key_value_heads=4),
-    ),
-    # fused qkv projection, sliding_window without layer_types
-    "phi3": Family(
-        "Phi3ForCausalLM",
-        "Phi3Config",
-        dict(num_hidden_layers=2, sliding_window=WINDOW),
-        feature_off=dict(sliding_window=None),
-    ),
-    # interleaved rotary pairs (2i, 2i+1)
-    "cohere": Family("CohereForCausalLM", "CohereConfig", dict(num_hidden_layers=2)),
-    # sliding layers with interleaved RoPE, full-attention layers without RoPE
-    "cohere2": Family(
-        "Cohere2ForCausalLM",
-        "Cohere2Config",
-        dict(num_hidden_layers=2, sliding_window=WINDOW, layer_types=[SLIDING, FULL]),
-        feature_off=dict(sliding_window=512),
-        refused={"relay": "apply no RoPE"},
-    ),
-    # NoPE layers by no_rope_layers
-    "smollm3": Family(
-        "SmolLM3ForCausalLM",
-        "SmolLM3Config",
-        dict(num_hidden_layers=2, no_rope_layers=[1, 0]),
-        refused={"relay": "apply no RoPE"},
-    ),
-    # chunked attention layers (a window of attention_chunk_size), a NoPE full-attention layer
-    # with attention temperature tuning, MoE
-    "llama4": Family(
-        "Llama4ForCausalLM",
-        "Llama4TextConfig",
-        dict(
-            num_hidden_layers=4,
-            head_dim=16,
-            intermediate_size_mlp=128,
-            attention_chunk_size=WINDOW,
-            num_local_experts=2,
-        ),
-        feature_off=dict(attention_chunk_size=512),
-        refused={"relay": "apply no RoPE"},
-    ),
-    # learned attention sinks (s_aux), alternating sliding layers, yarn RoPE, MoE; eager only
-    "gpt_oss": Family(
-        "GptOssForCausalLM",
-        "GptOssConfig",
-        dict(
-            num_hidden_layers=2,
-            head_dim=16,
-            sliding_window=WINDOW,
-            layer_types=[SLIDING, FULL],
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        ),
-        sinks=True,
-    ),
-}
-
 # Families refused by every kvlab cache at construction (config only; no model is built).
 REFUSED: dict[str, tuple[Callable[[], Any], str]] = {
     "qwen3_next (linear attention)": (
@@ -258,10 +90,6 @@ def make_cache(model: Any, cache_kind: str, *, compress: bool) -> Any:
     if cache_kind == "pnmix":
         return PNMixModelCache(model.config, SMALL_PNMIX if compress else EXACT_PNMIX)
     return RelayModelCache(model.config, SMALL_RELAY if compress else EXACT_RELAY)
-
-
-def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def two_forwards(model: Any, ids: torch.Tensor, cache: Any) -> torch.Tensor:

@@ -332,3 +332,17 @@ def test_backend_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="KVLAB_PNMIX_BACKEND"):
         pnmix_attention(q, cache)
     assert cache.attention_calls == 2
+
+
+def test_unknown_backend_environment_is_refused_at_cache_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One error naming the valid values when the cache is built, not at its first attention."""
+    config = PNMixConfig(sink_tokens=2, residual_tokens=2, group_tokens=4)
+    monkeypatch.setenv("KVLAB_PNMIX_BACKEND", "fast")
+    valid = r"KVLAB_PNMIX_BACKEND='fast': must be 'auto' or one of \('torch', 'cpu', 'triton'\)"
+    with pytest.raises(ValueError, match=valid):
+        PNMixCache(config, batch_size=1, num_key_value_heads=2, head_dim=8)
+    for name in ("auto", "torch", " cpu "):
+        monkeypatch.setenv("KVLAB_PNMIX_BACKEND", name)
+        PNMixCache(config, batch_size=1, num_key_value_heads=2, head_dim=8)

@@ -34,6 +34,7 @@ features is in README.md, "Model families".
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -48,6 +49,7 @@ __all__ = [
     "KVLAB_ATTENTION",
     "VIEW_FEATURES",
     "CacheView",
+    "check_attention_kwargs",
     "dense_causal_attention",
     "enable_kvlab_attention",
     "kvlab_attention_forward",
@@ -113,6 +115,13 @@ class CacheView:
         attention keywords plus the :data:`VIEW_FEATURES` keys (None when inactive). Returns
         ``[B, H_q, Q, Dv]`` in the query dtype."""
         raise NotImplementedError
+
+    def refusal_guard(self) -> contextlib.AbstractContextManager[None]:
+        """The context :func:`kvlab_attention_forward` runs this view's refusals and
+        :meth:`attend` in: on a ``ValueError`` it puts back what the forward changed (the
+        layer's stash; the window layers stored before the forward's first kvlab layer, see
+        :class:`kvlab.integrations.model_support.ForwardGuard`). Default: nothing to put back."""
+        return contextlib.nullcontext()
 
     @classmethod
     def _misuse(cls) -> TypeError:
@@ -355,17 +364,29 @@ def kvlab_mask(
     )
 
 
-def _check_kwargs(kwargs: Mapping[str, Any]) -> None:
+#: The keywords :func:`kvlab_attention_forward` takes by name (not checked by
+#: :func:`check_attention_kwargs`).
+_NAMED_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal"})
+
+
+def check_attention_kwargs(kwargs: Mapping[str, Any]) -> None:
     """Refuse attention keywords kvlab does not implement (one error naming all of them).
 
     A keyword set to ``None`` is inactive in every ``transformers`` attention function and is
-    accepted; so is ``output_attentions=False``.
+    accepted; so is ``output_attentions=False``; the keywords :func:`kvlab_attention_forward`
+    takes by name are not checked here. Also run by the window layers a kvlab cache holds in
+    front of its first full-attention layer (on the keywords the model passes to
+    ``Cache.update``), so that a refusal comes before they store anything.
 
     Raises:
         ValueError: an active keyword outside :data:`HARMLESS_KWARGS`, or
             ``output_attentions=True``.
     """
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in HARMLESS_KWARGS)
+    unknown = sorted(
+        k
+        for k, v in kwargs.items()
+        if v is not None and k not in HARMLESS_KWARGS and k not in _NAMED_KWARGS
+    )
     if unknown:
         raise ValueError(
             f"the 'kvlab' attention does not implement the attention argument(s) {unknown} "
@@ -377,6 +398,37 @@ def _check_kwargs(kwargs: Mapping[str, Any]) -> None:
             "the 'kvlab' attention never returns attention weights; call the model with "
             "output_attentions=False (or use attn_implementation='eager' to inspect them)"
         )
+
+
+def _check_view_call(
+    module: torch.nn.Module,
+    view: CacheView,
+    attention_mask: Tensor | None,
+    features: Mapping[str, Any],
+    dropout: float,
+    causal: bool,
+) -> None:
+    """Refuse what a cache view cannot do (see :func:`kvlab_attention_forward`, Raises)."""
+    refused = sorted(
+        name
+        for name, v in features.items()
+        if v is not None and name not in type(view).supported_features
+    )
+    if refused:
+        raise ValueError(
+            f"{type(view).__name__} (layer {getattr(module, 'layer_idx', '?')}) cannot apply "
+            f"the attention argument(s) {refused}; the cache should have refused this model "
+            "at construction (see kvlab.integrations.model_support)"
+        )
+    if dropout > 0.0:
+        raise ValueError(
+            f"kvlab cache views are inference-only: attention dropout {dropout} in training "
+            "mode; call model.eval()"
+        )
+    if not causal:
+        raise ValueError("kvlab cache views attend causally only (is_causal=False given)")
+    if not type(view).supports_padding:
+        _check_padding(attention_mask)
 
 
 def kvlab_attention_forward(
@@ -421,41 +473,24 @@ def kvlab_attention_forward(
             training mode, ``is_causal=False``, or a feature the view does not list in
             ``supported_features``.
     """
-    _check_kwargs(kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     p = float(dropout) if module.training else 0.0
     if isinstance(key, CacheView):
         features = {"softcap": softcap, "s_aux": s_aux, "sliding_window": sliding_window}
-        refused = sorted(
-            name
-            for name, v in features.items()
-            if v is not None and name not in type(key).supported_features
-        )
-        if refused:
-            raise ValueError(
-                f"{type(key).__name__} (layer {getattr(module, 'layer_idx', '?')}) cannot apply "
-                f"the attention argument(s) {refused}; the cache should have refused this model "
-                "at construction (see kvlab.integrations.model_support)"
+        with key.refusal_guard():  # a refusal puts back what the forward changed
+            check_attention_kwargs(kwargs)
+            _check_view_call(module, key, attention_mask, features, p, causal)
+            out = key.attend(
+                module,
+                query,
+                scaling=float(scaling),
+                attention_mask=attention_mask,
+                kwargs={**kwargs, **features},
             )
-        if p > 0.0:
-            raise ValueError(
-                f"kvlab cache views are inference-only: attention dropout {p} in training mode; "
-                "call model.eval()"
-            )
-        if not causal:
-            raise ValueError("kvlab cache views attend causally only (is_causal=False given)")
-        if not type(key).supports_padding:
-            _check_padding(attention_mask)
-        out = key.attend(
-            module,
-            query,
-            scaling=float(scaling),
-            attention_mask=attention_mask,
-            kwargs={**kwargs, **features},
-        )
     else:
+        check_attention_kwargs(kwargs)
         out = dense_causal_attention(
             query,
             key,

@@ -12,6 +12,15 @@ sliding-window layer that keeps only its window (``transformers``' own
 ``DynamicSlidingWindowLayer``), so a window layer costs ``window - 1`` tokens whatever the
 context length.
 
+Atomic failure (docs/design.md, "Model integration"): a forward's inputs are checked by its
+first full-attention layer, which needs the 2-D attention mask that only the attention call
+receives. The window layers in front of it (``layer_types`` starting with
+``"sliding_attention"``: Gemma 2/3, GPT-OSS, Cohere 2) store their tokens before that, so the
+caches give them a :class:`ForwardGuard`: each keeps a reference to what its last ``update``
+replaced (no copy: ``update`` never writes a tensor in place), and a refusal by the first
+full-attention layer puts them back. A window layer checks its own batch, heads, head_dim and
+device before it stores anything.
+
 Layer types come from ``transformers.cache_utils.get_layer_types_and_kwargs`` (the function
 ``DynamicCache`` uses): ``config.layer_types`` when present, else ``sliding_attention`` for
 every layer of a config with ``sliding_window`` (Mistral, Phi-3, Starcoder2) and
@@ -21,7 +30,8 @@ every layer of a config with ``sliding_window`` (Mistral, Phi-3, Starcoder2) and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +39,13 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
+from kvlab.integrations.attention import check_attention_kwargs
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
 __all__ = [
     "FULL_ATTENTION",
     "WINDOW_LAYER_TYPES",
+    "ForwardGuard",
     "LayerPlan",
     "ModelPlan",
     "WindowLayer",
@@ -158,7 +170,7 @@ class ModelPlan:
             elif plan.is_window:
                 assert plan.window is not None
                 rope = rotary(plan.layer_type) if rotary is not None and plan.uses_rope else None
-                layers.append(WindowLayer(plan.window, rotary=rope))
+                layers.append(WindowLayer(plan.window, rotary=rope, layer_idx=i))
             else:
                 raise ValueError(
                     f"layer {i} has type {plan.layer_type!r}, which no kvlab cache holds"
@@ -274,26 +286,74 @@ class WindowLayer(DynamicSlidingWindowLayer):
     a constant offset (left padding included) nothing is rotated. Without ``rotary`` the layer
     is exactly ``transformers``' (keys stay at the positions the model gave them).
 
+    Refusals (module docstring): ``update`` refuses states that do not fit what the layer
+    stores before it changes anything; a layer in front of the model's first full-attention
+    layer (``keeps_undo``, set by :class:`ForwardGuard`) keeps what its last ``update``
+    replaced until :meth:`keep_update` or :meth:`undo_update`.
+
     Args:
         sliding_window: tokens a query sees, itself included (>= 1).
         rotary: the layer's RoPE, or ``None`` (positions are the model's own).
+        layer_idx: the decoder layer, for messages.
 
     Raises:
         ValueError: ``sliding_window < 1``.
     """
 
-    def __init__(self, sliding_window: int, rotary: RotaryConfig | None = None) -> None:
+    def __init__(
+        self,
+        sliding_window: int,
+        rotary: RotaryConfig | None = None,
+        layer_idx: int | None = None,
+    ) -> None:
         if isinstance(sliding_window, bool) or int(sliding_window) < 1:
             raise ValueError(f"sliding_window must be >= 1 token, got {sliding_window!r}")
         super().__init__(sliding_window=int(sliding_window))
         self.rotary = rotary
+        self.layer_idx = layer_idx
         self._frame: Tensor | None = None  # per-row offset of the first forward, [B] int64
+        self.keeps_undo = False
+        self._undo: dict[str, Any] | None = None
+
+    def _check_states(self, key_states: Tensor, value_states: Tensor) -> None:
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, Tensor) or t.dim() != 4:
+                raise ValueError(f"{name} must be a 4-D tensor [B, H_kv, T, D]")
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise ValueError(
+                f"key_states {tuple(key_states.shape)} and value_states "
+                f"{tuple(value_states.shape)} disagree on batch, heads or tokens"
+            )
+        if not self.is_initialized or self.keys is None or self.keys.dim() != 4:
+            return
+        want = (*self.keys.shape[:2], self.keys.shape[3], self.values.shape[3])
+        got = (*key_states.shape[:2], key_states.shape[3], value_states.shape[3])
+        if got != want or key_states.device != self.keys.device:
+            raise ValueError(
+                f"sliding-window layer {self.layer_idx} stores [B, H_kv, D, Dv] = {want} on "
+                f"{self.keys.device}, got {got} on {key_states.device} (a new batch needs a new "
+                "cache or reset())"
+            )
 
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
     ) -> tuple[Tensor, Tensor]:
         """Append ``[B, H_kv, T, D]`` keys and ``[B, H_kv, T, Dv]`` values; return the last
-        ``min(seen, sliding_window - 1) + T`` keys and values (see the class docstring)."""
+        ``min(seen, sliding_window - 1) + T`` keys and values (see the class docstring).
+
+        Raises:
+            ValueError: states of another rank, batch, kv heads, head_dim or device than the
+                stored ones; with ``keeps_undo``, attention keywords the ``"kvlab"``
+                attention refuses (:func:`kvlab.integrations.attention.check_attention_kwargs`:
+                the first full-attention layer would refuse them after this layer stored).
+                Nothing changes.
+        """
+        self._check_states(key_states, value_states)
+        if self.keeps_undo:
+            inner = kwargs.get("kwargs")
+            check_attention_kwargs(inner if isinstance(inner, Mapping) else {})
+            # references only: update replaces the tensors, it never writes into them
+            self._undo = {k: v for k, v in vars(self).items() if k != "_undo"}
         shift: Tensor | None = None
         if self.rotary is not None:
             offsets = _frame_offsets(kwargs, self.cumulative_length, key_states.shape[-2])
@@ -312,9 +372,21 @@ class WindowLayer(DynamicSlidingWindowLayer):
             keys = rotate_by_delta(keys, shift, self.rotary)
         return keys, values
 
+    def undo_update(self) -> None:
+        """Put back the state before the last ``update`` (nothing if it was kept or undone)."""
+        state, self._undo = self._undo, None
+        if state is not None:
+            vars(self).clear()
+            vars(self).update(state, _undo=None)
+
+    def keep_update(self) -> None:
+        """Forget what the last ``update`` replaced (its forward was accepted)."""
+        self._undo = None
+
     def reset(self) -> None:
         super().reset()
         self._frame = None
+        self._undo = None
 
     def _select_frame(self, index: Tensor) -> None:
         if self._frame is not None and self._frame.numel() > 1:
@@ -346,3 +418,57 @@ class WindowLayer(DynamicSlidingWindowLayer):
         return self.keys.numel() * self.keys.element_size() + (
             self.values.numel() * self.values.element_size()
         )
+
+
+class ForwardGuard:
+    """Makes a refused forward change no window layer of a kvlab model cache (module docstring).
+
+    The cache's full-attention layers share one guard. Their ``update`` checks and their
+    whole attention call (the forward's input checks, then the first change: a store whose
+    eager checks store nothing on failure) run inside :meth:`checking`: a ``ValueError`` puts
+    back the last update of every window layer in front of the first full-attention layer (the
+    only layers that store before the forward's checks); the first full-attention layer's
+    success forgets it, so nothing is held after the forward.
+
+    Args:
+        layers: the cache's layers, in decoder order (none, or no full-attention layer: a
+            guard with nothing to undo).
+    """
+
+    def __init__(self, layers: Iterable[CacheLayerMixin] = ()) -> None:
+        windows: list[WindowLayer] = []
+        for layer in layers:
+            if not isinstance(layer, WindowLayer):
+                break
+            windows.append(layer)
+        else:  # no full-attention layer: no kvlab check comes after the window layers
+            windows = []
+        for layer in windows:
+            layer.keeps_undo = True
+        self.windows = windows
+
+    @contextmanager
+    def checking(
+        self, on_refusal: Callable[[], None] | None = None, *, accept: bool = True
+    ) -> Iterator[None]:
+        """Run a full-attention layer's checks, or its attention call (class docstring).
+
+        Args:
+            on_refusal: called first on a refusal (e.g. to drop the layer's stash).
+            accept: on success, forget the window layers' undo state (``False`` for checks
+                that run before the forward's last check, e.g. in ``update``).
+
+        Raises:
+            ValueError: re-raised after the window layers are put back.
+        """
+        try:
+            yield
+        except ValueError:
+            if on_refusal is not None:
+                on_refusal()
+            for layer in self.windows:
+                layer.undo_update()
+            raise
+        if accept:
+            for layer in self.windows:
+                layer.keep_update()

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -57,8 +58,9 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView, dense_causal_attention
-from kvlab.integrations.model_support import layer_rotary, plan_model
+from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
+from kvlab.pnmix.kernels.dispatch import requested_backend
 from kvlab.rope import RotaryConfig
 
 __all__ = ["PNMixLayer", "PNMixModelCache", "PNMixView", "pnmix_config_for_model"]
@@ -81,10 +83,12 @@ def pnmix_config_for_model(model_config: Any, base: PNMixConfig | None = None) -
 class _ForwardState:
     """What the layers of one model cache share: the forward's mask, read once for every layer
     (one host sync per multi-token forward, none for single-token forwards), and the deferred
-    mask check of single-token forwards."""
+    mask check of single-token forwards, and the guard that puts back the window layers a
+    refused forward changed (set by the cache)."""
 
     def __init__(self) -> None:
         self.layers: list[PNMixLayer] = []
+        self.guard = ForwardGuard()
         self._key: tuple[Any, ...] | None = None
         self._mask: Tensor | None = None
         self._lengths: np.ndarray | None = None
@@ -128,7 +132,6 @@ class _ForwardState:
             )
         key = (id(mask), mask._version, tuple(mask.shape), columns, queries)
         if key != self._key:
-            self._key, self._mask = key, mask  # held so that its id stays unique
             if queries == 1:
                 self._lengths = None
                 ok = mask[:, -1].bool().all()
@@ -136,6 +139,9 @@ class _ForwardState:
                 self.pending_mask_ok = ok if prev is None else prev & ok
             else:
                 self._lengths = self._read(mask, queries, columns, stored)
+            # only a mask that passed is remembered (a refused one is read again if retried);
+            # held so that its id stays unique
+            self._key, self._mask = key, mask
         lengths = self._lengths
         if lengths is None or (lengths == queries).all():
             return None
@@ -212,6 +218,12 @@ class PNMixView(CacheView):
     def __init__(self, layer: PNMixLayer) -> None:
         self.layer = layer
 
+    def refusal_guard(self) -> AbstractContextManager[None]:
+        """A refusal drops the layer's stash and puts back the window layers stored before the
+        forward's first full-attention layer (:class:`~kvlab.integrations.model_support.
+        ForwardGuard`)."""
+        return self.layer._shared.guard.checking(self.layer._drop_stash)
+
     def attend(
         self,
         module: torch.nn.Module,
@@ -272,10 +284,11 @@ class PNMixView(CacheView):
 class PNMixLayer(CacheLayerMixin):
     """One decoder layer's PN-Mix cache (a ``transformers`` cache layer).
 
-    The :class:`kvlab.pnmix.PNMixCache` (``store``) is created lazily from the first keys:
-    batch size, ``num_key_value_heads``, ``head_dim`` and value head dim are read from them.
-    ``update`` stashes a forward's keys and values; :meth:`commit` (called by the view's
-    ``attend``, or by the next ``update`` when no attention ran) stores them.
+    The :class:`kvlab.pnmix.PNMixCache` (``store``) is created lazily from the first keys that
+    pass the forward's checks: batch size, ``num_key_value_heads``, ``head_dim`` and value head
+    dim are read from them. ``update`` stashes a forward's keys and values; :meth:`commit`
+    (called by the view's ``attend``, or by the next ``update`` when no attention ran) stores
+    them.
     """
 
     is_compileable = False
@@ -354,14 +367,16 @@ class PNMixLayer(CacheLayerMixin):
         Raises:
             ValueError: states of the wrong rank, dtype or shape (nothing changes).
         """
-        self._check_states(key_states, value_states)
+        with self._shared.guard.checking(accept=False):
+            self._check_states(key_states, value_states)
         if self._pending is not None:  # a previous update that no attention consumed
             self.commit(None)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self._pending = (key_states, value_states)
+        self._pending = (key_states, value_states)  # the store is created after the checks
         view = PNMixView(self)
         return view, view
+
+    def _drop_stash(self) -> None:
+        self._pending = None
 
     def take_decode_token(
         self, attention_mask: Tensor | None
@@ -374,13 +389,16 @@ class PNMixLayer(CacheLayerMixin):
         Raises:
             ValueError: a bad mask; the stash is dropped and the store is unchanged.
         """
-        pending, store = self._pending, self._store
-        if pending is None or store is None or pending[0].shape[2] != 1:
+        pending = self._pending
+        if pending is None or pending[0].shape[2] != 1:
             return None
         self._pending = None
         keys, values = pending
         self._shared.lengths(attention_mask, keys.shape[0], 1, self.columns, None)
-        return keys, values, store
+        if self._store is None:
+            self.lazy_initialization(keys, values)
+        assert self._store is not None
+        return keys, values, self._store
 
     def commit(
         self, attention_mask: Tensor | None, query: Tensor | None = None
@@ -400,13 +418,18 @@ class PNMixLayer(CacheLayerMixin):
         if pending is None:
             return None
         store = self._store
-        assert store is not None
         keys, values = pending
         q = keys.shape[2]
-        stored = store.seq_lengths[:, 0] if int(store.seq_lengths.max()) else None
+        stored = None
+        if store is not None and int(store.seq_lengths.max()):
+            stored = store.seq_lengths[:, 0]
         lengths = self._shared.lengths(attention_mask, keys.shape[0], q, self.columns, stored)
         if q > 1:  # a multi-token forward checks every layer's deferred flags first
             self._shared.check()
+        if store is None:  # created only now: a refused first forward leaves the layer empty
+            self.lazy_initialization(keys, values)
+            store = self._store
+            assert store is not None
         if query is not None and tuple(query.shape[::2]) != (keys.shape[0], q):
             query = None  # not this forward's queries (a caller's own attention)
         store.append(keys, values, lengths, checks="deferred" if q == 1 else "eager", queries=query)
@@ -501,8 +524,9 @@ class PNMixModelCache(Cache):
     Raises:
         ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
             unsupported (linear-attention or KV-sharing layers, latent attention), a RoPE that
-            :class:`kvlab.rope.RotaryConfig` does not support, or ``layer_group_tokens`` of the
-            wrong length or with a value PNMixConfig rejects.
+            :class:`kvlab.rope.RotaryConfig` does not support, ``layer_group_tokens`` of the
+            wrong length or with a value PNMixConfig rejects, or an unknown
+            ``KVLAB_PNMIX_BACKEND`` (:func:`kvlab.pnmix.kernels.dispatch.requested_backend`).
     """
 
     def __init__(
@@ -519,6 +543,7 @@ class PNMixModelCache(Cache):
         # reason); full-attention layers hold PN-Mix, sliding/chunked layers only their window.
         plan = plan_model(text_config)
         plan.check(type(self).__name__)
+        requested_backend("auto")  # the layers build their PNMixCache at the first token
         config = config or PNMixConfig()
         if match_rotary:
             config = pnmix_config_for_model(text_config, config)
@@ -550,6 +575,7 @@ class PNMixModelCache(Cache):
 
         super().__init__(layers=plan.build_layers(full_layer))
         self._shared = shared
+        shared.guard = ForwardGuard(self.layers)  # atomic failure with leading window layers
 
     def nbytes(self) -> int:
         """Persistent bytes of every layer (sinks, residual, codes, scales, masks; window

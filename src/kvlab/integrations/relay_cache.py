@@ -52,7 +52,7 @@ exact up to float rounding. Pass :meth:`RelayModelCache.position_ids` to skip th
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +61,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView
-from kvlab.integrations.model_support import layer_rotary, plan_model
+from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.relay.attention import ragged_attention
 from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 from kvlab.relay.core import relay
@@ -268,13 +268,15 @@ class ReconstructionSpan:
 
 
 class _ForwardState:
-    """Shared by the layers of one :class:`RelayModelCache`: the current forward's plan, and
+    """Shared by the layers of one :class:`RelayModelCache`: the current forward's plan,
     during a reconstruction pass the span of each sequence (``None`` for a sequence the pass
-    does not feed)."""
+    does not feed), and the guard that puts back the window layers a refused forward changed
+    (set by the cache)."""
 
     def __init__(self) -> None:
         self.plan: _ForwardPlan | None = None
         self.reconstruction: list[ReconstructionSpan | None] | None = None
+        self.guard = ForwardGuard()
 
 
 class RelayView(CacheView):
@@ -302,6 +304,12 @@ class RelayView(CacheView):
         return self.layer.attend(
             query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs
         )
+
+    def refusal_guard(self) -> AbstractContextManager[None]:
+        """A refusal drops the layer's stash and puts back the window layers stored before the
+        forward's first full-attention layer (:class:`~kvlab.integrations.model_support.
+        ForwardGuard`)."""
+        return self.layer.forward_state.guard.checking(self.layer._drop_stash)
 
 
 def _leading_zeros(values: list[int]) -> int:
@@ -397,11 +405,15 @@ class RelayLayer(CacheLayerMixin):
         Raises:
             ValueError: shapes, dtype or device that differ from what the layer stores.
         """
-        self._check_states(key_states, value_states)
+        with self.forward_state.guard.checking(accept=False):
+            self._check_states(key_states, value_states)
         inner = kwargs.get("kwargs") or {}
         self._pending = _Pending(key_states, value_states, inner.get("position_ids"))
         view = RelayView(self)
         return view, view
+
+    def _drop_stash(self) -> None:
+        self._pending = None
 
     def get_seq_length(self) -> int:
         """Tokens seen (columns, left padding included) — what ``transformers`` means; the RoPE
@@ -1183,6 +1195,7 @@ class RelayModelCache(Cache):
         )
         for layer in self._relay_layers():
             layer.num_layers = layers
+        state.guard = ForwardGuard(self.layers)  # atomic failure with leading window layers
 
     def _forward_state(self) -> _ForwardState:
         """The forward state the full-attention layers share (a subclass may extend it)."""

@@ -58,6 +58,7 @@ from kvlab.pnmix.codecs import (
     TableStatistics,
 )
 from kvlab.pnmix.config import KeyCoding, PNMixConfig, check_int
+from kvlab.pnmix.kernels.dispatch import requested_backend
 from kvlab.pnmix.kernels.spec import KernelKeyDecode, kernel_key_decode
 from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
 from kvlab.pnmix.quantizers import storage_range_message
@@ -155,7 +156,8 @@ class PNMixCache:
         ValueError: bad sizes; ``rotary_dim`` (``config.rotary_dim`` or ``head_dim``) not an
             even number ``<= head_dim``; a position-aware codec without ``rotary`` or a
             ``rotary`` that does not match; a value codec that cannot code ``value_head_dim``
-            channels; a key payload the group cannot address.
+            channels; a key payload the group cannot address; an unknown
+            ``KVLAB_PNMIX_BACKEND`` (:func:`kvlab.pnmix.kernels.dispatch.requested_backend`).
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class PNMixCache:
     ) -> None:
         if not isinstance(config, PNMixConfig):
             raise ValueError(f"config must be a PNMixConfig, got {type(config).__name__}")
+        requested_backend("auto")  # an unknown KVLAB_PNMIX_BACKEND fails here, not in attention
         check_int("batch_size", batch_size, 1)
         check_int("num_key_value_heads", num_key_value_heads, 1)
         check_int("head_dim", head_dim, 1)
