@@ -532,3 +532,25 @@ def test_cpu_backend_decodes_like_the_reference_in_the_model(make_llama, monkeyp
     for name in ("key_codes", "key_scalars", "key_payload", "value_codes", "residual_keys"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert torch.equal(a.sink_keys, b.sink_keys)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_deepcopy_decodes_like_the_original(make_llama, monkeypatch, backend):
+    """A ``copy.deepcopy`` of a quantized cache decodes one token at a time (the CPU kernel's
+    fused decode step writes the counts in place) exactly as the cache it was copied from,
+    and leaves the original untouched."""
+    import copy
+
+    if backend == "cpu":
+        require_cpu_kernel()
+    monkeypatch.setenv("KVLAB_PNMIX_BACKEND", backend)
+    model = make_llama(seed=17)
+    ids = torch.randint(3, 96, (1, 60), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        cache = PNMixModelCache(model.config, PNMixConfig(**SMALL))
+        model(ids[:, :40], cache=cache)
+        twin = copy.deepcopy(cache)
+        copied = _score_one_at_a_time(model, ids[:, 39:], twin, 1)
+        original = _score_one_at_a_time(model, ids[:, 39:], cache, 1)
+    assert cache.layers[0].store.quantized_tokens > 0
+    assert torch.equal(copied, original)

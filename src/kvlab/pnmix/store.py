@@ -222,8 +222,14 @@ class PackedStore:
     # ------------------------------------------------------------------ counts
     def _set_counts(self, counts: np.ndarray) -> None:
         self.counts = counts
-        self.counts_tensor = torch.from_numpy(counts)
         self._update_room()
+
+    @property
+    def counts_tensor(self) -> Tensor:
+        """``counts`` as an int64 tensor sharing its memory (the CPU kernel's fused decode
+        step writes the new counts through it). Made on each access, so a copy of the store
+        (``copy.deepcopy``) never reads another store's counts."""
+        return torch.from_numpy(self.counts)
 
     def _update_room(self) -> None:
         g = self.geometry
