@@ -205,6 +205,91 @@ def test_composed_methods_are_the_eviction_method_then_the_pnmix_method():
     assert (storage.kv_bytes, storage.index_bytes) == (0, 0)
 
 
+def _documented_bytes(counts: list[int], config, head_dim: int, heads: int) -> tuple[int, int]:
+    """(exact bytes, all bytes) of PN-Mix streams of ``counts`` tokens (one sequence, one
+    layer), from docs/design.md, "Flush rule" and "Byte accounting": ``min(n, S)`` sinks; of
+    the rest, ``floor((rest - R) / T)`` groups (when ``rest >= R``), the others an exact
+    residual; an exact token is ``2 (K, V) x head_dim x 2`` bytes; a 2-bit group ``T·D·2/8``
+    key code bytes, ``2·D`` float16 key scalars, ``round(fraction·T·D)`` outliers of 2 + 2
+    bytes, ``T·D·2/8`` value code bytes and ``2·T`` float16 value scalars; a 2-bit width per
+    (kv head, rotary pair) once the sequence has a group."""
+    s, r, t, d = config.sink_tokens, config.residual_tokens, config.group_tokens, head_dim
+    group = t * d * 2 // 8 + 2 * d * 2 + round(config.key_outlier_fraction * t * d) * 4
+    group += t * d * 2 // 8 + 2 * t * 2
+    exact = packed = 0
+    for n in counts:
+        sinks = min(n, s)
+        groups = (n - sinks - r) // t if n - sinks >= r else 0
+        exact += (n - groups * t) * 2 * d * 2
+        packed += groups * group
+    if any(n - s - r >= t for n in counts):
+        packed += math.ceil(heads * (d // 2) * 2 / 8)
+    return exact, exact + packed
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    prompt=st.integers(24, 180),
+    decode=st.integers(0, 40),
+    kind=st.sampled_from(["evict-no-relay", "relay"]),
+    ratio=st.sampled_from([0.5, 0.625]),
+    seed=st.integers(0, 1_000),
+)
+def test_pn_mix_lean_composed_bytes_follow_the_documented_byte_model(
+    prompt, decode, kind, ratio, seed
+):
+    """``SCORER@R+pn-mix-lean`` (pn-mix's coding, 4 sinks, an 8-token residual): after the
+    prefill and after each decode step, every layer's bytes are the exact tokens x 2 x
+    head_dim x 2 bytes plus the packed groups and tables of its kept streams."""
+    from transformers import LlamaForCausalLM
+
+    from kvlab.integrations import use_attention
+    from kvlab.pnmix import PNMixConfig
+
+    lean = parse_method("pn-mix-lean")
+    assert lean.preparation is None and lean.settings == {
+        **parse_method("pn-mix").settings,
+        "sink_tokens": 4,
+        "residual_tokens": 8,
+    }
+    method = parse_method(f"{kind}:snapkv@{ratio}+pn-mix-lean")
+    assert method.params["pnmix"] == lean.params and method.preparation == "relay-layer-budgets"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=512)).eval()
+    cache = method.make_cache(model.config, {"layer_fractions": [0.75, 1.25]})
+    config = cache.pnmix_config
+    assert (config.sink_tokens, config.residual_tokens) == (4, 8)
+    ids = torch.randint(3, 96, (1, prompt + decode), generator=torch.Generator().manual_seed(seed))
+
+    def check() -> None:
+        total_exact = total = 0
+        for layer in cache.layers:
+            exact, everything = _documented_bytes(layer.tokens_per_head(0), config, 16, 2)
+            report = layer.pnmix.nbytes()
+            sinks_residual = sum(v for k, v in report.items() if "sink" in k or "residual" in k)
+            assert sinks_residual == exact and layer.nbytes() == everything
+            total_exact, total = total_exact + exact, total + everything
+        storage = cache_storage(cache)
+        assert storage.kv_bytes == storage.kv_bytes_16bit == cache.nbytes() == total
+        assert storage.index_bytes == 0
+        stored = sum(sum(layer.tokens_per_head(0)) for layer in cache.layers)
+        # at most 4 + 8 + 31 exact tokens per (layer, kv head)
+        assert total_exact <= (4 + 8 + config.group_tokens - 1) * 2 * 2 * 2 * 16 * 2
+        packed, packed_tokens = total - total_exact, stored - total_exact // (2 * 16 * 2)
+        # packed tokens cost less than their 16-bit bytes (nothing packed: no packed bytes)
+        assert packed < packed_tokens * 2 * 16 * 2 if packed_tokens else packed == 0
+
+    with torch.no_grad(), use_attention(model, "kvlab"):
+        model(ids[:, :prompt], cache=cache, use_cache=True)
+        kept = [sum(layer.tokens_per_head(0)) for layer in cache.layers]
+        assert sum(kept) < 2 * 2 * prompt  # the eviction ran
+        check()
+        for j in range(prompt, prompt + decode):
+            model(ids[:, j : j + 1], cache=cache, use_cache=True)
+            check()
+    assert isinstance(cache.pnmix_config, PNMixConfig)
+
+
 @pytest.mark.parametrize(
     ("spec", "message", "protocol"),
     [
@@ -213,6 +298,7 @@ def test_composed_methods_are_the_eviction_method_then_the_pnmix_method():
         ("relay:oracle@0.5+pn-mix", "unknown scorer", "prefill-score"),
         ("relay:snapkv@1.5+pn-mix", "R must lie", "prefill-score"),
         ("relay:snapkv@0.5+pn-mix", "evicts once after the prefill", "stream"),
+        ("evict-no-relay:kvzip@0.5+pn-mix-lean", "reconstruction pass", "prefill-score"),
         ("streaming-llm@0.5+pn-mix", "unknown method", "prefill-score"),
     ],
 )

@@ -58,8 +58,15 @@ Names (``--method``, repeatable):
   ``relay:SCORER@R`` (or ``evict-no-relay:...``) with its full policy — its default policy
   and, for SnapKV, its calibrated per-layer budgets (the same preparation
   ``"relay-layer-budgets"``, shared) — then the kept tokens stored by the PN-Mix method
-  ``PNMIX`` (any uncalibrated name of :data:`PNMIX_METHODS`: ``pn-mix``, ``kivi-2bit``, ...).
-  Prefill-score protocol only (one eviction after the prefill).
+  ``PNMIX`` (any uncalibrated name of :data:`PNMIX_METHODS`: ``pn-mix``, ``pn-mix-lean``,
+  ``kivi-2bit``, ...). Prefill-score protocol only (one eviction after the prefill), and not
+  with ``kvzip`` (its eviction waits for a reconstruction pass after the prefill; the composed
+  cache packs at the prefill).
+* ``pn-mix-lean`` — ``pn-mix``'s coding with 4 sinks and an 8-token residual instead of 32 +
+  32, meant for composition (``evict-no-relay:snapkv@0.5625+pn-mix-lean``): a kept stream of
+  ``k`` tokens keeps ``4 + 8`` to ``4 + 39`` of them exact (docs/design.md, "Flush rule"), so
+  at 56 % eviction the composed cache is about 1/8 of the full cache's bytes
+  (docs/results.md, section 9). Usable alone too.
 
 ``R`` is the evicted fraction, in [0, 1). Protocol ``prefill-score``: the cache keeps
 ``(1 - R) * P`` tokens per kv head (layer average) after the prefill of ``P`` tokens.
@@ -502,6 +509,19 @@ PNMIX_METHODS: dict[str, dict[str, Any]] = {
     "kivi-4bit": dict(bits=4, key_coding="cartesian"),
     "int4": dict(bits=4, key_coding="per_token", sink_tokens=0, residual_tokens=0),
     "int2": dict(bits=2, key_coding="per_token", sink_tokens=0, residual_tokens=0),
+    # pn-mix's coding with fewer exact tokens per stream, for composition with eviction: 4
+    # sinks (the eviction policy's own) and an 8-token residual, so a stream keeps 4 + 8 to
+    # 4 + 39 tokens exact (docs/design.md, "Flush rule"); chosen on a reduced protocol
+    # (docs/results.md, section 9)
+    "pn-mix-lean": dict(
+        bits=2,
+        key_coding="bit_alloc",
+        group_tokens=32,
+        key_outlier_fraction=0.01,
+        value_coding="hadamard",
+        sink_tokens=4,
+        residual_tokens=8,
+    ),
 }
 _HF_QUANTIZED = {
     "hf-quanto-2bit": ("quanto", 2, -1, 0),
@@ -731,6 +751,13 @@ def _composed(match: re.Match[str], context: MethodContext) -> Method:
             "PN-Mix method (e.g. +pn-mix, +kivi-2bit)"
         )
     eviction = parse_method(name[: match.start("pnmix") - 1], protocol=context.protocol)
+    if eviction.params.get("reconstruction"):
+        raise ValueError(
+            f"method {name!r}: the {eviction.settings['scorer']} scorer evicts after a "
+            "reconstruction pass that follows the prefill; eviction composed with PN-Mix packs "
+            "the kept tokens at the prefill itself (docs/design.md, 'Eviction composed with "
+            "PN-Mix'), so it takes a scorer that scores the prefill forward"
+        )
     pnmix = _pnmix(quantizer, context)
     params = {**eviction.params, "pnmix": dict(pnmix.params), "pnmix_method": quantizer}
     settings = {
