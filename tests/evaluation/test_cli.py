@@ -196,9 +196,15 @@ def test_every_command_reports_a_mistake_the_same_way(tmp_path):
         (["reproduce", "--paper", "rope-relay", "--seeds", "4,4"], "repeats a seed"),
         (["sweep", str(tmp_path / "missing.toml")], "sweep file not found"),
     ]
+    # an unknown backend in the environment, before any model or diagnostic runs
+    bogus = {"KVLAB_PNMIX_BACKEND": "fast"}
+    cases += [
+        (["eval", "--method", "pn-mix", *out], "KVLAB_PNMIX_BACKEND='fast'", bogus),
+        (["reproduce", "--paper", "pn-mix", "--seeds", "42"], "KVLAB_PNMIX_BACKEND='fast'", bogus),
+    ]
     runner = CliRunner()
-    for args, fragment in cases:
-        result = runner.invoke(app, args)
+    for args, fragment, *env in cases:
+        result = runner.invoke(app, args, env=env[0] if env else None)
         assert result.exit_code == 2, (args, result.output)
         assert result.stdout == ""
         lines = result.stderr.strip().splitlines()

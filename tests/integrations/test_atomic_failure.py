@@ -232,6 +232,8 @@ def later_refusals(
 # inputs a family legitimately accepts: Llama 4's attention never receives position_ids (its
 # full layer is NoPE and, without relay, never rotates by them)
 ACCEPTED = {("llama4", "non-consecutive position_ids")}
+# refused by the kvlab attention itself, on plain tensors too (all-window models)
+ATTENTION_REFUSALS = ("attention weights",)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -243,22 +245,22 @@ def test_every_refused_forward_changes_no_layer(name, kind):
     step = prompt(2, 3, seed=2)
     good = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1)
     with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
-        if has_full:  # all-window models: no kvlab layer, nothing to check in a first forward
-            for label, inputs, match in first_forward_refusals(kind):
-                if (name, label) in ACCEPTED:
-                    continue
-                cache = make_cache(name, kind)
-                refuse(model, cache, match, inputs, label)
-                assert not any(layer.is_initialized for layer in cache.layers), label
-            if kind != "pnmix":
-                cache = make_cache(name, kind, SHORT_RELAY)
-                short = dict(input_ids=ids[1:, 4:])
-                refuse(model, cache, "cannot evict after the 20-token prefill", short, "short")
+        # all-window models: no kvlab layer; the kvlab attention's own refusals remain
+        for label, inputs, match in first_forward_refusals(kind):
+            if (name, label) in ACCEPTED or not (has_full or label in ATTENTION_REFUSALS):
+                continue
+            cache = make_cache(name, kind)
+            refuse(model, cache, match, inputs, label)
+            assert not any(layer.is_initialized for layer in cache.layers), label
+        if has_full and kind != "pnmix":
+            cache = make_cache(name, kind, SHORT_RELAY)
+            short = dict(input_ids=ids[1:, 4:])
+            refuse(model, cache, "cannot evict after the 20-token prefill", short, "short")
         cache = make_cache(name, kind)
         model(ids, attention_mask=mask, cache=cache)
         cases = later_refusals(kind, ids, mask)
         if not has_full:
-            cases = [case for case in cases if case[0] == "batch"]
+            cases = [case for case in cases if case[0] in ("batch", *ATTENTION_REFUSALS)]
         cases = [case for case in cases if (name, case[0]) not in ACCEPTED]
         for label, inputs, match in cases:
             refuse(model, cache, match, inputs, label)
@@ -327,3 +329,25 @@ def test_unknown_backend_environment_is_refused_at_construction(kind, monkeypatc
     monkeypatch.setenv("KVLAB_PNMIX_BACKEND", "fast")
     with pytest.raises(ValueError, match=r"KVLAB_PNMIX_BACKEND='fast': must be 'auto' or one of"):
         make_cache("gemma3", kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", [name for name in NAMES if _plan(name).full_layers])
+def test_forgetting_the_kvlab_attention_changes_no_layer(name, kind):
+    """A kvlab cache read by the model's own attention (``sdpa``/``eager``, the kvlab one not
+    enabled) raises one TypeError naming the fix, and leaves every layer as it was: the
+    forward after enabling it equals a fresh cache's."""
+    model = _model(name)
+    ids, mask = _left_padded([24, 20], seed=8)
+    assert model.config._attn_implementation != KVLAB_ATTENTION
+    cache = make_cache(name, kind)
+    before = copy.deepcopy(cache)
+    with torch.no_grad():
+        for _ in range(2):
+            with pytest.raises(TypeError, match="enable_kvlab_attention"):
+                model(ids, attention_mask=mask, cache=cache)
+            assert_same_state(before, cache)
+        with use_attention(model, KVLAB_ATTENTION):
+            out = model(ids, attention_mask=mask, cache=cache).logits
+            fresh = make_cache(name, kind)
+            assert torch.equal(out, model(ids, attention_mask=mask, cache=fresh).logits)

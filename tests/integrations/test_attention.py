@@ -145,3 +145,13 @@ def test_fallback_respects_padding_like_sdpa(make_llama):
     # padded query rows are meaningless; compare the real tokens
     torch.testing.assert_close(out[0], reference[0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out[1, 2:], reference[1, 2:], atol=1e-5, rtol=1e-4)
+
+
+def test_importing_the_integration_registers_the_kvlab_attention(make_llama):
+    """``set_attn_implementation("kvlab")`` works once ``kvlab.integrations`` is imported (no
+    separate registration step)."""
+    import kvlab.integrations  # noqa: F401
+
+    model = make_llama(seed=3)
+    model.set_attn_implementation(KVLAB_ATTENTION)
+    assert model.config._attn_implementation == KVLAB_ATTENTION

@@ -139,6 +139,9 @@ def eval_command(
     with user_errors(
         f"finished tasks are kept in {output_dir / 'tasks'}; rerun the same command to resume"
     ):
+        from kvlab.pnmix.kernels.dispatch import requested_backend
+
+        requested_backend("auto")  # KVLAB_PNMIX_BACKEND is checked before the model loads
         cache_dir, use_cache = _calibration(calibration_cache)
         config = EvalConfig(
             model=model,

@@ -28,6 +28,10 @@ from kvlab.integrations.model_support import ModelPlan, WindowLayer, plan_model
 from kvlab.integrations.pnmix_cache import PNMixModelCache, pnmix_config_for_model
 from kvlab.integrations.relay_cache import EvictionConfig, EvictionEvent, RelayModelCache
 
+# "kvlab" is a name transformers knows once this package is imported: from_pretrained(...,
+# attn_implementation="kvlab") and model.set_attn_implementation("kvlab") work
+register_kvlab_attention()
+
 __all__ = [
     "KVLAB_ATTENTION",
     "CacheView",

@@ -35,7 +35,7 @@ features is in README.md, "Model families".
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -123,16 +123,25 @@ class CacheView:
         :class:`kvlab.integrations.model_support.ForwardGuard`). Default: nothing to put back."""
         return contextlib.nullcontext()
 
+    def _abandon_forward(self) -> None:
+        """Put back what this forward changed, as a refusal does (another attention
+        implementation read this view: nothing of the forward may stay)."""
+        with contextlib.suppress(ValueError), self.refusal_guard():
+            raise ValueError("a kvlab cache view was read by another attention implementation")
+
     @classmethod
     def _misuse(cls) -> TypeError:
         return TypeError(
             f"{cls.__name__} is a kvlab cache view, readable only by the 'kvlab' attention "
-            "implementation; call kvlab.integrations.enable_kvlab_attention(model) (or "
-            "model.set_attn_implementation('kvlab')) before using a kvlab cache"
+            "implementation; call kvlab.integrations.enable_kvlab_attention(model) before "
+            "using a kvlab cache (the forward that raised this stored nothing)"
         )
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        view = next((a for a in args if isinstance(a, CacheView)), None)
+        if view is not None:
+            view._abandon_forward()
         raise cls._misuse()
 
     def __getattr__(self, name: str) -> Any:
@@ -140,6 +149,7 @@ class CacheView:
         # implementation treats the view as a tensor.
         if name.startswith("__"):
             raise AttributeError(name)
+        self._abandon_forward()
         raise self._misuse()
 
 
@@ -490,7 +500,8 @@ def kvlab_attention_forward(
                 kwargs={**kwargs, **features},
             )
     else:
-        check_attention_kwargs(kwargs)
+        with _window_update_guard(key):  # all-window models: layer 0 stored before this check
+            check_attention_kwargs(kwargs)
         out = dense_causal_attention(
             query,
             key,
@@ -504,6 +515,23 @@ def kvlab_attention_forward(
             is_causal=causal,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _window_update_guard(key: Tensor) -> Iterator[None]:
+    """Checks of a call on plain tensors: keys returned by a kvlab window layer that keeps its
+    last update for this attention (:class:`~kvlab.integrations.model_support.WindowLayer`'s
+    ``undo_by_attention``) put it back on a ``ValueError`` and forget it on success."""
+    ref = getattr(key, "_kvlab_window_layer", None)
+    layer = ref() if ref is not None else None
+    try:
+        yield
+    except ValueError:
+        if layer is not None:
+            layer.undo_update()
+        raise
+    if layer is not None:
+        layer.keep_update()
 
 
 def register_kvlab_attention() -> str:

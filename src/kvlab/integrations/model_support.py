@@ -30,6 +30,7 @@ every layer of a config with ``sliding_window`` (Mistral, Phi-3, Starcoder2) and
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -289,7 +290,11 @@ class WindowLayer(DynamicSlidingWindowLayer):
     Refusals (module docstring): ``update`` refuses states that do not fit what the layer
     stores before it changes anything; a layer in front of the model's first full-attention
     layer (``keeps_undo``, set by :class:`ForwardGuard`) keeps what its last ``update``
-    replaced until :meth:`keep_update` or :meth:`undo_update`.
+    replaced until :meth:`keep_update` or :meth:`undo_update`. In a model with no
+    full-attention layer, layer 0 (``undo_by_attention``, also set by :class:`ForwardGuard`)
+    keeps it too and tags the keys it returns (``_kvlab_window_layer``, a weak reference to
+    the layer), so that the ``"kvlab"`` attention, the forward's only check, puts it back when
+    it refuses the call and forgets it when it accepts it.
 
     Args:
         sliding_window: tokens a query sees, itself included (>= 1).
@@ -313,6 +318,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         self.layer_idx = layer_idx
         self._frame: Tensor | None = None  # per-row offset of the first forward, [B] int64
         self.keeps_undo = False
+        self.undo_by_attention = False
         self._undo: dict[str, Any] | None = None
 
     def _check_states(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -352,6 +358,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         if self.keeps_undo:
             inner = kwargs.get("kwargs")
             check_attention_kwargs(inner if isinstance(inner, Mapping) else {})
+        if self.keeps_undo or self.undo_by_attention:
             # references only: update replaces the tensors, it never writes into them
             self._undo = {k: v for k, v in vars(self).items() if k != "_undo"}
         shift: Tensor | None = None
@@ -370,6 +377,8 @@ class WindowLayer(DynamicSlidingWindowLayer):
         if shift is not None:
             assert self.rotary is not None
             keys = rotate_by_delta(keys, shift, self.rotary)
+        if self.undo_by_attention:
+            keys._kvlab_window_layer = weakref.ref(self)  # type: ignore[attr-defined]
         return keys, values
 
     def undo_update(self) -> None:
@@ -431,8 +440,9 @@ class ForwardGuard:
     success forgets it, so nothing is held after the forward.
 
     Args:
-        layers: the cache's layers, in decoder order (none, or no full-attention layer: a
-            guard with nothing to undo).
+        layers: the cache's layers, in decoder order (none: a guard with nothing to undo; no
+            full-attention layer: layer 0 is put back by the attention itself, see
+            :class:`WindowLayer`).
     """
 
     def __init__(self, layers: Iterable[CacheLayerMixin] = ()) -> None:
@@ -441,7 +451,9 @@ class ForwardGuard:
             if not isinstance(layer, WindowLayer):
                 break
             windows.append(layer)
-        else:  # no full-attention layer: no kvlab check comes after the window layers
+        else:  # no full-attention layer: the kvlab attention of layer 0 is the only check
+            if windows:
+                windows[0].undo_by_attention = True
             windows = []
         for layer in windows:
             layer.keeps_undo = True
