@@ -481,15 +481,16 @@ PREPARATIONS: dict[str, Preparation] = {
 
 # --- names ---------------------------------------------------------------------------------
 
+_PN_MIX: dict[str, Any] = dict(
+    bits=2,
+    key_coding="bit_alloc",
+    group_tokens=32,
+    key_outlier_fraction=0.01,
+    value_coding="hadamard",
+)
 #: PN-Mix family methods: ``PNMixConfig`` keyword arguments (``calibrated``: per-layer groups).
 PNMIX_METHODS: dict[str, dict[str, Any]] = {
-    "pn-mix": dict(
-        bits=2,
-        key_coding="bit_alloc",
-        group_tokens=32,
-        key_outlier_fraction=0.01,
-        value_coding="hadamard",
-    ),
+    "pn-mix": _PN_MIX,
     "pn-mix-prerope": dict(bits=2, key_coding="prerope_cartesian", group_tokens=32),
     "pn-mix-prerope-qmix": dict(bits=2, key_coding="prerope_qmix", group_tokens=32),
     "pn-mix-alloc": dict(bits=2, key_coding="bit_alloc", group_tokens=32),
@@ -513,15 +514,7 @@ PNMIX_METHODS: dict[str, dict[str, Any]] = {
     # sinks (the eviction policy's own) and an 8-token residual, so a stream keeps 4 + 8 to
     # 4 + 39 tokens exact (docs/design.md, "Flush rule"); chosen on a reduced protocol
     # (docs/results.md, section 9)
-    "pn-mix-lean": dict(
-        bits=2,
-        key_coding="bit_alloc",
-        group_tokens=32,
-        key_outlier_fraction=0.01,
-        value_coding="hadamard",
-        sink_tokens=4,
-        residual_tokens=8,
-    ),
+    "pn-mix-lean": {**_PN_MIX, "sink_tokens": 4, "residual_tokens": 8},
 }
 _HF_QUANTIZED = {
     "hf-quanto-2bit": ("quanto", 2, -1, 0),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -559,35 +559,13 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 
 def packed_attention_triton(
-    query: Tensor,
-    kv: PackedKV,
-    decode: KernelKeyDecode,
-    mu: Tensor,
-    *,
-    scale: float,
-    causal: bool,
-    logit_softcap: float | None,
-    sink_logits: Tensor | None,
-    groups_per_split: int | None = None,
-    dot: bool = False,
-    num_warps: int | None = None,
+    query: Tensor, kv: PackedKV, decode: KernelKeyDecode, mu: Tensor, **options: Any
 ) -> Tensor:
     """Packed attention by the Triton kernels; arguments and result as
-    :func:`~kvlab.pnmix.kernels.cpu.packed_attention_cpu` (float32 ``[B, H_q, Q, Dv]``).
-    ``groups_per_split``, ``dot``, ``num_warps``: as :func:`triton_launcher`."""
-    return triton_launcher(
-        query,
-        kv,
-        decode,
-        mu,
-        scale=scale,
-        causal=causal,
-        logit_softcap=logit_softcap,
-        sink_logits=sink_logits,
-        groups_per_split=groups_per_split,
-        dot=dot,
-        num_warps=num_warps,
-    )()
+    :func:`~kvlab.pnmix.kernels.cpu.packed_attention_cpu` (float32 ``[B, H_q, Q, Dv]``);
+    ``options``: the keyword arguments of :func:`triton_launcher` (``scale``, ``causal``,
+    ``logit_softcap``, ``sink_logits``, ``groups_per_split``, ``dot``, ``num_warps``)."""
+    return triton_launcher(query, kv, decode, mu, **options)()
 
 
 def triton_launcher(
