@@ -53,6 +53,7 @@ __all__ = [
     "RotaryConfig",
     "apply_rotary",
     "rotate_by_delta",
+    "rotation_tables",
 ]
 
 #: Per-component error bound of a float32 rotation, relative to the pair norm, for
@@ -729,3 +730,28 @@ def rotate_by_delta(x: Tensor, delta: Tensor | int | float, cfg: RotaryConfig) -
     """
     _check_x(x, cfg)
     return _rotate(x, _as_positions(delta, x, "delta"), cfg)
+
+
+def rotation_tables(
+    delta: Tensor, cfg: RotaryConfig, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """The cos and sin by which :func:`rotate_by_delta` rotates: ``[..., P]`` of ``delta *
+    inv_freq`` (angles in float64), cast to ``dtype`` — the rotation's precision, float32 unless
+    the keys are float64. For compiled code that must reproduce :func:`rotate_by_delta` bit for
+    bit (``y1 = x1 cos - x2 sin``, ``y2 = x1 sin + x2 cos``, each product and sum rounded to
+    ``dtype``; pairs of :meth:`RotaryConfig.pair_indices`, entry ``p`` for pair ``p``).
+
+    Args:
+        delta: position deltas ``[...]`` (integer or floating tensor; tokens).
+        cfg: the rotary configuration.
+        dtype: floating dtype of the tables.
+
+    Returns:
+        ``(cos, sin)``, each ``[..., P]`` in ``dtype`` on ``delta``'s device.
+
+    Raises:
+        ValueError: ``delta`` not a real tensor.
+    """
+    if not isinstance(delta, Tensor) or delta.dtype == torch.bool or delta.is_complex():
+        raise ValueError("delta must be an integer or real floating tensor")
+    return _cos_sin(delta.to(torch.float64), cfg, dtype)

@@ -58,12 +58,14 @@ from kvlab.pnmix.codecs import (
     TableStatistics,
 )
 from kvlab.pnmix.config import KeyCoding, PNMixConfig, check_int
-from kvlab.pnmix.kernels.dispatch import requested_backend
+from kvlab.pnmix.kernels.cpu import encode_groups_cpu, flush_unsupported
+from kvlab.pnmix.kernels.dispatch import requested_backend, select_flush_backend
 from kvlab.pnmix.kernels.spec import KernelKeyDecode, kernel_key_decode
 from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
 from kvlab.pnmix.quantizers import storage_range_message
 from kvlab.pnmix.store import AppendPlan, EncodedGroups, PackedStore, StoreGeometry
 from kvlab.pnmix.values import ValueCodec
+from kvlab.pnmix.width_codec import BitAllocCodec
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
 __all__ = ["KeyCoding", "PNMixCache", "PNMixConfig", "PackedGroup"]
@@ -208,6 +210,10 @@ class PNMixCache:
         self._config = config
         self._codec = codec
         self._kernel_decode = kernel_key_decode(codec, value_codec, payload)
+        # None when the compiled CPU flush codes this cache's groups (docs/design.md, "Flush")
+        self._flush_unsupported = flush_unsupported(
+            codec, value_codec, config.storage_dtype, config.group_tokens, value_head_dim
+        )
         self._value_codec = value_codec
         self._rotary = rotary
         self._num_heads = num_key_value_heads
@@ -904,12 +910,33 @@ class PNMixCache:
         if codec.position_aware:
             pos_host = self._store.stream_positions(rows[:, :2], rows[:, 2])
             positions = torch.from_numpy(pos_host).to(dev)
+        member = ~self._store.mask_rows[rows[:, 0], rows[:, 1]] if codec.table_bits else None
+        if (
+            self._flush_unsupported is None
+            and (member is None or not member.any())
+            and select_flush_backend(dev) == "cpu"
+        ):
+            # the compiled flush (docs/design.md, "Kernels", "Flush"): the same bytes
+            assert isinstance(codec, BitAllocCodec)
+            fast = encode_groups_cpu(
+                gk,
+                gv,
+                codec=codec,
+                value_codec=self._value_codec,
+                layout=lay,
+                table=self._group_tables(plan, self._mask_bool) if codec.table_bits else None,
+                positions=positions,
+                rotary=self._rotary,
+            )
+            if fast is not None:
+                return fast, ok
+        if positions is not None:
             gk = self._to_frame(gk, positions)
             ok = ok & torch.isfinite(gk).all()
         table = None
         if codec.table_bits:
+            assert member is not None
             table_all = self._mask_bool
-            member = ~self._store.mask_rows[rows[:, 0], rows[:, 1]]
             if member.any():
                 table_all = table_all.clone()
                 new_table, new_rows = self._compute_tables(plan, gk, positions, member, state)
@@ -918,13 +945,7 @@ class PNMixCache:
                     torch.from_numpy(new_rows[:, 1]).to(dev),
                 ] = new_table
                 state["mask_rows"], state["mask_bits"] = new_rows, new_table
-            if plan.uniform:
-                f = int(plan.flush[0, 0])
-                table = table_all.unsqueeze(2).expand(-1, -1, f, -1).reshape(n, -1)
-            else:
-                table = table_all[
-                    torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)
-                ]
+            table = self._group_tables(plan, table_all)
         coded = codec.encode_groups(gk, dt, lay, table)
         ok = ok & torch.isfinite(coded.scalars).all()
         vcodes, vscalars = self._value_codec.encode(gv, dt)
@@ -937,6 +958,16 @@ class PNMixCache:
             vscalars,
             payload,
         ), ok
+
+    def _group_tables(self, plan: AppendPlan, table_all: Tensor) -> Tensor:
+        """The per-pair table ``[N, P]`` of each flushed group's row, from the rows' tables
+        ``table_all [B, H, P]`` (no device read)."""
+        n = plan.num_groups
+        if plan.uniform:
+            f = int(plan.flush[0, 0])
+            return table_all.unsqueeze(2).expand(-1, -1, f, -1).reshape(n, -1)
+        rows, dev = plan.group_rows, table_all.device
+        return table_all[torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)]
 
     def _compute_tables(
         self,

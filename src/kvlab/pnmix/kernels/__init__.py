@@ -4,8 +4,8 @@
   extension points for later codecs);
 * :mod:`~kvlab.pnmix.kernels.dispatch` — which backend runs (``"torch"``, ``"cpu"``,
   ``"triton"``; argument, ``KVLAB_PNMIX_BACKEND``, automatic rule);
-* :mod:`~kvlab.pnmix.kernels.cpu` — the C++ CPU kernel (``cpu_kernel.cpp``, compiled once on
-  first use);
+* :mod:`~kvlab.pnmix.kernels.cpu` — the C++ CPU kernel (``cpu_kernel.cpp``, and the group
+  flush's encoder ``cpu_flush.cpp``; compiled once on first use);
 * :mod:`~kvlab.pnmix.kernels.triton_decode` — the Triton kernel (imported only when used).
 
 Every backend reads a :class:`~kvlab.pnmix.store.PackedStore`'s buffers in place and is tested
@@ -20,6 +20,7 @@ from kvlab.pnmix.kernels.dispatch import (
     ENV_VAR,
     requested_backend,
     select_backend,
+    select_flush_backend,
     triton_installed,
 )
 from kvlab.pnmix.kernels.spec import KernelKeyDecode, kernel_key_decode, register_pair_mode
@@ -34,5 +35,6 @@ __all__ = [
     "register_pair_mode",
     "requested_backend",
     "select_backend",
+    "select_flush_backend",
     "triton_installed",
 ]

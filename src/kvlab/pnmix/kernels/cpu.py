@@ -8,8 +8,10 @@ cannot be compiled, :func:`load` logs the reason once and returns ``None``: the 
 uses the torch reference.
 
 Entry points: :func:`packed_attention_cpu` (the attention of :class:`~kvlab.pnmix.attention.
-PackedKV` storage, what :func:`~kvlab.pnmix.attention.packed_attention_reference` computes) and
-:func:`append_residual_cpu` (one token per row into the residual, the decode step's append).
+PackedKV` storage, what :func:`~kvlab.pnmix.attention.packed_attention_reference` computes),
+:func:`append_residual_cpu` (one token per row into the residual, the decode step's append),
+:func:`decode_step_cpu` (both in one call) and :func:`encode_groups_cpu` (the groups an append
+flushes, coded bit for bit as the torch codecs code them; ``cpu_flush.cpp``).
 """
 
 from __future__ import annotations
@@ -30,16 +32,22 @@ from torch import Tensor
 
 from kvlab.pnmix.hadamard import hadamard_matrix
 from kvlab.pnmix.kernels.spec import KEYS_WIDTHS, KernelKeyDecode
-from kvlab.rope import RotaryConfig
+from kvlab.pnmix.store import EncodedGroups
+from kvlab.pnmix.values import HadamardValueCodec, PerTokenValueCodec, ValueCodec
+from kvlab.pnmix.width_codec import BitAllocCodec
+from kvlab.rope import RotaryConfig, rotation_tables
 
 if TYPE_CHECKING:
     from kvlab.pnmix.attention import PackedKV
     from kvlab.pnmix.cache import PNMixCache
+    from kvlab.pnmix.codecs import KeyCodec, KeyLayout
 
 __all__ = [
     "append_residual_cpu",
     "cpu_kernel_status",
     "decode_step_cpu",
+    "encode_groups_cpu",
+    "flush_unsupported",
     "load",
     "packed_attention_cpu",
 ]
@@ -127,8 +135,12 @@ def _extras(
     return widths, pay, cos, sin, base, offsets, sink_tokens, had
 
 
+_SOURCES = ("cpu_kernel.cpp", "cpu_flush.cpp")
+
+
 def _source() -> str:
-    return resources.files("kvlab.pnmix.kernels").joinpath("cpu_kernel.cpp").read_text("utf-8")
+    files = resources.files("kvlab.pnmix.kernels")
+    return "\n".join(files.joinpath(name).read_text("utf-8") for name in _SOURCES)
 
 
 def _module_name(source: str, flags: list[str]) -> str:
@@ -172,7 +184,7 @@ def _compile() -> ModuleType:
             return load_inline(
                 name,
                 cpp_sources=[source],
-                functions=["packed_attention", "append_residual", "decode_step"],
+                functions=["packed_attention", "append_residual", "decode_step", "encode_groups"],
                 extra_cflags=flags,
                 extra_ldflags=openmp,
                 verbose=False,
@@ -384,4 +396,104 @@ def decode_step_cpu(
             group_tokens=g.group_tokens,
             value_head_dim=g.value_head_dim,
         ),
+    )
+
+
+# float64 sums of float16 values (multiples of 2**-24 below 65504) stay exact, hence independent
+# of their order, for up to 8192 terms: a group's tokens, a value head's channels
+_EXACT_SUM_TERMS = 8192
+
+
+def flush_unsupported(
+    codec: KeyCodec,
+    value_codec: ValueCodec,
+    storage_dtype: torch.dtype,
+    group_tokens: int,
+    value_head_dim: int,
+) -> str | None:
+    """Why :func:`encode_groups_cpu` cannot code a cache's flushes bit for bit as its torch
+    codecs do, or ``None`` when it can (docs/design.md, "Kernels", "Flush"). Codec classes are
+    recognised exactly (a subclass may code differently)."""
+    if type(codec) is not BitAllocCodec:
+        return f"key codec {codec} (the compiled flush codes BitAllocCodec keys)"
+    if type(value_codec) not in (PerTokenValueCodec, HadamardValueCodec):
+        return f"value codec {value_codec}"
+    if storage_dtype != torch.float16:
+        return (
+            f"{storage_dtype} storage (float64 sums of its values are not exact, so their order, "
+            "torch's, would matter)"
+        )
+    if group_tokens > _EXACT_SUM_TERMS or value_head_dim > _EXACT_SUM_TERMS:
+        return f"groups or value heads beyond {_EXACT_SUM_TERMS} (inexact float64 sums)"
+    return None
+
+
+def encode_groups_cpu(
+    keys: Tensor,
+    values: Tensor,
+    *,
+    codec: BitAllocCodec,
+    value_codec: ValueCodec,
+    layout: KeyLayout,
+    table: Tensor | None,
+    positions: Tensor | None,
+    rotary: RotaryConfig | None,
+) -> EncodedGroups | None:
+    """The groups one append flushes, coded by the compiled kernel exactly as the torch
+    reference codes them (``PNMixCache`` without the compiled flush): the keys rotated back to
+    position 0 when ``positions`` is given (``rotate_by_delta(keys, -positions, rotary)``,
+    rounded to float16), ``codec.encode_groups`` and ``codec.pack`` (with ``table``), then
+    ``value_codec.encode`` and :func:`~kvlab.pnmix.packing.pack_codes` — the same bytes.
+
+    Args:
+        keys: storage-rounded keys ``[N, T, D]`` (float16, CPU), as gathered (before the
+            pre-RoPE rotation).
+        values: storage-rounded values ``[N, T, Dv]`` (float16, CPU).
+        codec: the key codec (:func:`flush_unsupported` is ``None`` for it).
+        value_codec: the value codec.
+        layout: the head's channel geometry.
+        table: per-pair widths ``[N, P]`` (uint8) of each group's row, for a codec with a
+            table (else ignored).
+        positions: int64 ``[N, T]`` RoPE positions (tokens) of the keys for a position-aware
+            codec, else ``None``.
+        rotary: the layer's RoPE (with ``positions``).
+
+    Returns:
+        :class:`~kvlab.pnmix.store.EncodedGroups` (``key_payload`` ``None`` without outliers),
+        every stored value finite; or ``None`` when these groups must be coded by the torch
+        reference (a negative zero or non-finite key or value, or a stored scalar that would
+        not be finite: there torch's reduction order or NaN payloads could change a byte).
+
+    Raises:
+        RuntimeError: the kernel is not compiled.
+    """
+    module = loaded()
+    if module is None:
+        raise RuntimeError("the PN-Mix CPU kernel is not loaded")
+    t, d = keys.shape[1:]
+    cos = sin = _EMPTY
+    if positions is not None:
+        assert rotary is not None
+        cos, sin = rotation_tables(-positions, rotary, torch.float32)
+    widths = _EMPTY
+    if codec.table_bits:
+        assert table is not None
+        widths = table.to(torch.uint8).contiguous()
+    out = module.encode_groups(
+        keys.contiguous(),
+        cos.contiguous(),
+        sin.contiguous(),
+        layout.first,
+        layout.second,
+        widths,
+        values.contiguous(),
+        codec.bits,
+        codec.outlier_count(t, d),
+        isinstance(value_codec, HadamardValueCodec),
+    )
+    if not out:
+        return None
+    key_codes, key_scalars, payload, value_codes, value_scalars = out
+    return EncodedGroups(
+        key_codes, key_scalars, value_codes, value_scalars, payload if payload.shape[-1] else None
     )

@@ -30,6 +30,7 @@ __all__ = [
     "ENV_VAR",
     "requested_backend",
     "select_backend",
+    "select_flush_backend",
     "triton_installed",
     "unsupported",
 ]
@@ -122,3 +123,19 @@ def select_backend(backend: str, device: torch.device, decode: KernelKeyDecode |
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"backend 'triton' runs on CUDA; the cache is on {device}")
     return choice
+
+
+def select_flush_backend(device: torch.device) -> str:
+    """The backend that codes the groups an append flushes (docs/design.md, "Kernels",
+    "Flush"): ``"cpu"`` (the compiled encoder, byte for byte the torch codecs' result) for a
+    cache on the CPU when ``KVLAB_PNMIX_BACKEND`` is unset, ``"auto"`` or ``"cpu"`` and the
+    kernel compiles (compiled on first use, as for attention); else ``"torch"`` (the codecs
+    themselves). The caller also checks that the kernel codes the cache's codecs
+    (:func:`~kvlab.pnmix.kernels.cpu.flush_unsupported`).
+
+    Raises:
+        ValueError: ``KVLAB_PNMIX_BACKEND`` is not ``"auto"`` or a backend.
+    """
+    if device.type != "cpu" or requested_backend("auto") not in ("auto", "cpu"):
+        return "torch"
+    return "cpu" if cpu.load() is not None else "torch"
