@@ -154,7 +154,17 @@ def test_code_digest_follows_the_modules_source(tmp_path, monkeypatch):
     first = fingerprint.code_digest(["kvlab_probe_module"])
     fingerprint._DIGESTS.clear()
     module.write_text("x = 2\n")
-    assert fingerprint.code_digest(["kvlab_probe_module"]) != first
+    second = fingerprint.code_digest(["kvlab_probe_module"])
+    assert second != first
+    # a C++ source beside the module (a kernel it compiles) is part of its digest
+    kernel = tmp_path / "kernel.cpp"
+    kernel.write_text("int f() { return 1; }\n")
+    fingerprint._DIGESTS.clear()
+    third = fingerprint.code_digest(["kvlab_probe_module"])
+    kernel.write_text("int f() { return 2; }\n")
+    fingerprint._DIGESTS.clear()
+    assert len({second, third, fingerprint.code_digest(["kvlab_probe_module"])}) == 3
+    fingerprint._DIGESTS.clear()
 
 
 def test_needle_protocol_mechanics(tiny_model_dir, long_text, tmp_path):
