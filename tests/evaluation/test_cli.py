@@ -201,6 +201,7 @@ def test_every_command_reports_a_mistake_the_same_way(tmp_path):
     cases += [
         (["eval", "--method", "pn-mix", *out], "KVLAB_PNMIX_BACKEND='fast'", bogus),
         (["reproduce", "--paper", "pn-mix", "--seeds", "42"], "KVLAB_PNMIX_BACKEND='fast'", bogus),
+        (["sweep", str(tmp_path / "missing.toml")], "KVLAB_PNMIX_BACKEND='fast'", bogus),
     ]
     runner = CliRunner()
     for args, fragment, *env in cases:

@@ -656,6 +656,31 @@ def test_every_input_error_changes_no_layer(make_llama):
         assert torch.equal(out, model(new, attention_mask=good, cache=fresh).logits)
 
 
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_prefill_the_pnmix_storage_cannot_hold_is_refused_before_anything_is_stored(
+    make_llama, bad
+):
+    """Keys or values that are NaN or inf (one token's embedding) are refused by layer 0
+    before its RelayStore commits or evicts: the cache is unchanged and the next forward
+    equals a fresh cache's."""
+    model = make_llama(seed=88)
+    config = PNMixConfig(**ISSUE8)
+    ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(89))
+    embeds = model.get_input_embeddings()(ids)
+    poisoned = embeds.clone()
+    poisoned[0, 10] = bad
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        cache = ComposedModelCache(model.config, POLICY, config)
+        before = _state(cache)
+        for _ in range(2):
+            with pytest.raises(ValueError, match="non-finite"):
+                model(inputs_embeds=poisoned, cache=cache)
+            assert _same(_state(cache), before) and not cache.layers[0].is_initialized
+        out = model(inputs_embeds=embeds, cache=cache).logits
+        fresh = ComposedModelCache(model.config, POLICY, config)
+        assert torch.equal(out, model(inputs_embeds=embeds, cache=fresh).logits)
+
+
 def test_beam_reorder_selects_rows_bit_exactly(make_llama):
     model = make_llama(seed=87)
     ids = torch.randint(3, 96, (2, 90), generator=torch.Generator().manual_seed(88))

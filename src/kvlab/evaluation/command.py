@@ -242,6 +242,9 @@ def sweep_command(
     with user_errors(
         f"finished tasks are kept in {out / 'tasks'}; rerun the same command to resume"
     ):
+        from kvlab.pnmix.kernels.dispatch import requested_backend
+
+        requested_backend("auto")  # KVLAB_PNMIX_BACKEND is checked before any model loads
         cache_dir, use_cache = _calibration(calibration_cache)
         options = SweepOptions(
             output_dir=out,

@@ -56,6 +56,7 @@ from kvlab.integrations.relay_cache import (
     _Pending,
 )
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
+from kvlab.pnmix.quantizers import round_to_storage
 from kvlab.relay.scorers import get_scorer
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
@@ -275,10 +276,13 @@ class ComposedLayer(RelayLayer):
         Raises:
             ValueError: bad inputs (first layer of a forward, before any layer changes); keys or
                 values beyond the PN-Mix storage range in a multi-token forward (raised by the
-                layer storing them; earlier layers have stored theirs: reset the cache).
+                layer storing them before it changes; earlier layers have stored theirs: reset
+                the cache).
             RuntimeError: ``attend`` without a preceding ``update``.
         """
         if self.pnmix is None:
+            if self._pending is not None:  # before the RelayStore commits anything
+                self._check_storable(self._pending.keys, self._pending.values)
             out = super().attend(
                 query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs
             )
@@ -309,6 +313,19 @@ class ComposedLayer(RelayLayer):
             logit_softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
             sink_logits=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
         ).to(query.dtype)
+
+    def _check_storable(self, keys: Tensor, values: Tensor) -> None:
+        """Refuse a first forward whose keys or values (padding included) the PN-Mix storage
+        cannot hold — NaN, inf, or beyond the storage dtype's range — before the layer
+        stores or evicts anything (:meth:`_pack` would fail after both, and every later
+        forward would repack the same tokens).
+
+        Raises:
+            ValueError: as :func:`kvlab.pnmix.quantizers.round_to_storage`.
+        """
+        dtype = self.pnmix_config.storage_dtype
+        round_to_storage(keys, dtype, name="keys")
+        round_to_storage(values, dtype, name="values")
 
     def _pack(self, query: Tensor, plan: _ForwardPlan) -> None:
         """Move every (row, head)'s tokens — after the eviction, its kept ones, relayed or
