@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_checks import require_cpu_kernel
+from kernel_checks import ROPE_SCALINGS, require_cpu_kernel
 
 import kvlab.pnmix.cache as cache_module
 from kvlab.pnmix import BitAllocCodec, PNMixCache, PNMixConfig
@@ -32,17 +32,6 @@ from kvlab.pnmix.values import HadamardValueCodec, PerTokenValueCodec, ValueCode
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
 F16 = torch.float16
-SCALINGS = [
-    None,
-    {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    },
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-]
 # ordinary data most often; the others probe ties, rounding to zero, specials and overflow
 DATA = ("normal", "normal", "normal", "ties", "signed-ties", "tiny", "specials", "huge")
 
@@ -158,7 +147,7 @@ def flush_cases(draw: st.DrawFn) -> dict:
         "widths": widths,
         "fraction": draw(st.sampled_from([0.0, 0.01, 0.05, 0.3])),
         "prerope": draw(st.booleans()),
-        "scaling": draw(st.sampled_from(range(len(SCALINGS)))),
+        "scaling": draw(st.sampled_from(range(len(ROPE_SCALINGS)))),
         "value_dim": draw(st.sampled_from([1, 2, 8, 32, 64]) if hadamard else st.integers(1, 20)),
         "hadamard": hadamard,
         "dtype": draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
@@ -189,7 +178,7 @@ def test_compiled_flush_bytes_equal_the_reference(case: dict) -> None:
         rotary_dim=rotary_dim,
         base=10000.0,
         layout=case["layout"],
-        scaling=SCALINGS[case["scaling"]],
+        scaling=ROPE_SCALINGS[case["scaling"]],
     )
     keys = _data(case["key_data"], (n, t, d), case["dtype"], gen).to(F16)
     values = _data(case["value_data"], (n, t, case["value_dim"]), case["dtype"], gen).to(F16)

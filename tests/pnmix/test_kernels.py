@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_checks import kernel_tolerance, require_cpu_kernel
+from kernel_checks import Case, attend, kernel_tolerance, require_cpu_kernel
 
 from kvlab.pnmix import (
     CartesianCodec,
@@ -61,15 +61,6 @@ def make_keys(b: int, h: int, t: int, d: int, offset: float, gen: torch.Generato
     return k
 
 
-@dataclass
-class Case:
-    cache: PNMixCache
-    query: torch.Tensor
-    causal: bool
-    softcap: float | None
-    sinks: torch.Tensor | None
-
-
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     coding = draw(st.sampled_from(CODINGS))
@@ -105,17 +96,6 @@ def cases(draw: st.DrawFn) -> Case:
     query = torch.randn(b, hkv * rep, nq, d, generator=gen) * draw(st.sampled_from([0.05, 1.0]))
     sinks = torch.randn(hkv * rep, generator=gen) if draw(st.booleans()) else None
     return Case(cache, query, draw(st.booleans()), draw(st.sampled_from([None, 2.5])), sinks)
-
-
-def attend(case: Case, backend: str) -> torch.Tensor:
-    return pnmix_attention(
-        case.query,
-        case.cache,
-        causal=case.causal,
-        backend=backend,
-        logit_softcap=case.softcap,
-        sink_logits=case.sinks,
-    )
 
 
 @settings(max_examples=80, deadline=None)

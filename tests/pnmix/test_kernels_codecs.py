@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_checks import EPS, kernel_tolerance, require_cpu_kernel
+from kernel_checks import EPS, ROPE_SCALINGS, Case, attend, kernel_tolerance, require_cpu_kernel
 
 from kvlab.pnmix import (
     BitAllocCodec,
@@ -46,31 +46,11 @@ CODINGS = [
     ("prerope_qmix", 0.0),
     ("prerope_phase_norm", 0.0),
 ]
-SCALINGS = [
-    None,
-    {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    },
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-]
 
 
 @pytest.fixture(autouse=True)
 def _kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVLAB_PNMIX_BACKEND", raising=False)
-
-
-@dataclass
-class Case:
-    cache: PNMixCache
-    query: torch.Tensor
-    causal: bool
-    softcap: float | None
-    sinks: torch.Tensor | None
 
 
 def _random_widths(b: int, h: int, p: int, gen: torch.Generator) -> torch.Tensor:
@@ -97,7 +77,7 @@ def cases(draw: st.DrawFn) -> Case:
     dtype = draw(st.sampled_from([torch.float16, torch.bfloat16]))
     d, dv, rotary_dim = draw(st.sampled_from([(8, 8, 8), (16, 16, 12), (12, 8, 12), (16, 4, 8)]))
     layout = draw(st.sampled_from(["half", "interleaved"]))
-    scaling = draw(st.sampled_from(SCALINGS))
+    scaling = draw(st.sampled_from(ROPE_SCALINGS))
     b, hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
     rep = draw(st.sampled_from([1, 2, 3]))
     cfg = PNMixConfig(
@@ -140,17 +120,6 @@ def cases(draw: st.DrawFn) -> Case:
     query = torch.randn(b, hkv * rep, nq, d, generator=gen) * draw(st.sampled_from([0.05, 1.0]))
     sinks = torch.randn(hkv * rep, generator=gen) if draw(st.booleans()) else None
     return Case(cache, query, draw(st.booleans()), draw(st.sampled_from([None, 2.5])), sinks)
-
-
-def attend(case: Case, backend: str) -> torch.Tensor:
-    return pnmix_attention(
-        case.query,
-        case.cache,
-        causal=case.causal,
-        backend=backend,
-        logit_softcap=case.softcap,
-        sink_logits=case.sinks,
-    )
 
 
 def tolerance(case: Case) -> float:

@@ -500,28 +500,30 @@ def kvlab_attention_forward(
                 kwargs={**kwargs, **features},
             )
     else:
-        with _window_update_guard(key):  # all-window models: layer 0 stored before this check
+        # all-window models: layer 0 stored before this call's checks; a refusal puts it back
+        with _window_update_guard(key):
             check_attention_kwargs(kwargs)
-        out = dense_causal_attention(
-            query,
-            key,
-            value,
-            scaling=float(scaling),
-            attention_mask=attention_mask,
-            dropout=p,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            s_aux=s_aux,
-            is_causal=causal,
-        )
+            out = dense_causal_attention(
+                query,
+                key,
+                value,
+                scaling=float(scaling),
+                attention_mask=attention_mask,
+                dropout=p,
+                sliding_window=sliding_window,
+                softcap=softcap,
+                s_aux=s_aux,
+                is_causal=causal,
+            )
     return out.transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
 def _window_update_guard(key: Tensor) -> Iterator[None]:
-    """Checks of a call on plain tensors: keys returned by a kvlab window layer that keeps its
-    last update for this attention (:class:`~kvlab.integrations.model_support.WindowLayer`'s
-    ``undo_by_attention``) put it back on a ``ValueError`` and forget it on success."""
+    """A call on plain tensors (its checks and attention): keys returned by a kvlab window
+    layer that keeps its last update for this attention (``undo_by_attention`` of
+    :class:`~kvlab.integrations.model_support.WindowLayer`) put it back on a ``ValueError``
+    and forget it on success."""
     ref = getattr(key, "_kvlab_window_layer", None)
     layer = ref() if ref is not None else None
     try:
@@ -546,8 +548,8 @@ def register_kvlab_attention() -> str:
 
 
 def enable_kvlab_attention(model: Any) -> None:
-    """Register the ``"kvlab"`` attention and switch ``model`` (a ``PreTrainedModel``) to it."""
-    register_kvlab_attention()
+    """Switch ``model`` (a ``PreTrainedModel``) to the ``"kvlab"`` attention (registered when
+    :mod:`kvlab.integrations` is imported)."""
     model.set_attn_implementation(KVLAB_ATTENTION)
 
 
@@ -563,8 +565,6 @@ class use_attention:
         self.previous: str | None = None
 
     def __enter__(self) -> Any:
-        if self.name == KVLAB_ATTENTION:
-            register_kvlab_attention()
         self.previous = self.model.config._attn_implementation
         if self.previous != self.name:
             self.model.set_attn_implementation(self.name)
