@@ -101,9 +101,9 @@ def reproduce(
         if budget not in _BUDGETS:
             raise ValueError(f"--budget must be one of {', '.join(_BUDGETS)}")
         seed_list = parse_seeds(seeds, seed)
-        from kvlab.pnmix.kernels.dispatch import requested_backend
+        from kvlab.native import check_backend_variables
 
-        requested_backend("auto")  # KVLAB_PNMIX_BACKEND, before any diagnostic runs
+        check_backend_variables()  # KVLAB_*_BACKEND, before any model loads
         from kvlab.data import load_text
         from kvlab.device import resolve_device, set_cpu_threads
         from kvlab.diagnostics.paper import RunContext

@@ -203,6 +203,16 @@ def test_every_command_reports_a_mistake_the_same_way(tmp_path):
         (["reproduce", "--paper", "pn-mix", "--seeds", "42"], "KVLAB_PNMIX_BACKEND='fast'", bogus),
         (["sweep", str(tmp_path / "missing.toml")], "KVLAB_PNMIX_BACKEND='fast'", bogus),
     ]
+    relay = {"KVLAB_RELAY_BACKEND": "gpu"}
+    cases += [
+        (["eval", "--method", "relay:snapkv@0.5", *out], "KVLAB_RELAY_BACKEND='gpu'", relay),
+        (
+            ["reproduce", "--paper", "rope-relay", "--seeds", "42"],
+            "KVLAB_RELAY_BACKEND='gpu'",
+            relay,
+        ),
+        (["sweep", str(tmp_path / "missing.toml")], "KVLAB_RELAY_BACKEND='gpu'", relay),
+    ]
     runner = CliRunner()
     for args, fragment, *env in cases:
         result = runner.invoke(app, args, env=env[0] if env else None)

@@ -316,6 +316,7 @@ def test_one_attention_call_per_layer(make_llama, monkeypatch):
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr("kvlab.relay.attention.F.scaled_dot_product_attention", counting)
+    monkeypatch.setenv("KVLAB_RELAY_BACKEND", "torch")  # the reference; the kernel: below
     with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
         model(ids, attention_mask=mask, cache=cache)
         assert len(calls) == 3
@@ -325,6 +326,22 @@ def test_one_attention_call_per_layer(make_llama, monkeypatch):
         assert len(calls) == 3
     # heads hold different counts (adaptive) and rows different lengths: still one call
     assert len({n for layer in cache.layers for n in layer.store.lengths}) > 1
+    # the default backend: a decode step is one compiled-kernel call per layer, no SDPA
+    from kvlab.relay.kernels import cpu as relay_cpu
+
+    if relay_cpu.load() is None:
+        return
+    kernel_calls = []
+    kernel = relay_cpu.ragged_decode_cpu
+    monkeypatch.setattr(
+        relay_cpu, "ragged_decode_cpu", lambda *a: kernel_calls.append(1) or kernel(*a)
+    )
+    monkeypatch.delenv("KVLAB_RELAY_BACKEND")
+    calls.clear()
+    step_mask = torch.cat([step_mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        model(ids[:, :1], attention_mask=step_mask, cache=cache)
+    assert (len(calls), len(kernel_calls)) == (0, 3)
 
 
 def test_padded_batch_with_window_layers_and_softcap_equals_rows_alone():

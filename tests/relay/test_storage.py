@@ -238,6 +238,17 @@ def test_ragged_attention_softcap_and_sinks_match_the_float64_definition(
 
 
 def test_ragged_attention_is_one_sdpa_call_with_the_bits_of_one_call_per_head(monkeypatch):
+    """On one intra-op thread (with more, SDPA's CPU kernel splits a head's keys across
+    threads, and even two per-head calls on 1 and 2 threads differ in the last bit)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check_one_call_bits(monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_one_call_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(3)
     store = RelayStore(2, 3, 16, 16, dtype=torch.float32, device="cpu")
     keys = torch.randn(2, 3, 40, 16, generator=gen)
@@ -251,7 +262,7 @@ def test_ragged_attention_is_one_sdpa_call_with_the_bits_of_one_call_per_head(mo
         return real_sdpa(*args, **kwargs)
 
     monkeypatch.setattr("kvlab.relay.attention.F.scaled_dot_product_attention", counting)
-    out = ragged_attention(query, store, scale=0.25)
+    out = ragged_attention(query, store, scale=0.25, backend="torch")
     assert len(calls) == 1
     for b in range(2):
         for h in range(3):
@@ -366,7 +377,13 @@ def test_ragged_attention_has_the_bits_of_the_pre_change_gather(
     def check(q_len, real=None):
         query = torch.randn(batch, heads * group, q_len, 8, generator=gen).to(dtype)
         out = ragged_attention(
-            query, store, scale=0.3, query_lengths=real, softcap=softcap, s_aux=sinks
+            query,
+            store,
+            scale=0.3,
+            query_lengths=real,
+            softcap=softcap,
+            s_aux=sinks,
+            backend="torch",
         )
         expected = _pre_change_attention(
             query, store, 0.3, query_lengths=real, softcap=softcap, s_aux=sinks
@@ -418,7 +435,7 @@ def test_a_decode_step_reads_the_store_without_copying_it():
     store.write_front(0, [20, 35, 50], [0, 0, 0], *_front(store.padded([0])))
     query = torch.randn(1, 6, 1, 16, generator=gen)
     with Ops() as ops:
-        out = ragged_attention(query, store, scale=0.25)
+        out = ragged_attention(query, store, scale=0.25, backend="torch")
     copies = {"index_select", "gather", "index", "clone", "copy_", "cat", "lift_fresh", "_to_copy"}
     assert not copies & set(ops.names), ops.names
     assert sum(name.startswith("_scaled_dot_product") for name in ops.names) == 1  # one call
@@ -429,22 +446,37 @@ def test_a_decode_step_reads_the_store_without_copying_it():
 @given(
     batch=st.integers(1, 3),
     heads=st.integers(1, 3),
-    events=st.lists(st.sampled_from(["step", "step", "step", "jump", "evict"]), max_size=30),
+    events=st.lists(
+        st.sampled_from(["step", "step", "step", "jump", "evict", "peek", "grow"]), max_size=30
+    ),
     seed=st.integers(0, 2**16),
+    min_headroom=st.sampled_from([1, 12]),
 )
 def test_decode_steps_write_each_token_at_its_row_stream_index_and_position(
-    batch, heads, events, seed
+    batch, heads, events, seed, min_headroom
 ):
-    """Single-token appends reuse and advance the device table of the next rows and positions;
-    a position jump (a relay moves ``next_positions``), a compaction or a re-layout rebuilds it.
-    Every segment stays exactly the tokens appended, at their stream indices and positions."""
+    """Single-token appends reuse and advance the device tensor of the next rows and defer their
+    positions; a position jump (a relay moves ``next_positions``), a compaction, a re-layout or
+    a read of the positions ends the run. Every segment stays exactly the tokens appended, at
+    their stream indices and positions."""
     gen = torch.Generator().manual_seed(seed)
-    store = RelayStore(batch, heads, 4, 3, dtype=torch.float32, device="cpu", min_headroom=1)
+    store = RelayStore(
+        batch, heads, 4, 3, dtype=torch.float32, device="cpu", min_headroom=min_headroom
+    )
     segments = {(b, h): ([], [], []) for b in range(batch) for h in range(heads)}
     stream, rot = [0] * batch, [50] * batch
     for event in ["step", *events, "step"]:
         if event == "jump":
             rot = [r + int(torch.randint(-20, 20, (1,), generator=gen)) for r in rot]
+            continue
+        if event == "peek":  # reading the positions mid-run writes the deferred ones
+            for (b, h), (_, o, r) in segments.items():
+                seg = store.segment(b, h)
+                assert seg.original_positions.tolist() == o
+                assert seg.rotary_positions.tolist() == r
+            continue
+        if event == "grow":  # a re-layout in the middle of a run
+            store.relayout([2] * store.num_segments)
             continue
         if event == "evict":
             for b in range(batch):

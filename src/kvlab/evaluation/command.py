@@ -139,9 +139,9 @@ def eval_command(
     with user_errors(
         f"finished tasks are kept in {output_dir / 'tasks'}; rerun the same command to resume"
     ):
-        from kvlab.pnmix.kernels.dispatch import requested_backend
+        from kvlab.native import check_backend_variables
 
-        requested_backend("auto")  # KVLAB_PNMIX_BACKEND is checked before the model loads
+        check_backend_variables()  # KVLAB_*_BACKEND, before any model loads
         cache_dir, use_cache = _calibration(calibration_cache)
         config = EvalConfig(
             model=model,
@@ -242,9 +242,9 @@ def sweep_command(
     with user_errors(
         f"finished tasks are kept in {out / 'tasks'}; rerun the same command to resume"
     ):
-        from kvlab.pnmix.kernels.dispatch import requested_backend
+        from kvlab.native import check_backend_variables
 
-        requested_backend("auto")  # KVLAB_PNMIX_BACKEND is checked before any model loads
+        check_backend_variables()  # KVLAB_*_BACKEND, before any model loads
         cache_dir, use_cache = _calibration(calibration_cache)
         options = SweepOptions(
             output_dir=out,

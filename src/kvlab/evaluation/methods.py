@@ -460,6 +460,7 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.integrations.model_support",
             "kvlab.integrations.pnmix_calibration",  # its calibration window (CALIBRATION_START)
             "kvlab.relay.attention",
+            "kvlab.relay.kernels.cpu",
             "kvlab.relay.budgets",
             "kvlab.relay.combined",
             "kvlab.relay.core",

@@ -125,6 +125,20 @@ def _rope_position(cache: Any) -> int:
     return int(cache.get_seq_length())
 
 
+def _load_kernels(method: Method) -> None:
+    """Compile (first use on this machine) or load the CPU kernels ``method`` runs, before any
+    timing starts: a compilation must not count as model time. Skipped for the backends that
+    do not use them (``KVLAB_*_BACKEND=torch``)."""
+    from kvlab.pnmix.kernels import cpu as pnmix_cpu
+    from kvlab.pnmix.kernels.dispatch import requested_backend
+    from kvlab.relay.kernels import cpu as relay_cpu
+
+    if method.family in ("eviction", "composed") and relay_cpu.decode_backend() != "torch":
+        relay_cpu.load()
+    if method.family in ("quantized", "composed") and requested_backend("auto") in ("auto", "cpu"):
+        pnmix_cpu.load()
+
+
 @torch.no_grad()
 def score_window(
     model: Any,
@@ -175,6 +189,8 @@ def score_window(
         if on_token is not None:
             on_token(1)
 
+    if tokens.device.type == "cpu":
+        _load_kernels(method)
     with use_attention(model, method.attention):
         start = time.perf_counter()
         out = model(
@@ -257,6 +273,8 @@ def stream_tokens(
     nll_parts = []
     seconds = 0.0
     peak = CacheStorage(0, 0, 0)
+    if tokens.device.type == "cpu":
+        _load_kernels(method)
     with use_attention(model, method.attention):
         for start in range(0, total - 1, chunk):
             piece = tokens[start : min(start + chunk, total - 1)]

@@ -392,12 +392,13 @@ def check_attention_kwargs(kwargs: Mapping[str, Any]) -> None:
         ValueError: an active keyword outside :data:`HARMLESS_KWARGS`, or
             ``output_attentions=True``.
     """
-    unknown = sorted(
+    unknown = [
         k
         for k, v in kwargs.items()
         if v is not None and k not in HARMLESS_KWARGS and k not in _NAMED_KWARGS
-    )
+    ]
     if unknown:
+        unknown.sort()
         raise ValueError(
             f"the 'kvlab' attention does not implement the attention argument(s) {unknown} "
             "that this model passes; supported: scaling, dropout, sliding_window, softcap, s_aux, "
@@ -419,12 +420,13 @@ def _check_view_call(
     causal: bool,
 ) -> None:
     """Refuse what a cache view cannot do (see :func:`kvlab_attention_forward`, Raises)."""
-    refused = sorted(
+    refused = [
         name
         for name, v in features.items()
         if v is not None and name not in type(view).supported_features
-    )
+    ]
     if refused:
+        refused.sort()
         raise ValueError(
             f"{type(view).__name__} (layer {getattr(module, 'layer_idx', '?')}) cannot apply "
             f"the attention argument(s) {refused}; the cache should have refused this model "

@@ -31,8 +31,7 @@ every layer of a config with ``sliding_window`` (Mistral, Phi-3, Starcoder2) and
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -459,10 +458,9 @@ class ForwardGuard:
             layer.keeps_undo = True
         self.windows = windows
 
-    @contextmanager
     def checking(
         self, on_refusal: Callable[[], None] | None = None, *, accept: bool = True
-    ) -> Iterator[None]:
+    ) -> _Checking:
         """Run a full-attention layer's checks, or its attention call (class docstring).
 
         Args:
@@ -470,17 +468,37 @@ class ForwardGuard:
             accept: on success, forget the window layers' undo state (``False`` for checks
                 that run before the forward's last check, e.g. in ``update``).
 
-        Raises:
-            ValueError: re-raised after the window layers are put back.
+        Returns:
+            A context manager; a ``ValueError`` raised inside is re-raised after the window
+            layers are put back. (A class, not a generator: it runs twice per layer and
+            decode step.)
         """
-        try:
-            yield
-        except ValueError:
-            if on_refusal is not None:
-                on_refusal()
+        return _Checking(self.windows, on_refusal, accept)
+
+
+class _Checking:
+    """The context manager of :meth:`ForwardGuard.checking`."""
+
+    __slots__ = ("accept", "on_refusal", "windows")
+
+    def __init__(
+        self, windows: list[WindowLayer], on_refusal: Callable[[], None] | None, accept: bool
+    ) -> None:
+        self.windows = windows
+        self.on_refusal = on_refusal
+        self.accept = accept
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
+        if kind is None:
+            if self.accept:
+                for layer in self.windows:
+                    layer.keep_update()
+        elif issubclass(kind, ValueError):
+            if self.on_refusal is not None:
+                self.on_refusal()
             for layer in self.windows:
                 layer.undo_update()
-            raise
-        if accept:
-            for layer in self.windows:
-                layer.keep_update()
+        return False  # never swallow the exception

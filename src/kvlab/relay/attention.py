@@ -1,16 +1,19 @@
 """Attention over a :class:`~kvlab.relay.storage.RelayStore`: one call per layer for every
-sequence and kv head (the torch reference a kernel for the ragged layout is tested against).
+sequence and kv head (the torch reference the compiled decode kernel,
+:mod:`kvlab.relay.kernels.cpu`, is tested against; decode steps it covers run on it by
+default).
 
 The store's segments share one capacity (its ``stride``), so its buffers are read as a padded
 ``[B * H_kv, G, S, D]`` view (:meth:`~kvlab.relay.storage.RelayStore.padded_view`: the group
 axis a stride-0 broadcast; no gather, no copy) and attended with ONE PyTorch SDPA call whose
 batch axis is the segments: each segment's ``G = H_q / H_kv`` query heads read its keys (GQA:
 query head ``i`` reads kv head ``i // G``), the store's key-padding mask (a view of its
-``valid`` rows) hides slots past a segment's length, and multi-token forwards are causal with
+``key_bias`` rows) hides slots past a segment's length, and multi-token forwards are causal with
 bottom-right alignment per segment (docs/design.md, "RoPE-Relay: Attention"). On CPU this
 measured faster than a segment softmax over the flat buffer with index ops
-(``benchmarks/relay_attention_layouts.py``); it gives the bits of one SDPA call per head when
-the segments have equal lengths, and agrees to float32 rounding otherwise.
+(``benchmarks/relay_attention_layouts.py``); on one intra-op thread it gives the bits of one SDPA
+call per head when the segments have equal lengths, and agrees to float32 rounding otherwise (with
+more threads SDPA's CPU kernel splits a head's keys across them, which moves the last bit).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab.attention_logits import softcap_logits, softmax_with_sinks
+from kvlab.relay.kernels import cpu as relay_cpu
 from kvlab.relay.storage import RelayStore
 
 __all__ = ["ragged_attention"]
@@ -35,6 +39,7 @@ def ragged_attention(
     query_lengths: Sequence[int] | None = None,
     softcap: float | None = None,
     s_aux: Tensor | None = None,
+    backend: str | None = None,
 ) -> Tensor:
     """Exact softmax attention of ``query`` over every segment of ``store``.
 
@@ -49,6 +54,10 @@ def ragged_attention(
             learned sink logits, or ``None``. With either, logits and softmax are computed in
             float32 with :mod:`kvlab.attention_logits` (the formulas of ``transformers``' eager
             attentions) instead of SDPA.
+        backend: ``"auto"``, ``"torch"`` (SDPA, the reference) or ``"cpu"`` (the compiled decode
+            kernel, :mod:`kvlab.relay.kernels.cpu`); default ``KVLAB_RELAY_BACKEND`` or
+            ``"auto"``. The kernel runs decode steps over float32 CPU stores (see there); other
+            calls use the reference whatever the backend.
 
     Returns:
         ``[B, H_q, Q, Dv]`` in the query dtype. Query ``j`` of a real row sees slots
@@ -56,8 +65,9 @@ def ragged_attention(
         convention of ``transformers``' causal mask). Padding queries return zeros (finite).
 
     Raises:
-        ValueError: batch or head counts that do not match the store, ``head_dim``, or an
-            ``s_aux`` that is not ``[H_q]``.
+        ValueError: batch or head counts that do not match the store, ``head_dim``, an
+            ``s_aux`` that is not ``[H_q]``, or an unknown backend.
+        RuntimeError: ``backend="cpu"`` and the kernel cannot be compiled.
     """
     batch, q_heads, q_len, dim = query.shape
     heads = store.heads
@@ -66,6 +76,18 @@ def ragged_attention(
             f"query {tuple(query.shape)} does not fit the store (B={store.batch}, "
             f"H_kv={heads}, D={store.head_dim}): H_q must be a multiple of H_kv"
         )
+    if backend is None:
+        backend = relay_cpu.decode_backend()
+    elif backend not in ("auto", *relay_cpu.BACKENDS):
+        raise ValueError(f"backend must be 'auto' or one of {relay_cpu.BACKENDS}, got {backend!r}")
+    if backend != "torch" and _kernel_covers(query, store, query_lengths, softcap, s_aux):
+        module = relay_cpu.load()
+        if module is not None:
+            return relay_cpu.ragged_decode_cpu(module, query, store, scale)
+        if backend == "cpu":
+            raise RuntimeError(
+                f"backend 'cpu': the RoPE-Relay CPU kernel is {relay_cpu.cpu_kernel_status()}"
+            )
     group = q_heads // heads
     segments = batch * heads
     # [B*H, G, S, D] views of the buffers, the group a stride-0 axis: no copy
@@ -89,12 +111,11 @@ def ragged_attention(
         row = torch.arange(q_len, device=query.device) - q_len
         limit = lengths.view(-1, 1) + row.view(1, -1)  # [B*H, Q]
         mask = (slot.view(1, 1, -1) <= limit.unsqueeze(-1)).unsqueeze(1)  # [B*H, 1, Q, S]
-    elif view.valid is not None:
-        # the store's key-padding mask, a [B*H, 1, 1, S] view; for SDPA its additive form,
+    elif view.bias is not None:
+        # the store's key-padding mask, a [B*H, 1, 1, S] view of its additive form: for SDPA
         # what SDPA would make of the boolean one (same bits, no conversion per call)
         plain = softcap is None and s_aux is None and pad_queries is None
-        use_bias = plain and view.bias is not None and view.bias.dtype == query.dtype
-        mask = view.bias if use_bias else view.valid
+        mask = view.bias if plain and view.bias.dtype == query.dtype else view.valid
     elif pad_queries is not None:
         mask = torch.ones(segments, 1, 1, longest, dtype=torch.bool, device=query.device)
     if pad_queries is not None:
@@ -117,3 +138,24 @@ def ragged_attention(
     if pad_queries is not None:
         out = out.masked_fill(pad_queries.view(batch, 1, q_len, 1), 0)
     return out
+
+
+def _kernel_covers(
+    query: Tensor,
+    store: RelayStore,
+    query_lengths: Sequence[int] | None,
+    softcap: float | None,
+    s_aux: Tensor | None,
+) -> bool:
+    """Whether the compiled decode kernel computes this call: one real query per sequence,
+    float32 on the CPU, no soft-cap or sinks, every segment non-empty."""
+    return (
+        query.shape[2] == 1
+        and softcap is None
+        and s_aux is None
+        and query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and store.dtype == torch.float32
+        and (query_lengths is None or min(query_lengths) == 1)
+        and min(store.lengths) >= 1
+    )

@@ -8,9 +8,14 @@ Layout (docs/design.md, "RoPE-Relay: Storage format"): a layer holds ``B`` seque
   model rotated them, or relayed);
 * ``original_positions`` int64 ``[N]``: each token's stream index in its sequence (pads excluded);
 * ``rotary_positions`` int64 ``[N]``: the position its key is rotated at;
-* ``valid`` bool ``[N]``: True exactly on the used rows (the key-padding mask of attention,
-  kept up to date by every write instead of being rebuilt per call), and ``key_bias`` ``[N]``
-  in the cache dtype, the same mask as an additive bias (``0`` used, ``-inf`` headroom).
+* ``key_bias`` ``[N]`` in the cache dtype: the key-padding mask of attention as an additive bias
+  (``0`` on used rows, ``-inf`` on headroom), kept up to date by every write instead of being
+  rebuilt per call; ``valid`` (bool ``[N]``) is derived from it on demand.
+
+Decode steps defer their position writes (docs/design.md, "RoPE-Relay: Segment layout and
+growth"): a run of single-token appends at consecutive stream indices and positions writes only
+keys, values and ``key_bias``; the run's positions (a ramp per segment, known from host ints)
+are written the first time anything reads or rewrites the position buffers.
 
 The first ``lengths[s]`` rows of a segment are its tokens, in stream order; the rest is headroom
 for future tokens. ``offsets``, ``lengths`` and ``capacities`` are host-side Python ints (never
@@ -95,18 +100,34 @@ class PaddedView:
         keys: ``[M, G, S, D]``; values: ``[M, G, S, Dv]`` (the group axis has stride 0). Slots
             at and past a segment's length hold stale finite data (headroom): read them only
             through ``valid``.
-        valid: bool ``[M, 1, 1, S]``, True for the first ``lengths[s]`` slots of segment ``s``,
-            or ``None`` when every segment holds exactly ``S`` tokens (nothing to mask).
-        bias: the same mask as an additive bias in the store dtype (``0`` / ``-inf``), what
-            SDPA would make of ``valid`` (``None`` with it).
+        bias: ``[M, 1, 1, S]`` in the store dtype, ``0`` on the first ``lengths[s]`` slots of
+            segment ``s`` and ``-inf`` after them (the key-padding mask as SDPA applies it), or
+            ``None`` when every segment holds exactly ``S`` tokens (nothing to mask).
         longest: ``S``.
     """
 
     keys: Tensor
     values: Tensor
-    valid: Tensor | None
     bias: Tensor | None
     longest: int
+
+    @property
+    def valid(self) -> Tensor | None:
+        """bool ``[M, 1, 1, S]``: True where :attr:`bias` is ``0`` (a new tensor per call), or
+        ``None`` with it."""
+        return None if self.bias is None else self.bias == 0
+
+
+@dataclass
+class _PositionRun:
+    """Decode steps whose positions are not written yet: ``count`` single-token appends, the
+    first at row ``rows[s]`` of segment ``s`` with stream index ``original[s]`` and rotary
+    position ``rotary[s]``, each next one a row, an index and a position further."""
+
+    rows: list[int]
+    original: list[int]
+    rotary: list[int]
+    count: int = 0
 
 
 def _ramps(
@@ -146,8 +167,9 @@ class RelayStore:
     Attributes:
         offsets, lengths, capacities: the host segment table (``B * H`` ints each).
         stride: the common capacity of every segment in rows (``offsets[s] == s * stride``).
-        keys, values, original_positions, rotary_positions, valid, key_bias: the flat buffers
-            (module docstring).
+        keys, values, original_positions, rotary_positions, key_bias: the flat buffers (module
+            docstring; reading a position buffer writes the positions of deferred decode steps
+            first); valid: bool ``[N]`` derived from ``key_bias``.
         relayouts: re-layouts so far.
 
     Raises:
@@ -187,11 +209,13 @@ class RelayStore:
         self.capacities: list[int] = [0] * segments
         self.stride = 1
         self.relayouts = 0
-        # decode steps: the (row, stream index, position) of each segment's next token as a
-        # device tensor, advanced in place after a single-token append, and the host state it
-        # was built for (docs/design.md, "RoPE-Relay: Segment layout and growth")
-        self._next: tuple[Tensor, ...] | None = None  # int64 [3, B * H] and its 3 rows
+        # decode steps (docs/design.md, "RoPE-Relay: Segment layout and growth"): the row of
+        # each segment's next token as a device tensor, advanced in place after a single-token
+        # append, and the host state it was built for; the positions those steps deferred
+        self._ahead: Tensor | None = None  # int64 [room, B * H]: row i = rows of step i
+        self._ahead_step = 0  # the next row of _ahead to use
         self._next_key: tuple | None = None
+        self._run: _PositionRun | None = None
         self._ramp = torch.arange(64, dtype=torch.int64, device=self.device)
         self._allocate(segments)  # one (unused) row per segment
         self._lay_out(1)
@@ -240,27 +264,52 @@ class RelayStore:
         rows = max(1, rows)
         self.keys = torch.zeros(rows, self.head_dim, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(rows, self.value_dim, dtype=self.dtype, device=self.device)
-        self.original_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self.rotary_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self.valid = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        self._original_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self._rotary_positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.key_bias = torch.full((rows,), -math.inf, dtype=self.dtype, device=self.device)
 
     def _lay_out(self, stride: int) -> None:
         """Set the segment table for segments of ``stride`` rows each (``offsets[s] = s *
         stride``)."""
         self.stride = stride
-        self._next_key = None
+        self._next_key = self._ahead = None
         self.capacities = [stride] * self.num_segments
         self.offsets = [s * stride for s in range(self.num_segments)]
 
     def _mark_valid(self, segments: slice) -> None:
-        """Rewrite ``valid`` and ``key_bias`` for the segments ``segments`` from the host
-        ``lengths``."""
+        """Rewrite ``key_bias`` for the segments ``segments`` from the host ``lengths``."""
         lengths = torch.tensor(self.lengths[segments], dtype=torch.int64, device=self.device)
         valid = self.slots(self.stride).view(1, -1) < lengths.view(-1, 1)
-        self.valid.view(-1, self.stride)[segments].copy_(valid)
         bias = self.key_bias.view(-1, self.stride)[segments]
         bias.copy_(torch.zeros_like(bias).masked_fill_(~valid, -math.inf))
+
+    # ------------------------------------------------------------------ positions
+    @property
+    def original_positions(self) -> Tensor:
+        """int64 ``[N]``: each row's stream index (deferred decode steps written first)."""
+        self._write_positions()
+        return self._original_positions
+
+    @property
+    def rotary_positions(self) -> Tensor:
+        """int64 ``[N]``: each row's rotary position (deferred decode steps written first)."""
+        self._write_positions()
+        return self._rotary_positions
+
+    @property
+    def valid(self) -> Tensor:
+        """bool ``[N]``: True exactly on the used rows (``key_bias == 0``; a new tensor)."""
+        return self.key_bias == 0
+
+    def _write_positions(self) -> None:
+        """Write the positions of the deferred decode steps (one ramp per segment)."""
+        run, self._run = self._run, None
+        if run is None:
+            return
+        table = _ramps([run.rows, run.original, run.rotary], [run.count] * len(run.rows))
+        dst, original, rotary = table.to(self.device).unbind(0)
+        self._original_positions.index_copy_(0, dst, original)
+        self._rotary_positions.index_copy_(0, dst, rotary)
 
     def headroom(self) -> int:
         """Free rows each segment gets at a re-layout: ``max(min_headroom, ceil(growth *
@@ -272,6 +321,7 @@ class RelayStore:
         """Copy the used rows into a new buffer whose common segment capacity (``stride``) fits
         the longest ``lengths[s] + extra[s]`` plus :meth:`headroom` (one gather and one
         scatter per buffer)."""
+        self._write_positions()
         extra = [0] * self.num_segments if extra is None else list(extra)
         room = self.headroom()
         stride = max(n + e for n, e in zip(self.lengths, extra, strict=True)) + room
@@ -281,7 +331,7 @@ class RelayStore:
         self._lay_out(stride)
         dst = _arange_segments(self.offsets, self.lengths).to(self.device)
         for new, buf in zip(
-            (self.keys, self.values, self.original_positions, self.rotary_positions),
+            (self.keys, self.values, self._original_positions, self._rotary_positions),
             old,
             strict=True,
         ):
@@ -314,9 +364,9 @@ class RelayStore:
 
         The first ``T - real[b]`` tokens of a row (left padding) are dropped. Host ints only;
         no device read-back. Re-lays out first if a segment lacks room. A single-token append
-        (a decode step) whose rows and positions follow the previous one's reuses its device
-        table of destination rows, stream indices and positions, advanced in place: no tensor
-        is built from host ints.
+        (a decode step) whose rows and positions follow the previous one's takes the next row
+        of the device table of destination rows the run's first step built, and defers its
+        positions (module docstring): no tensor is built from host ints.
 
         Raises:
             ValueError: shapes that do not match the store, or ``real[b]`` outside ``[0, T]``.
@@ -333,11 +383,21 @@ class RelayStore:
         real = list(real)
         if len(real) != batch or any(not 0 <= r <= t for r in real):
             raise ValueError(f"real tokens per row {real} must be {batch} ints in [0, {t}]")
+        single = t == 1 and min(real) == 1  # a decode step: one token per segment
+        if single and self._next_key == (
+            self.stride,
+            tuple(self.lengths),
+            tuple(original_start),
+            tuple(rotary_start),
+        ):
+            self._decode_step(keys, values)
+            return
         per_segment = [r for r in real for _ in range(heads)]
         if any(n + r > self.stride for n, r in zip(self.lengths, per_segment, strict=True)):
             self.relayout(per_segment)
         if sum(per_segment) == 0:
             return
+        self._write_positions()
         flat_k = keys.reshape(batch * heads * t, self.head_dim)
         flat_v = values.reshape(batch * heads * t, self.value_dim)
         if all(r == t for r in real):
@@ -349,43 +409,70 @@ class RelayStore:
             new_k, new_v = flat_k.index_select(0, src), flat_v.index_select(0, src)
         if new_k.dtype != self.dtype or new_v.dtype != self.dtype:
             new_k, new_v = new_k.to(self.dtype), new_v.to(self.dtype)
-        single = t == 1 and min(real) == 1  # a decode step: one token per segment
-        key = (self.stride, tuple(self.lengths), tuple(original_start), tuple(rotary_start))
-        if single and key == self._next_key:
-            assert self._next is not None
-            table, dst, original, rotary = self._next
+        rows = [o + n for o, n in zip(self.offsets, self.lengths, strict=True)]
+        original = [original_start[s // heads] for s in range(self.num_segments)]
+        rotary = [rotary_start[s // heads] for s in range(self.num_segments)]
+        if single:
+            # the destination rows of this step and of every later one that fits the headroom
+            # ([room, B * H], one device tensor); positions deferred (a run)
+            room = self.stride - max(self.lengths)
+            first = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            self._ahead = first + self.slots(room).view(-1, 1)
+            self._ahead_step = 1
+            dst = self._ahead[0]
+            self._run = _PositionRun(rows, original, rotary, count=1)
         else:
             # destination rows, stream indices and rotary positions: one tensor from host ints
-            table = _ramps(
-                [
-                    [o + n for o, n in zip(self.offsets, self.lengths, strict=True)],
-                    [original_start[s // heads] for s in range(self.num_segments)],
-                    [rotary_start[s // heads] for s in range(self.num_segments)],
-                ],
-                per_segment,
-                self.device,
-            )
-            dst, original, rotary = table.unbind(0)
+            table = _ramps([rows, original, rotary], per_segment, self.device)
+            dst, positions = table[0], table[1:]
+            self._original_positions.index_copy_(0, dst, positions[0])
+            self._rotary_positions.index_copy_(0, dst, positions[1])
         self.keys.index_copy_(0, dst, new_k)
         self.values.index_copy_(0, dst, new_v)
-        self.original_positions.index_copy_(0, dst, original)
-        self.rotary_positions.index_copy_(0, dst, rotary)
-        self.valid.index_fill_(0, dst, True)
         self.key_bias.index_fill_(0, dst, 0.0)
         self.lengths = [n + r for n, r in zip(self.lengths, per_segment, strict=True)]
-        if single:
-            # advance the table in place: each segment's next single token goes one row further,
-            # at the next stream index and position (reused while the host state matches)
-            table.add_(1)
-            self._next = (table, dst, original, rotary)
-            self._next_key = (
-                self.stride,
-                tuple(self.lengths),
-                tuple(o + 1 for o in original_start),
-                tuple(r + 1 for r in rotary_start),
-            )
-        else:
+        self._expect_next(original_start, rotary_start, single)
+
+    def _expect_next(
+        self, original_start: Sequence[int], rotary_start: Sequence[int], single: bool
+    ) -> None:
+        """After an append: whether the next one may take :meth:`_decode_step` — a single token
+        per segment at the next stream index and position of every sequence, the layout
+        unchanged, and a row of ``_ahead`` left for it."""
+        if not single or self._ahead is None or self._ahead_step >= self._ahead.shape[0]:
             self._next_key = None
+            return
+        self._next_key = (
+            self.stride,
+            tuple(self.lengths),
+            tuple(o + 1 for o in original_start),
+            tuple(r + 1 for r in rotary_start),
+        )
+
+    def _decode_step(self, keys: Tensor, values: Tensor) -> None:
+        """The single-token append :meth:`_expect_next` allowed: keys, values and
+        ``key_bias`` at the next row of ``_ahead``; positions join the deferred run."""
+        assert self._ahead is not None and self._next_key is not None
+        dst = self._ahead[self._ahead_step]
+        self._ahead_step += 1
+        _, _, original_start, rotary_start = self._next_key
+        if self._run is None:  # the positions were read since the last step: a new run
+            heads = self.heads
+            self._run = _PositionRun(
+                [o + n for o, n in zip(self.offsets, self.lengths, strict=True)],
+                [original_start[s // heads] for s in range(self.num_segments)],
+                [rotary_start[s // heads] for s in range(self.num_segments)],
+            )
+        new_k = keys.reshape(self.num_segments, self.head_dim)
+        new_v = values.reshape(self.num_segments, self.value_dim)
+        if new_k.dtype != self.dtype or new_v.dtype != self.dtype:
+            new_k, new_v = new_k.to(self.dtype), new_v.to(self.dtype)
+        self.keys.index_copy_(0, dst, new_k)
+        self.values.index_copy_(0, dst, new_v)
+        self.key_bias.index_fill_(0, dst, 0.0)
+        self._run.count += 1
+        self.lengths = [n + 1 for n in self.lengths]
+        self._expect_next(original_start, rotary_start, True)
 
     def write_front(
         self,
@@ -405,6 +492,7 @@ class RelayStore:
         Raises:
             ValueError: a count above the segment's capacity or slots outside the inputs.
         """
+        self._write_positions()
         heads, slots = keys.shape[:2]
         counts, first_slot = list(counts), list(first_slot)
         if heads != self.heads or len(counts) != heads or len(first_slot) != heads:
@@ -432,6 +520,7 @@ class RelayStore:
         rows = list(rows)
         if any(not 0 <= b < self.batch for b in rows):
             raise IndexError(f"rows {rows} outside batch {self.batch}")
+        self._write_positions()
         segs = [b * self.heads + h for b in rows for h in range(self.heads)]
         lengths = [self.lengths[s] for s in segs]
         src = _arange_segments([self.offsets[s] for s in segs], lengths).to(self.device)
@@ -444,7 +533,7 @@ class RelayStore:
         self._lay_out(stride)
         dst = _arange_segments(self.offsets, lengths).to(self.device)
         for new, buf in zip(
-            (self.keys, self.values, self.original_positions, self.rotary_positions),
+            (self.keys, self.values, self._original_positions, self._rotary_positions),
             old,
             strict=True,
         ):
@@ -488,14 +577,12 @@ class RelayStore:
         longest = max(max(self.lengths, default=0), 1)  # <= stride: every segment has a row
         segments, stride = self.num_segments, self.stride
         d, dv = self.head_dim, self.value_dim
-        valid = bias = None
+        bias = None
         if min(self.lengths) != longest:
-            valid = self.valid.as_strided((segments, 1, 1, longest), (stride, 0, 0, 1))
             bias = self.key_bias.as_strided((segments, 1, 1, longest), (stride, 0, 0, 1))
         return PaddedView(
             keys=self.keys.as_strided((segments, group, longest, d), (stride * d, 0, d, 1)),
             values=self.values.as_strided((segments, group, longest, dv), (stride * dv, 0, dv, 1)),
-            valid=valid,
             bias=bias,
             longest=longest,
         )

@@ -16,11 +16,8 @@ flushes, coded bit for bit as the torch codecs code them; ``cpu_flush.cpp``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-import os
-import platform
 import threading
 from importlib import resources
 from types import ModuleType
@@ -30,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvlab.native import compile_module
 from kvlab.pnmix.hadamard import hadamard_matrix
 from kvlab.pnmix.kernels.spec import KEYS_WIDTHS, KernelKeyDecode
 from kvlab.pnmix.store import EncodedGroups
@@ -56,7 +54,6 @@ _LOG = logging.getLogger("kvlab")
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 _EMPTY = torch.empty(0)
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math"]
 _ROPE_TABLES: dict[tuple[RotaryConfig, torch.device], tuple[int, Tensor, Tensor]] = {}
 _HADAMARD: dict[tuple[int, torch.device], Tensor] = {}
 
@@ -143,56 +140,14 @@ def _source() -> str:
     return "\n".join(files.joinpath(name).read_text("utf-8") for name in _SOURCES)
 
 
-def _module_name(source: str, flags: list[str]) -> str:
-    """A name unique to the source, flags, torch version and this CPU (``-march=native``
-    binaries must not be shared between different processors)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu += next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    digest = hashlib.sha256(
-        "\0".join([source, *flags, torch.__version__, cpu]).encode()
-    ).hexdigest()
-    return f"kvlab_pnmix_cpu_{digest[:16]}"
-
-
-def _built(name: str) -> bool:
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
-    except Exception:  # a private helper: if it moved, just announce the build
-        return False
-
-
 def _compile() -> ModuleType:
-    from torch.utils.cpp_extension import load_inline
-
-    source = _source()
-    errors = []
-    for openmp in (["-fopenmp"], []):
-        flags = _FLAGS + openmp
-        name = _module_name(source, flags)
-        if not _built(name):
-            _LOG.warning(
-                "kvlab: compiling the PN-Mix CPU attention kernel (once per machine, about a "
-                "minute; set KVLAB_PNMIX_BACKEND=torch to skip it)"
-            )
-        try:
-            return load_inline(
-                name,
-                cpp_sources=[source],
-                functions=["packed_attention", "append_residual", "decode_step", "encode_groups"],
-                extra_cflags=flags,
-                extra_ldflags=openmp,
-                verbose=False,
-            )
-        except Exception as err:  # compiler missing, flags refused, headers absent, ...
-            lines = str(err).strip().splitlines() or [type(err).__name__]
-            errors.append(f"{' '.join(flags)}: {lines[-1]}")
-    raise RuntimeError("; ".join(errors))
+    return compile_module(
+        "kvlab_pnmix_cpu",
+        _source(),
+        ["packed_attention", "append_residual", "decode_step", "encode_groups"],
+        "kvlab: compiling the PN-Mix CPU attention kernel (once per machine, about a minute; "
+        "set KVLAB_PNMIX_BACKEND=torch to skip it)",
+    )
 
 
 def load() -> ModuleType | None:

@@ -1,0 +1,99 @@
+"""Building kvlab's compiled CPU kernels (C++ sources shipped in the package).
+
+:func:`compile_module` compiles C++ source text with ``torch.utils.cpp_extension.load_inline``
+(``-O3 -march=native``, no fast-math, OpenMP when the compiler has it) into torch's extension
+cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), under a name unique
+to the source, the flags, the torch version and this processor, so a rebuilt source or another
+machine never loads a stale binary. Used by :mod:`kvlab.pnmix.kernels.cpu` and
+:mod:`kvlab.relay.kernels.cpu`; each keeps its own "compiled once, or the reason it could not
+be" state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+__all__ = ["FLAGS", "check_backend_variables", "compile_module", "module_name"]
+
+_LOG = logging.getLogger("kvlab")
+
+#: Compiler flags of every kvlab CPU kernel (``-ffp-contract=fast`` fuses multiply-adds; no
+#: ``-ffast-math``: the kernels rely on IEEE ``inf`` and ordered reductions).
+FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math")
+
+
+def module_name(prefix: str, source: str, flags: Sequence[str]) -> str:
+    """``prefix`` + a digest of the source, flags, torch version and this CPU (``-march=native``
+    binaries must not be shared between different processors)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu += next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    digest = hashlib.sha256(
+        "\0".join([source, *flags, torch.__version__, cpu]).encode()
+    ).hexdigest()
+    return f"{prefix}_{digest[:16]}"
+
+
+def _built(name: str) -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
+    except Exception:  # a private helper: if it moved, just announce the build
+        return False
+
+
+def compile_module(
+    prefix: str, source: str, functions: Sequence[str], announcement: str
+) -> ModuleType:
+    """Compile (or load the cached build of) ``source`` exposing ``functions``; with OpenMP
+    first, then without. ``announcement`` is logged once before an actual compilation.
+
+    Raises:
+        RuntimeError: neither build worked (the last line of each error, joined).
+    """
+    from torch.utils.cpp_extension import load_inline
+
+    errors = []
+    for openmp in (["-fopenmp"], []):
+        flags = [*FLAGS, *openmp]
+        name = module_name(prefix, source, flags)
+        if not _built(name):
+            _LOG.warning(announcement)
+        try:
+            return load_inline(
+                name,
+                cpp_sources=[source],
+                functions=list(functions),
+                extra_cflags=flags,
+                extra_ldflags=openmp,
+                verbose=False,
+            )
+        except Exception as err:  # compiler missing, flags refused, headers absent, ...
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            errors.append(f"{' '.join(flags)}: {lines[-1]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def check_backend_variables() -> None:
+    """Refuse a bad ``KVLAB_PNMIX_BACKEND`` or ``KVLAB_RELAY_BACKEND`` value up front (the CLI
+    calls this before any model loads, so the error is one line, not a late traceback).
+
+    Raises:
+        ValueError: a value that is not ``auto`` or one of the mechanism's backends.
+    """
+    from kvlab.pnmix.kernels.dispatch import requested_backend
+    from kvlab.relay.kernels.cpu import decode_backend
+
+    requested_backend("auto")
+    decode_backend()

@@ -1,0 +1,114 @@
+"""The compiled CPU decode attention of RoPE-Relay (docs/design.md, "RoPE-Relay: Attention").
+
+``cpu_decode.cpp`` beside this module is compiled once per machine on first use
+(:func:`kvlab.native.compile_module`: about half a minute, one log line). If it cannot be
+compiled, :func:`load` logs the reason once and returns ``None``, and
+:func:`~kvlab.relay.attention.ragged_attention` uses SDPA (the torch reference).
+
+Backend rule (:func:`decode_backend`): ``KVLAB_RELAY_BACKEND`` = ``auto`` (default), ``torch``
+or ``cpu``. ``auto`` runs the compiled kernel for what it covers — a decode step (one query per
+sequence, none of them padding) over a float32 store on the CPU, without Gemma 2 soft-capping
+or GPT-OSS sinks — and SDPA for everything else; ``cpu`` is the same but fails when the kernel
+cannot be compiled; ``torch`` always uses SDPA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from importlib import resources
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from kvlab.native import compile_module
+
+if TYPE_CHECKING:
+    from kvlab.relay.storage import RelayStore
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "cpu_kernel_status",
+    "decode_backend",
+    "load",
+    "ragged_decode_cpu",
+]
+
+BACKENDS: tuple[str, ...] = ("torch", "cpu")
+ENV_VAR = "KVLAB_RELAY_BACKEND"
+
+_LOG = logging.getLogger("kvlab")
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}
+
+
+def decode_backend() -> str:
+    """``"auto"``, ``"torch"`` or ``"cpu"`` from ``KVLAB_RELAY_BACKEND`` (unset: ``"auto"``).
+
+    Raises:
+        ValueError: any other value.
+    """
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env and env not in ("auto", *BACKENDS):
+        raise ValueError(f"{ENV_VAR}={env!r}: must be 'auto' or one of {BACKENDS}")
+    return env or "auto"
+
+
+def _compile() -> ModuleType:
+    source = resources.files("kvlab.relay.kernels").joinpath("cpu_decode.cpp").read_text("utf-8")
+    return compile_module(
+        "kvlab_relay_cpu",
+        source,
+        ["ragged_decode"],
+        "kvlab: compiling the RoPE-Relay CPU decode kernel (once per machine, about half a "
+        f"minute; set {ENV_VAR}=torch to skip it)",
+    )
+
+
+def load() -> ModuleType | None:
+    """The compiled module (compiled on the first call), or ``None`` when it cannot be built
+    (the reason is logged once and kept in :func:`cpu_kernel_status`)."""
+    with _LOCK:
+        if "module" not in _STATE:
+            try:
+                _STATE["module"] = _compile()
+            except Exception as err:
+                _STATE["module"] = None
+                _STATE["error"] = str(err)
+                _LOG.warning(
+                    "kvlab: the RoPE-Relay CPU decode kernel could not be compiled (%s); "
+                    "relay attention uses SDPA",
+                    err,
+                )
+        module = _STATE["module"]
+    return module if isinstance(module, ModuleType) else None
+
+
+def cpu_kernel_status() -> str:
+    """``"not loaded"``, ``"loaded"`` or ``"unavailable: <reason>"``."""
+    if "module" not in _STATE:
+        return "not loaded"
+    return "loaded" if _STATE["module"] is not None else f"unavailable: {_STATE.get('error')}"
+
+
+def ragged_decode_cpu(module: ModuleType, query: Tensor, store: RelayStore, scale: float) -> Tensor:
+    """One decode step's attention over every segment of ``store`` with the compiled kernel.
+
+    Args:
+        module: from :func:`load`.
+        query: float32 ``[B, H_q, 1, D]`` on the CPU (``B == store.batch``, ``H_q`` a multiple
+            of ``store.heads``); store: float32, every segment holding at least one token.
+        scale: softmax scale of the logits.
+
+    Returns:
+        float32 ``[B, H_q, 1, Dv]``: softmax attention of each query head over the stored
+        tokens of its kv head (GQA), equal to the SDPA reference to float32 rounding.
+    """
+    batch, q_heads, _, dim = query.shape
+    segments = store.num_segments
+    q = query.reshape(segments, q_heads // store.heads, dim).contiguous()
+    out = module.ragged_decode(q, store.keys, store.values, store.stride, store.lengths, scale)
+    return out.view(batch, q_heads, 1, store.value_dim)
