@@ -19,7 +19,8 @@ decode rate.
         --rounds 3 --out runs/bench/eval_throughput.json
 
 PN-Mix attention runs on the backend ``pnmix_attention`` picks (on the CPU the compiled kernel,
-compiled on first use; ``KVLAB_PNMIX_BACKEND=torch`` for the reference).
+compiled on first use; ``KVLAB_PNMIX_BACKEND=torch`` for the reference); RoPE-Relay decode steps
+likewise (``KVLAB_RELAY_BACKEND=torch`` for SDPA).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kvlab.evaluation.protocols import cache_keyword
 from kvlab.integrations.attention import use_attention
 from kvlab.models import load_model
 from kvlab.pnmix.kernels import ENV_VAR, cpu
+from kvlab.relay.kernels import cpu as relay_cpu
 
 MODEL = "smollm2-135m"
 
@@ -188,6 +190,8 @@ def main() -> None:
         "torch": torch.__version__,
         "pnmix_backend_env": os.environ.get(ENV_VAR, "auto"),
         "pnmix_cpu_kernel": cpu.cpu_kernel_status(),
+        "relay_backend_env": os.environ.get(relay_cpu.ENV_VAR, "auto"),
+        "relay_cpu_kernel": relay_cpu.cpu_kernel_status(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "steps": args.steps,

@@ -15,12 +15,19 @@ import hashlib
 import logging
 import os
 import platform
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
 
-__all__ = ["FLAGS", "check_backend_variables", "compile_module", "module_name"]
+__all__ = [
+    "FLAGS",
+    "CompiledModule",
+    "check_backend_variables",
+    "compile_module",
+    "module_name",
+]
 
 _LOG = logging.getLogger("kvlab")
 
@@ -97,3 +104,52 @@ def check_backend_variables() -> None:
 
     requested_backend("auto")
     decode_backend()
+
+
+class CompiledModule:
+    """A kernel module compiled on first use, once per process — or the reason it could not be
+    (logged once; callers then run their torch reference).
+
+    Args:
+        build: compiles and returns the module (e.g. a call of :func:`compile_module`).
+        what: the kernel's name in the log line; fallback: what runs instead (same line).
+    """
+
+    def __init__(self, build: Callable[[], ModuleType], what: str, fallback: str) -> None:
+        self._build = build
+        self._what = what
+        self._fallback = fallback
+        self._lock = threading.Lock()
+        self.state: dict[str, object] = {}
+
+    def load(self) -> ModuleType | None:
+        """The compiled module (compiled on the first call), or ``None`` when it cannot be
+        built (the reason is logged once and kept in :meth:`status`)."""
+        with self._lock:
+            if "module" not in self.state:
+                try:
+                    self.state["module"] = self._build()
+                except Exception as err:
+                    self.state["module"] = None
+                    self.state["error"] = str(err)
+                    _LOG.warning(
+                        "kvlab: the %s could not be compiled (%s); %s",
+                        self._what,
+                        err,
+                        self._fallback,
+                    )
+            module = self.state["module"]
+        return module if isinstance(module, ModuleType) else None
+
+    def loaded(self) -> ModuleType | None:
+        """The module if it is already compiled and loaded (never compiles)."""
+        module = self.state.get("module")
+        return module if isinstance(module, ModuleType) else None
+
+    def status(self) -> str:
+        """``"not loaded"``, ``"loaded"`` or ``"unavailable: <reason>"``."""
+        if "module" not in self.state:
+            return "not loaded"
+        if self.state["module"] is not None:
+            return "loaded"
+        return f"unavailable: {self.state.get('error')}"

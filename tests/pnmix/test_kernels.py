@@ -290,7 +290,7 @@ def test_a_kernel_that_cannot_compile_is_reported_once_and_torch_is_used(
     def broken() -> None:
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(cpu, "_STATE", {})
+    monkeypatch.setattr(cpu._KERNEL, "state", {})
     monkeypatch.setattr(cpu, "_compile", broken)
     cache = PNMixCache(
         PNMixConfig(sink_tokens=1, residual_tokens=2, group_tokens=4),

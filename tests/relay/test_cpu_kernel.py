@@ -150,3 +150,26 @@ def test_the_kernel_refuses_inputs_that_do_not_fit_the_buffers():
         module.ragged_decode(query, store.keys, store.values, store.stride * 2, [3, 4], 0.3)
     with pytest.raises(RuntimeError, match="float32"):
         module.ragged_decode(query.double(), store.keys, store.values, store.stride, [3, 4], 0.3)
+
+
+def test_a_kernel_that_cannot_compile_is_reported_once_and_sdpa_is_used(monkeypatch, caplog):
+    import logging
+
+    def broken():
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(relay_cpu._KERNEL, "state", {})
+    monkeypatch.setattr(relay_cpu, "_compile", broken)
+    monkeypatch.delenv(relay_cpu.ENV_VAR, raising=False)
+    store, gen = _store(1, 2, 8, 8, [[3, 5]], seed=5)
+    query = torch.randn(1, 4, 1, 8, generator=gen)
+    with caplog.at_level(logging.WARNING, logger="kvlab"):
+        first = ragged_attention(query, store, scale=0.3)
+        second = ragged_attention(query, store, scale=0.3)
+    messages = [r.getMessage() for r in caplog.records if "could not be compiled" in r.getMessage()]
+    assert len(messages) == 1 and "no C++ compiler here" in messages[0]
+    reference = ragged_attention(query, store, scale=0.3, backend="torch")
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+    assert relay_cpu.cpu_kernel_status() == "unavailable: no C++ compiler here"
+    with pytest.raises(RuntimeError, match="unavailable: no C\\+\\+ compiler here"):
+        ragged_attention(query, store, scale=0.3, backend="cpu")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from importlib import resources
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvlab.native import compile_module
+from kvlab.native import CompiledModule, compile_module
 from kvlab.pnmix.hadamard import hadamard_matrix
 from kvlab.pnmix.kernels.spec import KEYS_WIDTHS, KernelKeyDecode
 from kvlab.pnmix.store import EncodedGroups
@@ -51,8 +50,6 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger("kvlab")
-_LOCK = threading.Lock()
-_STATE: dict[str, object] = {}
 _EMPTY = torch.empty(0)
 _ROPE_TABLES: dict[tuple[RotaryConfig, torch.device], tuple[int, Tensor, Tensor]] = {}
 _HADAMARD: dict[tuple[int, torch.device], Tensor] = {}
@@ -150,36 +147,27 @@ def _compile() -> ModuleType:
     )
 
 
+_KERNEL = CompiledModule(
+    lambda: _compile(),  # looked up at the first load: tests replace _compile
+    "PN-Mix CPU attention kernel",
+    "packed attention uses the torch reference on the CPU",
+)
+
+
 def load() -> ModuleType | None:
     """The compiled module (compiled on the first call), or ``None`` when it cannot be built
     (the reason is logged once and kept in :func:`cpu_kernel_status`)."""
-    with _LOCK:
-        if "module" not in _STATE:
-            try:
-                _STATE["module"] = _compile()
-            except Exception as err:
-                _STATE["module"] = None
-                _STATE["error"] = str(err)
-                _LOG.warning(
-                    "kvlab: the PN-Mix CPU attention kernel could not be compiled (%s); packed "
-                    "attention uses the torch reference on the CPU",
-                    err,
-                )
-        module = _STATE["module"]
-    return module if isinstance(module, ModuleType) else None
+    return _KERNEL.load()
 
 
 def loaded() -> ModuleType | None:
     """The module if it is already compiled and loaded (never compiles)."""
-    module = _STATE.get("module")
-    return module if isinstance(module, ModuleType) else None
+    return _KERNEL.loaded()
 
 
 def cpu_kernel_status() -> str:
     """``"not loaded"``, ``"loaded"`` or ``"unavailable: <reason>"``."""
-    if "module" not in _STATE:
-        return "not loaded"
-    return "loaded" if _STATE["module"] is not None else f"unavailable: {_STATE.get('error')}"
+    return _KERNEL.status()
 
 
 def _splits(rows: int, group_counts: np.ndarray) -> int:

@@ -14,16 +14,14 @@ cannot be compiled; ``torch`` always uses SDPA.
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 from importlib import resources
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from kvlab.native import compile_module
+from kvlab.native import CompiledModule, compile_module
 
 if TYPE_CHECKING:
     from kvlab.relay.storage import RelayStore
@@ -39,10 +37,6 @@ __all__ = [
 
 BACKENDS: tuple[str, ...] = ("torch", "cpu")
 ENV_VAR = "KVLAB_RELAY_BACKEND"
-
-_LOG = logging.getLogger("kvlab")
-_LOCK = threading.Lock()
-_STATE: dict[str, object] = {}
 
 
 def decode_backend() -> str:
@@ -68,30 +62,20 @@ def _compile() -> ModuleType:
     )
 
 
+_KERNEL = CompiledModule(
+    lambda: _compile(), "RoPE-Relay CPU decode kernel", "relay attention uses SDPA"
+)
+
+
 def load() -> ModuleType | None:
     """The compiled module (compiled on the first call), or ``None`` when it cannot be built
     (the reason is logged once and kept in :func:`cpu_kernel_status`)."""
-    with _LOCK:
-        if "module" not in _STATE:
-            try:
-                _STATE["module"] = _compile()
-            except Exception as err:
-                _STATE["module"] = None
-                _STATE["error"] = str(err)
-                _LOG.warning(
-                    "kvlab: the RoPE-Relay CPU decode kernel could not be compiled (%s); "
-                    "relay attention uses SDPA",
-                    err,
-                )
-        module = _STATE["module"]
-    return module if isinstance(module, ModuleType) else None
+    return _KERNEL.load()
 
 
 def cpu_kernel_status() -> str:
     """``"not loaded"``, ``"loaded"`` or ``"unavailable: <reason>"``."""
-    if "module" not in _STATE:
-        return "not loaded"
-    return "loaded" if _STATE["module"] is not None else f"unavailable: {_STATE.get('error')}"
+    return _KERNEL.status()
 
 
 def ragged_decode_cpu(module: ModuleType, query: Tensor, store: RelayStore, scale: float) -> Tensor:

@@ -7,7 +7,7 @@
 // in cache between its heads). Exact softmax in float32 (std::exp, max-subtracted), the formula
 // SDPA computes; summation order differs from SDPA's, so results agree to float32 rounding, not
 // bit for bit. (segment, head) pairs run in parallel (at::parallel_for) when torch has more
-// than one intra-op thread.
+// than one intra-op thread and the step is large enough.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -146,7 +146,12 @@ torch::Tensor ragged_decode(torch::Tensor query, torch::Tensor keys, torch::Tens
   const float* v = values.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, M * G, 1, [&](int64_t begin, int64_t end) {
+  // threads only for enough work: at least ~2^18 multiply-adds per task (a decode step of a
+  // small model is a few microseconds per head, less than waking a thread pool)
+  int64_t longest = 1;
+  for (int64_t n : lengths) longest = std::max(longest, n);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (longest * (D + Dv)));
+  at::parallel_for(0, M * G, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> p;
     for (int64_t mg = begin; mg < end; ++mg) {
       const int64_t m = mg / G, n = lengths[m];
