@@ -209,9 +209,9 @@ class RelayStore:
         self.capacities: list[int] = [0] * segments
         self.stride = 1
         self.relayouts = 0
-        # decode steps (docs/design.md, "RoPE-Relay: Segment layout and growth"): the row of
-        # each segment's next token as a device tensor, advanced in place after a single-token
-        # append, and the host state it was built for; the positions those steps deferred
+        # decode steps (docs/design.md, "RoPE-Relay: Segment layout and growth"): the rows of
+        # the next single-token appends as one device tensor (a row per step), the host state
+        # the next step must match to use it, and the positions those steps deferred
         self._ahead: Tensor | None = None  # int64 [room, B * H]: row i = rows of step i
         self._ahead_step = 0  # the next row of _ahead to use
         self._next_key: tuple | None = None
