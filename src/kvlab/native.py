@@ -94,16 +94,24 @@ def compile_module(
 
 def check_backend_variables() -> None:
     """Refuse a bad ``KVLAB_PNMIX_BACKEND`` or ``KVLAB_RELAY_BACKEND`` value up front (the CLI
-    calls this before any model loads, so the error is one line, not a late traceback).
+    calls this before any model loads, so the error is one line, not a late traceback). A
+    variable set to ``cpu`` insists on that compiled kernel: it is compiled (or loaded) here,
+    and a kernel that cannot be built is refused here too.
 
     Raises:
-        ValueError: a value that is not ``auto`` or one of the mechanism's backends.
+        ValueError: a value that is not ``auto`` or one of the mechanism's backends, or ``cpu``
+            for a kernel that cannot be compiled on this machine.
     """
-    from kvlab.pnmix.kernels.dispatch import requested_backend
-    from kvlab.relay.kernels.cpu import decode_backend
+    from kvlab.pnmix.kernels import cpu as pnmix_cpu
+    from kvlab.pnmix.kernels.dispatch import ENV_VAR, requested_backend
+    from kvlab.relay.kernels import cpu as relay_cpu
 
-    requested_backend("auto")
-    decode_backend()
+    if requested_backend("auto") == "cpu" and pnmix_cpu.load() is None:
+        raise ValueError(f"{ENV_VAR}=cpu: the PN-Mix CPU kernel is {pnmix_cpu.cpu_kernel_status()}")
+    if relay_cpu.decode_backend() == "cpu" and relay_cpu.load() is None:
+        raise ValueError(
+            f"{relay_cpu.ENV_VAR}=cpu: the RoPE-Relay CPU kernel is {relay_cpu.cpu_kernel_status()}"
+        )
 
 
 class CompiledModule:

@@ -179,7 +179,7 @@ def test_help_and_version_import_no_heavy_module():
     assert version.returncode == 0 and version.stdout == f"kvlab {kvlab.__version__}\n"
 
 
-def test_every_command_reports_a_mistake_the_same_way(tmp_path):
+def test_every_command_reports_a_mistake_the_same_way(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from kvlab.cli import app
@@ -213,6 +213,22 @@ def test_every_command_reports_a_mistake_the_same_way(tmp_path):
         ),
         (["sweep", str(tmp_path / "missing.toml")], "KVLAB_RELAY_BACKEND='gpu'", relay),
     ]
+    # a backend variable set to "cpu" for a kernel that cannot be compiled: refused up front
+    from kvlab.pnmix.kernels import cpu as pnmix_cpu
+    from kvlab.relay.kernels import cpu as relay_cpu
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler here")
+
+    for module in (pnmix_cpu, relay_cpu):
+        monkeypatch.setattr(module._KERNEL, "state", {})
+        monkeypatch.setattr(module, "_compile", no_compiler)
+    cases += [
+        (["eval", "--method", "relay:snapkv@0.5", *out], "RoPE-Relay CPU kernel is unavailable",
+         {"KVLAB_RELAY_BACKEND": "cpu"}),
+        (["eval", "--method", "pn-mix", *out], "PN-Mix CPU kernel is unavailable",
+         {"KVLAB_PNMIX_BACKEND": "cpu"}),
+    ]  # fmt: skip
     runner = CliRunner()
     for args, fragment, *env in cases:
         result = runner.invoke(app, args, env=env[0] if env else None)
