@@ -72,11 +72,13 @@ def compile_module(
     from torch.utils.cpp_extension import load_inline
 
     errors = []
+    announced = False
     for openmp in (["-fopenmp"], []):
         flags = [*FLAGS, *openmp]
         name = module_name(prefix, source, flags)
-        if not _built(name):
-            _LOG.warning(announcement)
+        if not announced and not _built(name):
+            _LOG.warning(announcement)  # once, also when the OpenMP build fails first
+            announced = True
         try:
             return load_inline(
                 name,

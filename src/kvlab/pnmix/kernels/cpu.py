@@ -150,7 +150,8 @@ def _compile() -> ModuleType:
 _KERNEL = CompiledModule(
     lambda: _compile(),  # looked up at the first load: tests replace _compile
     "PN-Mix CPU attention kernel",
-    "packed attention uses the torch reference on the CPU",
+    "packed attention uses the torch reference on the CPU (KVLAB_PNMIX_BACKEND=cpu refuses "
+    "instead)",
 )
 
 

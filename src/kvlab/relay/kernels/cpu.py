@@ -63,7 +63,9 @@ def _compile() -> ModuleType:
 
 
 _KERNEL = CompiledModule(
-    lambda: _compile(), "RoPE-Relay CPU decode kernel", "relay attention uses SDPA"
+    lambda: _compile(),
+    "RoPE-Relay CPU decode kernel",
+    f"relay attention uses SDPA ({ENV_VAR}=cpu refuses instead)",
 )
 
 
