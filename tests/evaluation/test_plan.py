@@ -202,3 +202,28 @@ def test_the_example_sweep_is_three_methods_by_two_ratios_on_two_windows():
     assert len(eviction) == 6 and {m.split("@")[1] for m in eviction} == {"0.25", "0.5"}
     for name in config.methods:
         parse_method(name)
+
+
+def test_a_backend_variable_changes_the_keys_of_the_methods_it_runs(monkeypatch):
+    """KVLAB_RELAY_BACKEND / KVLAB_PNMIX_BACKEND change the keys of the tasks whose mechanism
+    they select (kernels agree with the references only to rounding: no resuming across
+    them), and no other task's key."""
+    methods = ["relay-legacy:snapkv@0.5", "pn-mix-uniform"]
+    tokens = list(range(200))
+
+    def keys():
+        plan = _plan(methods, tokens, windows=1, prefill=64, score=16)
+        return {t.method.name: (t.key, t.record()["backends"]) for t in plan.tasks}
+
+    monkeypatch.delenv("KVLAB_RELAY_BACKEND", raising=False)
+    monkeypatch.delenv("KVLAB_PNMIX_BACKEND", raising=False)
+    auto = keys()
+    assert auto["relay-legacy:snapkv@0.5"][1] == {"relay": "auto"}
+    assert auto["pn-mix-uniform"][1] == {"pnmix": "auto"} and auto["full"][1] == {}
+    monkeypatch.setenv("KVLAB_RELAY_BACKEND", "torch")
+    relay_torch = keys()
+    assert relay_torch["relay-legacy:snapkv@0.5"][0] != auto["relay-legacy:snapkv@0.5"][0]
+    assert relay_torch["full"] == auto["full"]
+    assert relay_torch["pn-mix-uniform"] == auto["pn-mix-uniform"]
+    monkeypatch.setenv("KVLAB_PNMIX_BACKEND", "torch")
+    assert keys()["pn-mix-uniform"][0] != auto["pn-mix-uniform"][0]

@@ -231,6 +231,10 @@ class Task:
         reference: key of the ``full`` task whose log-probabilities it needs, if any.
         preparation: key of its :class:`PrepTask`, if any.
         code: code hash of :data:`RESULT_MODULES`.
+        backends: the attention backends requested for the method's mechanisms
+            (``KVLAB_PNMIX_BACKEND`` / ``KVLAB_RELAY_BACKEND``; :func:`method_backends`):
+            compiled kernels agree with the references only to float rounding, so a result
+            computed under one is not resumed under another.
         key: the content hash (computed).
     """
 
@@ -244,6 +248,7 @@ class Task:
     reference: str | None = None
     preparation: str | None = None
     code: str = ""
+    backends: Mapping[str, str] = field(default_factory=dict)
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -260,6 +265,8 @@ class Task:
             "preparation": self.preparation,
             "code": self.code,
         }
+        if self.backends:
+            content["backends"] = dict(self.backends)
         object.__setattr__(self, "key", content_hash(content))
 
     @property
@@ -284,7 +291,27 @@ class Task:
             "tokens": len(self.tokens),
             "reference": self.reference,
             "preparation": self.preparation,
+            "backends": dict(self.backends),
         }
+
+
+def method_backends(method: Method) -> dict[str, str]:
+    """The requested attention backend of each kvlab mechanism ``method`` runs: ``"pnmix"``
+    (``KVLAB_PNMIX_BACKEND``) for the PN-Mix and composed families, ``"relay"``
+    (``KVLAB_RELAY_BACKEND``) for the eviction and composed families; ``{}`` otherwise.
+
+    Raises:
+        ValueError: a variable that is not a backend name (see :mod:`kvlab.native`).
+    """
+    from kvlab.pnmix.kernels.dispatch import requested_backend
+    from kvlab.relay.kernels.cpu import decode_backend
+
+    backends = {}
+    if method.family in ("quantized", "composed"):
+        backends["pnmix"] = requested_backend("auto")
+    if method.family in ("eviction", "composed"):
+        backends["relay"] = decode_backend()
+    return backends
 
 
 @dataclass(frozen=True)
@@ -418,6 +445,7 @@ def plan_eval(
             reference=reference,
             preparation=prepared_by.get(method.name),
             code=code,
+            backends=method_backends(method),
         )
 
     if config.protocol == "prefill-score":
