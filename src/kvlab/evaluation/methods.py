@@ -130,6 +130,7 @@ __all__ = [
     "Preparation",
     "available_method_names",
     "hf_quantized_backend_available",
+    "method_backends",
     "parse_method",
     "register_method",
     "register_pattern",
@@ -838,3 +839,22 @@ def parse_method(spec: str, *, protocol: str = "prefill-score", cache_slots: int
         if match:
             return build(match, context)
     raise ValueError(f"unknown method {spec!r}; known: {', '.join(available_method_names())}")
+
+
+def method_backends(method: Method) -> dict[str, str]:
+    """The requested attention backend of each kvlab mechanism ``method`` runs: ``"pnmix"``
+    (``KVLAB_PNMIX_BACKEND``) for the PN-Mix and composed families, ``"relay"``
+    (``KVLAB_RELAY_BACKEND``) for the eviction and composed families; ``{}`` otherwise.
+
+    Raises:
+        ValueError: a variable that is not a backend name (see :mod:`kvlab.native`).
+    """
+    from kvlab.pnmix.kernels.dispatch import requested_backend
+    from kvlab.relay.kernels.cpu import decode_backend
+
+    backends = {}
+    if method.family in ("quantized", "composed"):
+        backends["pnmix"] = requested_backend("auto")
+    if method.family in ("eviction", "composed"):
+        backends["relay"] = decode_backend()
+    return backends

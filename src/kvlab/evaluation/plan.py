@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.evaluation.fingerprint import code_digest, content_hash
-from kvlab.evaluation.methods import Method
+from kvlab.evaluation.methods import Method, method_backends
 
 __all__ = [
     "DTYPES",
@@ -293,25 +293,6 @@ class Task:
             "preparation": self.preparation,
             "backends": dict(self.backends),
         }
-
-
-def method_backends(method: Method) -> dict[str, str]:
-    """The requested attention backend of each kvlab mechanism ``method`` runs: ``"pnmix"``
-    (``KVLAB_PNMIX_BACKEND``) for the PN-Mix and composed families, ``"relay"``
-    (``KVLAB_RELAY_BACKEND``) for the eviction and composed families; ``{}`` otherwise.
-
-    Raises:
-        ValueError: a variable that is not a backend name (see :mod:`kvlab.native`).
-    """
-    from kvlab.pnmix.kernels.dispatch import requested_backend
-    from kvlab.relay.kernels.cpu import decode_backend
-
-    backends = {}
-    if method.family in ("quantized", "composed"):
-        backends["pnmix"] = requested_backend("auto")
-    if method.family in ("eviction", "composed"):
-        backends["relay"] = decode_backend()
-    return backends
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvlab.evaluation.methods import Method
+from kvlab.evaluation.methods import Method, method_backends
 from kvlab.evaluation.metrics import CacheStorage, cache_storage, kl_divergence, token_nll
 from kvlab.integrations.attention import use_attention
 
@@ -128,14 +128,14 @@ def _rope_position(cache: Any) -> int:
 def _load_kernels(method: Method) -> None:
     """Compile (first use on this machine) or load the CPU kernels ``method`` runs, before any
     timing starts: a compilation must not count as model time. Skipped for the backends that
-    do not use them (``KVLAB_*_BACKEND=torch``)."""
+    do not use them (``KVLAB_*_BACKEND=torch``, ``triton``)."""
     from kvlab.pnmix.kernels import cpu as pnmix_cpu
-    from kvlab.pnmix.kernels.dispatch import requested_backend
     from kvlab.relay.kernels import cpu as relay_cpu
 
-    if method.family in ("eviction", "composed") and relay_cpu.decode_backend() != "torch":
+    backends = method_backends(method)
+    if backends.get("relay") in ("auto", "cpu"):
         relay_cpu.load()
-    if method.family in ("quantized", "composed") and requested_backend("auto") in ("auto", "cpu"):
+    if backends.get("pnmix") in ("auto", "cpu"):
         pnmix_cpu.load()
 
 

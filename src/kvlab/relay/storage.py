@@ -276,7 +276,7 @@ class RelayStore:
         self.capacities = [stride] * self.num_segments
         self.offsets = [s * stride for s in range(self.num_segments)]
 
-    def _mark_valid(self, segments: slice) -> None:
+    def _mark_bias(self, segments: slice) -> None:
         """Rewrite ``key_bias`` for the segments ``segments`` from the host ``lengths``."""
         lengths = torch.tensor(self.lengths[segments], dtype=torch.int64, device=self.device)
         valid = self.slots(self.stride).view(1, -1) < lengths.view(-1, 1)
@@ -336,7 +336,7 @@ class RelayStore:
             strict=True,
         ):
             new.index_copy_(0, dst, buf.index_select(0, src))
-        self._mark_valid(slice(None))
+        self._mark_bias(slice(None))
         self.relayouts += 1
 
     def shrink(self, slack: float = 2.0) -> bool:
@@ -512,7 +512,7 @@ class RelayStore:
         self.rotary_positions.index_copy_(0, dst, rotary_positions.reshape(-1)[src])
         self.lengths[base : base + heads] = counts
         self._next_key = None
-        self._mark_valid(slice(base, base + heads))
+        self._mark_bias(slice(base, base + heads))
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep sequences ``rows`` (host ints, repeats allowed) in that order (beam search,
@@ -539,7 +539,7 @@ class RelayStore:
         ):
             new.index_copy_(0, dst, buf.index_select(0, src))
         if self.num_segments:
-            self._mark_valid(slice(None))
+            self._mark_bias(slice(None))
 
     # ------------------------------------------------------------------ reads
     def gather_index(self, rows: Sequence[int] | None = None) -> tuple[Tensor, Tensor, int]:
