@@ -80,8 +80,11 @@ def test_the_kernel_computes_the_definition(batch, heads, group, dim, value_dim,
     reference = ragged_attention(query, store, scale=scale, backend="torch")
     expected = _definition(query, store, scale)
     assert out.dtype == torch.float32 and out.shape == (batch, heads * group, 1, value_dim)
+    # Each float32 implementation is held to the float64 definition; the two differ from each
+    # other by at most both their roundings (triangle inequality), never by one alone.
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(out, reference, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(reference.double(), expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out, reference, atol=4e-6, rtol=2e-5)
 
 
 def test_auto_runs_the_kernel_for_decode_steps_only(monkeypatch):
