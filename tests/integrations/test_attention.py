@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from kvlab.integrations import (
     KVLAB_ATTENTION,
@@ -155,3 +155,24 @@ def test_importing_the_integration_registers_the_kvlab_attention(make_llama):
     model = make_llama(seed=3)
     model.set_attn_implementation(KVLAB_ATTENTION)
     assert model.config._attn_implementation == KVLAB_ATTENTION
+
+
+def test_kvlab_attention_over_a_static_cache_attends_to_written_slots_only(make_llama):
+    """A pre-allocated ``StaticCache`` hands the attention its whole capacity (64 slots): the
+    unwritten slots past the last query must get no weight, as under ``sdpa`` (issue: the
+    kvlab mask passed the plain causal pattern as ``None`` and the slots were attended)."""
+    model = make_llama()
+    ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(ids).logits
+        enable_kvlab_attention(model)
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        chunks = [model(ids[:, a:b], past_key_values=cache).logits
+                  for a, b in ((0, 20), (20, 21), (21, 30))]  # fmt: skip
+        torch.testing.assert_close(torch.cat(chunks, 1), reference, atol=1e-5, rtol=1e-4)
+        tokens = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False,
+                                cache_implementation="static")  # fmt: skip
+        model.set_attn_implementation("sdpa")
+        expected = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False,
+                                  cache_implementation="static")  # fmt: skip
+    assert torch.equal(tokens, expected)

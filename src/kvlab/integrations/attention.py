@@ -345,17 +345,24 @@ def kvlab_mask(
 ) -> Tensor | None:
     """Mask builder registered as ``"kvlab"`` in ``transformers.AttentionMaskInterface``.
 
-    For ``transformers``' plain causal mask function: the 2-D boolean keep mask ``[B, past +
-    Q]`` as given (its values are not read), or ``None`` when there is none (plain causal
-    attention, applied by the attention itself). For any other mask function (sliding window,
-    chunked, packed sequences, bidirectional or block overlays):
+    For ``transformers``' plain causal mask function over a cache whose keys are exactly the
+    tokens seen (``kv_offset == 0`` and ``q_offset + q_length == kv_length``: the queries are
+    the cache's last ``Q`` keys): the 2-D boolean keep mask ``[B, past + Q]`` as given (its
+    values are not read), or ``None`` when there is none (plain causal attention, applied by
+    the attention itself). For any other mask function (sliding window, chunked, packed
+    sequences, bidirectional or block overlays), and for a causal mask over keys that are not
+    the tokens seen (a pre-allocated cache such as ``transformers.StaticCache``, whose
+    ``kv_length`` is its capacity: the slots past the last query are not written yet):
     ``transformers.masking_utils.sdpa_mask`` materialized as a 4-D boolean
     ``[B, 1, Q, kv_length]`` keep mask, exactly what the ``"sdpa"`` implementation would
-    receive.
+    receive (plain tensors honour it; kvlab cache views refuse it).
     """
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    if mask_function is None or mask_function is causal_mask_function:
+    # a tensor q_offset comes from pre-allocated (static) caches only: never tail-aligned here,
+    # and comparing it would be a host sync
+    tail_aligned = isinstance(q_offset, int) and kv_offset == 0 and q_offset + q_length == kv_length
+    if tail_aligned and (mask_function is None or mask_function is causal_mask_function):
         # as given, without reading it (no host sync): the attention decides about padding
         return None if attention_mask is None else attention_mask.bool()
     kwargs.pop("allow_is_causal_skip", None)
@@ -366,7 +373,7 @@ def kvlab_mask(
         kv_length=kv_length,
         q_offset=q_offset,
         kv_offset=kv_offset,
-        mask_function=mask_function,
+        mask_function=causal_mask_function if mask_function is None else mask_function,
         attention_mask=attention_mask,
         allow_is_causal_skip=False,
         allow_is_bidirectional_skip=False,
