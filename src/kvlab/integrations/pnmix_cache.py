@@ -92,7 +92,6 @@ class _ForwardState:
         self._key: tuple[Any, ...] | None = None
         self._mask: Tensor | None = None
         self._lengths: np.ndarray | None = None
-        self.pending_mask_ok: Tensor | None = None
 
     def lengths(
         self, mask: Tensor | None, batch: int, queries: int, columns: int, stored: np.ndarray | None
@@ -107,14 +106,16 @@ class _ForwardState:
             stored: int64 ``[B]`` tokens the layer stores per row (``None``: empty layer).
 
         Returns:
-            host int64 ``[B]``, or ``None`` when all ``Q`` are real. For ``Q == 1`` the mask
-            is not read: the token is taken as real and the check is deferred
-            (:attr:`pending_mask_ok`).
+            host int64 ``[B]``, or ``None`` when all ``Q`` are real. The mask is read once per
+            forward (one host sync; none without a mask), single-token forwards included: a
+            mask whose past columns mark another number of real tokens than the row stores (a
+            hole in a past position) is refused before anything is stored, never ignored
+            (docs/design.md, "Cache life cycle").
 
         Raises:
             ValueError: a mask that is not 2-D, has the wrong number of rows or columns, pads a
-                row's new tokens anywhere but on the left, or disagrees with the tokens the
-                layer stores for a row.
+                row's new tokens anywhere but on the left (in a single-token forward: at all),
+                or whose past columns disagree with the tokens the layer stores for a row.
         """
         if mask is None:
             return None
@@ -132,13 +133,13 @@ class _ForwardState:
             )
         key = (id(mask), mask._version, tuple(mask.shape), columns, queries)
         if key != self._key:
-            if queries == 1:
-                self._lengths = None
-                ok = mask[:, -1].bool().all()
-                prev = self.pending_mask_ok
-                self.pending_mask_ok = ok if prev is None else prev & ok
-            else:
-                self._lengths = self._read(mask, queries, columns, stored)
+            self._lengths = self._read(mask, queries, columns, stored)
+            if queries == 1 and not self._lengths.all():
+                row = int(np.flatnonzero(self._lengths == 0)[0])
+                raise ValueError(
+                    f"attention_mask row {row}: a single-token forward marks its new token as "
+                    "padding; PN-Mix stores the new token of every row in single-token forwards"
+                )
             # only a mask that passed is remembered (a refused one is read again if retried);
             # held so that its id stays unique
             self._key, self._mask = key, mask
@@ -164,13 +165,14 @@ class _ForwardState:
             row = int(np.flatnonzero(past != expected)[0])
             raise ValueError(
                 f"attention_mask row {row} marks {int(past[row])} past tokens as real; the cache "
-                f"stores {int(expected[row])} for that row"
+                f"stores {int(expected[row])} for that row (a mask with a hole in a past "
+                "position is refused)"
             )
         return lengths
 
     def pending(self) -> list[Tensor]:
         """Every device flag not yet checked (True = valid), over all layers."""
-        flags = [] if self.pending_mask_ok is None else [self.pending_mask_ok]
+        flags: list[Tensor] = []
         for layer in self.layers:
             store = layer._store
             if store is not None and store.pending_check() is not None:
@@ -181,25 +183,18 @@ class _ForwardState:
         """Check every deferred flag with one device read (none if there is nothing pending).
 
         Raises:
-            ValueError: naming the offending layer, or the padding column.
+            ValueError: naming the offending layer.
         """
         flags = self.pending()
         if not flags:
             return
         ok = bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
-        mask_ok, self.pending_mask_ok = self.pending_mask_ok, None
         for i, layer in enumerate(self.layers):
             if layer._store is not None:
                 try:
                     layer._store.check_values(assume_valid=ok)
                 except ValueError as err:
                     raise ValueError(f"layer {i}: {err}") from err
-        if mask_ok is not None and not ok and not bool(mask_ok):
-            raise ValueError(
-                "a single-token forward's attention_mask marked its new token as padding; "
-                "PN-Mix stores the new token of every row in single-token forwards (it is "
-                "stored now: reset the cache)"
-            )
 
 
 class PNMixView(CacheView):
@@ -394,7 +389,9 @@ class PNMixLayer(CacheLayerMixin):
             return None
         self._pending = None
         keys, values = pending
-        self._shared.lengths(attention_mask, keys.shape[0], 1, self.columns, None)
+        store = self._store
+        stored = None if store is None else store.seq_lengths[:, 0]
+        self._shared.lengths(attention_mask, keys.shape[0], 1, self.columns, stored)
         if self._store is None:
             self.lazy_initialization(keys, values)
         assert self._store is not None
