@@ -26,12 +26,20 @@ from kvlab.integrations.cache_protocol import (
 __all__ = ["ForeignCache", "describe"]
 
 
+#: Per cache class, whether its instances implement :class:`KVLabCache` (a runtime protocol
+#: check costs tens of microseconds; :func:`describe` runs inside timed model calls).
+_IMPLEMENTS: dict[type, bool] = {}
+
+
 def describe(cache: Any) -> KVLabCache:
     """``cache`` itself when it implements :class:`KVLabCache` (kvlab's caches), else a
-    :class:`ForeignCache` around it."""
-    if isinstance(cache, KVLabCache):
-        return cache
-    return ForeignCache(cache)
+    :class:`ForeignCache` around it. The check is made once per cache class (the protocol's
+    members are class attributes and methods)."""
+    kind = type(cache)
+    implements = _IMPLEMENTS.get(kind)
+    if implements is None:
+        implements = _IMPLEMENTS[kind] = isinstance(cache, KVLabCache)
+    return cache if implements else ForeignCache(cache)
 
 
 def _leaf_tensors(obj: Any) -> Iterator[Tensor]:
