@@ -5,7 +5,7 @@ kvlab's model caches (:class:`~kvlab.integrations.PNMixModelCache`,
 :class:`~kvlab.integrations.RelayModelCache`,
 :class:`~kvlab.integrations.composed_cache.ComposedModelCache`) implement the protocol as
 methods; ``kvlab eval`` reads every cache through it (a ``transformers`` cache through the one
-adapter :func:`kvlab.evaluation.cache_view.describe`), so evaluation never branches on cache
+adapter :func:`kvlab.evaluation.foreign_cache.describe`), so evaluation never branches on cache
 classes. This module imports no cache class (the caches import it).
 
 Storage (docs/design.md, "Byte accounting" of PN-Mix and of RoPE-Relay): the bytes of every
