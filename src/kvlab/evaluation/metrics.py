@@ -15,12 +15,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from kvlab.evaluation.foreign_cache import describe
+from kvlab.integrations.cache_protocol import CacheStorage  # re-exported: its old home
 
 __all__ = [
     "CacheStorage",
@@ -64,90 +66,14 @@ def percentile(values: Tensor, q: float) -> float:
     return float(torch.quantile(values.double().flatten(), q))
 
 
-@dataclass(frozen=True)
-class CacheStorage:
-    """Storage of a KV cache.
-
-    Attributes:
-        kv_bytes: bytes of every stored key/value tensor as held (``numel * element_size``).
-        kv_bytes_16bit: the same with each floating-point element counted at 2 bytes (integer
-            codes counted as stored).
-        index_bytes: bookkeeping (per-token positions of eviction caches).
-    """
-
-    kv_bytes: int
-    kv_bytes_16bit: int
-    index_bytes: int = 0
-
-
-def _leaf_tensors(obj: Any) -> Iterator[Tensor]:
-    """Plain tensors inside ``obj``: tensors (unwrapping tensor subclasses such as
-    optimum-quanto's packed tensors via ``__tensor_flatten__``), lists, tuples, dict values."""
-    if isinstance(obj, Tensor):
-        if type(obj) is not Tensor and hasattr(obj, "__tensor_flatten__"):
-            names, _ = obj.__tensor_flatten__()
-            for name in names:
-                yield from _leaf_tensors(getattr(obj, name))
-        else:
-            yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _leaf_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _leaf_tensors(item)
-
-
-def _storage_of(tensors: Iterable[Tensor]) -> tuple[int, int]:
-    actual = normalized = 0
-    seen: set[int] = set()
-    for t in tensors:
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        size = t.numel() * t.element_size()
-        actual += size
-        normalized += t.numel() * 2 if t.is_floating_point() else size
-    return actual, normalized
-
-
 def cache_storage(cache: Any) -> CacheStorage:
-    """Measure a cache: kvlab's :class:`~kvlab.integrations.PNMixModelCache`,
-    :class:`~kvlab.integrations.RelayModelCache` and
-    :class:`~kvlab.integrations.composed_cache.ComposedModelCache`, ``transformers``'
-    ``DynamicCache`` and ``QuantizedCache`` (quanto / hqq).
+    """Measure a cache (:meth:`kvlab.integrations.cache_protocol.KVLabCache.storage`): kvlab's
+    :class:`~kvlab.integrations.PNMixModelCache`, :class:`~kvlab.integrations.RelayModelCache`
+    and :class:`~kvlab.integrations.composed_cache.ComposedModelCache` measure themselves;
+    ``transformers``' ``DynamicCache`` and ``QuantizedCache`` (quanto / hqq) through
+    :func:`kvlab.evaluation.foreign_cache.describe`.
 
     Raises:
         TypeError: an unsupported cache type.
     """
-    from transformers.cache_utils import DynamicLayer, QuantizedLayer
-
-    from kvlab.integrations.composed_cache import ComposedLayer
-    from kvlab.integrations.pnmix_cache import PNMixLayer
-    from kvlab.integrations.relay_cache import RelayLayer
-
-    actual = normalized = index = 0
-    for layer in cache.layers:
-        if isinstance(layer, (PNMixLayer, ComposedLayer)):
-            size = layer.nbytes()  # a composed layer: its PN-Mix store (no per-token index)
-            actual += size
-            normalized += size  # exact parts and scales already stored in 2 bytes
-        elif isinstance(layer, RelayLayer):
-            actual += layer.nbytes()  # used elements only; headroom is not stored data
-            normalized += layer.numel() * 2
-            index += layer.index_bytes()
-        elif isinstance(layer, QuantizedLayer):
-            parts = [layer._quantized_keys, layer._quantized_values]
-            if layer.keys is not None and layer.keys.dim() == 4:
-                parts += [layer.keys, layer.values]
-            a, n = _storage_of(_leaf_tensors(parts))
-            actual += a
-            normalized += n
-        elif isinstance(layer, DynamicLayer):
-            if layer.is_initialized and layer.keys is not None:
-                a, n = _storage_of([layer.keys, layer.values])
-                actual += a
-                normalized += n
-        else:
-            raise TypeError(f"cannot measure cache layer {type(layer).__name__}")
-    return CacheStorage(kv_bytes=actual, kv_bytes_16bit=normalized, index_bytes=index)
+    return describe(cache).storage()

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvlab.evaluation.foreign_cache import describe
 from kvlab.evaluation.methods import Method, method_backends
 from kvlab.evaluation.metrics import CacheStorage, cache_storage, kl_divergence, token_nll
 from kvlab.integrations.attention import use_attention
@@ -83,46 +84,23 @@ class WindowScore:
 
 
 def cache_details(cache: Any) -> dict[str, Any]:
-    """Method-specific facts of a cache after a run (JSON-ready)."""
-    from kvlab.integrations.pnmix_cache import PNMixModelCache
-    from kvlab.integrations.relay_cache import RelayModelCache
-
-    if isinstance(cache, RelayModelCache):
-        from kvlab.integrations.composed_cache import ComposedModelCache
-
-        events = cache.events()
-        per_head = [e.tokens_after for e in events[: len(cache.layers)]]
-        details = {
-            "evictions": len(events),
-            "next_position": cache.next_position,
-            "stream_length": cache.stream_length,
-            "first_eviction_tokens_per_head": per_head,
-        }
-        if isinstance(cache, ComposedModelCache):
-            details["packed_attention_calls"] = cache.attention_calls()
-        return details
-    if isinstance(cache, PNMixModelCache):
-        return {"packed_attention_calls": cache.attention_calls()}
-    return {}
+    """Method-specific facts of a cache after a run (JSON-ready;
+    :meth:`kvlab.integrations.cache_protocol.KVLabCache.details`)."""
+    return describe(cache).details()
 
 
 def _position_kwargs(cache: Any, num_new: int) -> dict[str, Tensor]:
-    """``position_ids`` at the cache's own RoPE positions for a :class:`RelayModelCache` (the
-    model then rotates there directly, no re-rotation by the cache), else nothing."""
-    from kvlab.integrations.relay_cache import RelayModelCache
-
-    if isinstance(cache, RelayModelCache):
-        return {"position_ids": cache.position_ids(num_new)}
-    return {}
+    """``position_ids`` at the cache's own RoPE positions when it keeps its own
+    (:attr:`~kvlab.integrations.cache_protocol.KVLabCache.explicit_positions`, e.g.
+    :class:`~kvlab.integrations.RelayModelCache`: the model then rotates there directly, no
+    re-rotation by the cache), else nothing."""
+    view = describe(cache)
+    return {"position_ids": view.position_ids(num_new)} if view.explicit_positions else {}
 
 
 def _rope_position(cache: Any) -> int:
     """The RoPE position the next token would get."""
-    from kvlab.integrations.relay_cache import RelayModelCache
-
-    if isinstance(cache, RelayModelCache):
-        return cache.next_position
-    return int(cache.get_seq_length())
+    return describe(cache).rope_position()
 
 
 def _load_kernels(method: Method) -> None:

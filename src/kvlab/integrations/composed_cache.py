@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
 from kvlab.integrations.model_support import layer_rotary
 from kvlab.integrations.pnmix_cache import pnmix_config_for_model
 from kvlab.integrations.relay_cache import (
@@ -547,4 +548,24 @@ class ComposedModelCache(RelayModelCache):
         return sum(
             0 if layer.pnmix is None else layer.pnmix.attention_calls
             for layer in self._composed_layers()
+        )
+
+    # ---------------- evaluation protocol (kvlab.integrations.cache_protocol.KVLabCache)
+    def details(self) -> dict[str, Any]:
+        """:meth:`RelayModelCache.details` and ``packed_attention_calls``
+        (:meth:`attention_calls`)."""
+        details = super().details()
+        details["packed_attention_calls"] = self.attention_calls()
+        return details
+
+    def storage(self) -> CacheStorage:
+        """Composed layers at their used bytes (:meth:`ComposedLayer.nbytes`: the PN-Mix
+        storage once packed) in both counts (its exact parts and scales are stored in 2
+        bytes), no index bytes (positions are ``offset + stream index``); window layers as
+        held (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`)."""
+        return sum_storage(
+            CacheStorage(layer.nbytes(), layer.nbytes())
+            if isinstance(layer, ComposedLayer)
+            else dense_layer_storage(layer)
+            for layer in self.layers
         )

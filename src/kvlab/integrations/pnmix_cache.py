@@ -58,6 +58,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView, dense_causal_attention
+from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
 from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
 from kvlab.pnmix.kernels.dispatch import requested_backend
@@ -602,3 +603,33 @@ class PNMixModelCache(Cache):
             ValueError: naming the first offending layer (its storage holds the bad values).
         """
         self._shared.check()
+
+    # ---------------- evaluation protocol (kvlab.integrations.cache_protocol.KVLabCache)
+    #: the RoPE positions are the model's own (the tokens seen): forwards pass no position_ids
+    explicit_positions = False
+
+    def position_ids(self, num_new: int, device: torch.device | str | None = None) -> Tensor:
+        """The RoPE positions of the next ``num_new`` tokens, int64 ``[1, num_new]``: the
+        tokens seen onward (what the model uses when given none)."""
+        start = self.get_seq_length()
+        return torch.arange(start, start + num_new, dtype=torch.int64, device=device).view(1, -1)
+
+    def rope_position(self) -> int:
+        """The RoPE position of the next token: the tokens seen."""
+        return int(self.get_seq_length())
+
+    def details(self) -> dict[str, Any]:
+        """``{"packed_attention_calls": ...}`` (:meth:`attention_calls`)."""
+        return {"packed_attention_calls": self.attention_calls()}
+
+    def storage(self) -> CacheStorage:
+        """PN-Mix layers at their persistent bytes (:meth:`PNMixLayer.nbytes`) in both counts
+        (every stored float is already 2 bytes, docs/design.md, PN-Mix "Byte accounting");
+        window layers as held (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`).
+        No index bytes."""
+        return sum_storage(
+            CacheStorage(layer.nbytes(), layer.nbytes())
+            if isinstance(layer, PNMixLayer)
+            else dense_layer_storage(layer)
+            for layer in self.layers
+        )

@@ -61,6 +61,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView
+from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
 from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.relay.attention import ragged_attention
 from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
@@ -1401,3 +1402,39 @@ class RelayModelCache(Cache):
         for i in order[: budget - sum(out)]:
             out[i] += 1
         return out
+
+    # ---------------- evaluation protocol (kvlab.integrations.cache_protocol.KVLabCache)
+    #: the RoPE positions are the cache's own (:meth:`position_ids`; with RoPE-Relay they
+    #: differ from the tokens seen): every forward passes them
+    explicit_positions = True
+
+    def rope_position(self) -> int:
+        """:attr:`next_position` (ValueError when the sequences of the batch differ)."""
+        return self.next_position
+
+    def details(self) -> dict[str, Any]:
+        """``evictions`` (events over all layers), ``next_position``, ``stream_length`` and
+        ``first_eviction_tokens_per_head`` (the ``tokens_after`` of the first ``len(layers)``
+        events)."""
+        events = self.events()
+        per_head = [e.tokens_after for e in events[: len(self.layers)]]
+        return {
+            "evictions": len(events),
+            "next_position": self.next_position,
+            "stream_length": self.stream_length,
+            "first_eviction_tokens_per_head": per_head,
+        }
+
+    def storage(self) -> CacheStorage:
+        """Relay layers: the used key/value bytes (:meth:`RelayLayer.nbytes`; headroom is not
+        stored data), their elements at 2 bytes, the used position bookkeeping
+        (docs/design.md, RoPE-Relay "Byte accounting"); window layers as held
+        (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`). The store's
+        ``key_bias`` buffer and reserved headroom are not counted; bytes a later accounting
+        adds go here."""
+        return sum_storage(
+            CacheStorage(layer.nbytes(), layer.numel() * 2, layer.index_bytes())
+            if isinstance(layer, RelayLayer)
+            else dense_layer_storage(layer)
+            for layer in self.layers
+        )

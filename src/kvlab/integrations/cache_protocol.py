@@ -1,0 +1,121 @@
+"""What evaluation asks of a KV cache: :class:`KVLabCache` and its storage result,
+:class:`CacheStorage`.
+
+kvlab's model caches (:class:`~kvlab.integrations.PNMixModelCache`,
+:class:`~kvlab.integrations.RelayModelCache`,
+:class:`~kvlab.integrations.composed_cache.ComposedModelCache`) implement the protocol as
+methods; ``kvlab eval`` reads every cache through it (a ``transformers`` cache through the one
+adapter :func:`kvlab.evaluation.foreign_cache.describe`), so evaluation never branches on cache
+classes. This module imports no cache class (the caches import it).
+
+Storage (docs/design.md, "Byte accounting" of PN-Mix and of RoPE-Relay): the bytes of every
+tensor a cache holds for keys and values, the same count with each floating-point element at 2
+bytes ("normalized to 16-bit floats"), and bookkeeping indices apart. Each cache's
+:meth:`KVLabCache.storage` is the one place its byte model lives (bytes a later accounting
+adds, e.g. reserved headroom, go there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CacheStorage",
+    "KVLabCache",
+    "dense_layer_storage",
+    "sum_storage",
+    "tensor_storage",
+]
+
+
+@dataclass(frozen=True)
+class CacheStorage:
+    """Storage of a KV cache.
+
+    Attributes:
+        kv_bytes: bytes of every stored key/value tensor as held (``numel * element_size``).
+        kv_bytes_16bit: the same with each floating-point element counted at 2 bytes (integer
+            codes counted as stored).
+        index_bytes: bookkeeping (per-token positions of eviction caches).
+    """
+
+    kv_bytes: int
+    kv_bytes_16bit: int
+    index_bytes: int = 0
+
+
+@runtime_checkable
+class KVLabCache(Protocol):
+    """A KV cache as ``kvlab eval`` reads it (``isinstance`` works: runtime-checkable; it checks
+    that the members exist, not their signatures).
+
+    Attributes:
+        explicit_positions: ``True`` when the cache's RoPE positions are its own (RoPE-Relay's
+            synchronized positions, an eviction cache's stream positions): every forward must
+            pass ``position_ids=cache.position_ids(num_new)`` so that the model rotates new
+            tokens there. ``False`` when they are the model's default (the tokens seen,
+            ``get_seq_length``): callers pass nothing.
+    """
+
+    explicit_positions: bool
+
+    def position_ids(self, num_new: int, device: torch.device | str | None = None) -> Tensor:
+        """The RoPE positions of the next ``num_new`` tokens, int64 ``[B, num_new]`` (a
+        cache may answer ``[1, num_new]`` for every sequence at once)."""
+        ...
+
+    def rope_position(self) -> int:
+        """The RoPE position the next token would get (one sequence).
+
+        Raises:
+            ValueError: the sequences of a batch differ (where the cache tracks them apart).
+        """
+        ...
+
+    def details(self) -> dict[str, Any]:
+        """Method-specific facts after a run (JSON-ready: eviction counts, packed-attention
+        calls, positions); ``{}`` when the cache has none."""
+        ...
+
+    def storage(self) -> CacheStorage:
+        """What the cache holds now, in bytes (module docstring)."""
+        ...
+
+
+def tensor_storage(tensors: Iterable[Tensor]) -> CacheStorage:
+    """Bytes of ``tensors`` (each distinct tensor object once): ``numel * element_size``, and
+    the same with floating-point elements at 2 bytes; ``index_bytes`` 0."""
+    actual = normalized = 0
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        size = t.numel() * t.element_size()
+        actual += size
+        normalized += t.numel() * 2 if t.is_floating_point() else size
+    return CacheStorage(kv_bytes=actual, kv_bytes_16bit=normalized)
+
+
+def dense_layer_storage(layer: Any) -> CacheStorage:
+    """Storage of a layer holding plain ``keys`` and ``values`` tensors (``transformers``'
+    ``DynamicLayer`` and its subclasses, kvlab's window layers): :func:`tensor_storage` of
+    both, zero before the layer is initialized."""
+    if layer.is_initialized and layer.keys is not None:
+        return tensor_storage([layer.keys, layer.values])
+    return CacheStorage(0, 0)
+
+
+def sum_storage(parts: Iterable[CacheStorage]) -> CacheStorage:
+    """The field-wise sum of ``parts`` (``CacheStorage(0, 0, 0)`` for none)."""
+    actual = normalized = index = 0
+    for part in parts:
+        actual += part.kv_bytes
+        normalized += part.kv_bytes_16bit
+        index += part.index_bytes
+    return CacheStorage(kv_bytes=actual, kv_bytes_16bit=normalized, index_bytes=index)
