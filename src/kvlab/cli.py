@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from kvlab import __version__
-from kvlab.cli_support import err_console, fail, user_errors
+from kvlab.cli_support import err_console, fail, invocation_argv, user_errors
 from kvlab.evaluation.command import eval_command, sweep_command
 
 app = typer.Typer(
@@ -101,7 +101,7 @@ def reproduce(
         if budget not in _BUDGETS:
             raise ValueError(f"--budget must be one of {', '.join(_BUDGETS)}")
         seed_list = parse_seeds(seeds, seed)
-        from kvlab.native import check_backend_variables
+        from kvlab.backends import check_backend_variables
 
         check_backend_variables()  # KVLAB_*_BACKEND, before any model loads
         from kvlab.data import load_text
@@ -134,14 +134,6 @@ def reproduce(
             seeds=seed_list,
         )
         run_paper(entry, context, console)
-
-
-def invocation_argv() -> list[str]:
-    """The command as it was typed: ``kvlab ...`` for the console script,
-    ``python -m kvlab.cli ...`` for the module form."""
-    program = Path(sys.argv[0]).name
-    prefix = ["python", "-m", "kvlab.cli"] if program in ("cli.py", "__main__.py") else [program]
-    return [*prefix, *sys.argv[1:]]
 
 
 @app.command()

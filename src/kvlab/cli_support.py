@@ -1,16 +1,26 @@
-"""One error style for every ``kvlab`` command: ``error: <one line>`` on stderr, exit code 2
-(Ctrl-C: ``interrupted: ...``, exit code 130); no traceback for a user's mistake."""
+"""What every ``kvlab`` command shares, below :mod:`kvlab.cli` and the command modules it
+mounts (:mod:`kvlab.evaluation.command`): one error style — ``error: <one line>`` on stderr,
+exit code 2 (Ctrl-C: ``interrupted: ...``, exit code 130), no traceback for a user's mistake —
+and the command line as it was typed (:func:`invocation_argv`, recorded in artifacts)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "err_console", "fail", "user_errors"]
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_USAGE",
+    "err_console",
+    "fail",
+    "invocation_argv",
+    "user_errors",
+]
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -49,3 +59,11 @@ def user_errors(interrupted: str | None = None) -> Iterator[None]:
         raise typer.Exit(EXIT_INTERRUPTED) from exc
     except (ValueError, OSError, KeyError) as exc:
         fail(_message(exc))
+
+
+def invocation_argv() -> list[str]:
+    """The command as it was typed: ``kvlab ...`` for the console script,
+    ``python -m kvlab.cli ...`` for the module form."""
+    program = Path(sys.argv[0]).name
+    prefix = ["python", "-m", "kvlab.cli"] if program in ("cli.py", "__main__.py") else [program]
+    return [*prefix, *sys.argv[1:]]

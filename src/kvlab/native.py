@@ -4,9 +4,13 @@
 (``-O3 -march=native``, no fast-math, OpenMP when the compiler has it) into torch's extension
 cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), under a name unique
 to the source, the flags, the torch version and this processor, so a rebuilt source or another
-machine never loads a stale binary. Used by :mod:`kvlab.pnmix.kernels.cpu` and
-:mod:`kvlab.relay.kernels.cpu`; each keeps its own "compiled once, or the reason it could not
-be" state.
+machine never loads a stale binary. The shared headers of :mod:`kvlab.kernels_common`
+(``kvlab_simd.h``) are on the include path of every build and part of that name.
+
+Used by :mod:`kvlab.pnmix.kernels.cpu` and :mod:`kvlab.relay.kernels.cpu`; each keeps its own
+"compiled once, or the reason it could not be" state (:class:`CompiledModule`). This module
+only compiles: which backend runs, and loading the kernels a method needs, is
+:mod:`kvlab.backends`.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from types import ModuleType
 
 import torch
 
+from kvlab.kernels_common import INCLUDE_DIR, header_sources
+
 __all__ = [
     "FLAGS",
     "CompiledModule",
-    "check_backend_variables",
     "compile_module",
     "module_name",
 ]
@@ -64,7 +69,9 @@ def compile_module(
     prefix: str, source: str, functions: Sequence[str], announcement: str
 ) -> ModuleType:
     """Compile (or load the cached build of) ``source`` exposing ``functions``; with OpenMP
-    first, then without. ``announcement`` is logged once before an actual compilation.
+    first, then without. ``announcement`` is logged once before an actual compilation. The
+    source may ``#include`` the shared headers of :mod:`kvlab.kernels_common` (their text is
+    part of the build's name, :func:`module_name`).
 
     Raises:
         RuntimeError: neither build worked (the last line of each error, joined).
@@ -73,9 +80,10 @@ def compile_module(
 
     errors = []
     announced = False
+    hashed = "\0".join([source, *header_sources()])  # an edited header is another build
     for openmp in (["-fopenmp"], []):
         flags = [*FLAGS, *openmp]
-        name = module_name(prefix, source, flags)
+        name = module_name(prefix, hashed, flags)
         if not announced and not _built(name):
             _LOG.warning(announcement)  # once, also when the OpenMP build fails first
             announced = True
@@ -86,34 +94,13 @@ def compile_module(
                 functions=list(functions),
                 extra_cflags=flags,
                 extra_ldflags=openmp,
+                extra_include_paths=[str(INCLUDE_DIR)],
                 verbose=False,
             )
         except Exception as err:  # compiler missing, flags refused, headers absent, ...
             lines = str(err).strip().splitlines() or [type(err).__name__]
             errors.append(f"{' '.join(flags)}: {lines[-1]}")
     raise RuntimeError("; ".join(errors))
-
-
-def check_backend_variables() -> None:
-    """Refuse a bad ``KVLAB_PNMIX_BACKEND`` or ``KVLAB_RELAY_BACKEND`` value up front (the CLI
-    calls this before any model loads, so the error is one line, not a late traceback). A
-    variable set to ``cpu`` insists on that compiled kernel: it is compiled (or loaded) here,
-    and a kernel that cannot be built is refused here too.
-
-    Raises:
-        ValueError: a value that is not ``auto`` or one of the mechanism's backends, or ``cpu``
-            for a kernel that cannot be compiled on this machine.
-    """
-    from kvlab.pnmix.kernels import cpu as pnmix_cpu
-    from kvlab.pnmix.kernels.dispatch import ENV_VAR, requested_backend
-    from kvlab.relay.kernels import cpu as relay_cpu
-
-    if requested_backend("auto") == "cpu" and pnmix_cpu.load() is None:
-        raise ValueError(f"{ENV_VAR}=cpu: the PN-Mix CPU kernel is {pnmix_cpu.cpu_kernel_status()}")
-    if relay_cpu.decode_backend() == "cpu" and relay_cpu.load() is None:
-        raise ValueError(
-            f"{relay_cpu.ENV_VAR}=cpu: the RoPE-Relay CPU kernel is {relay_cpu.cpu_kernel_status()}"
-        )
 
 
 class CompiledModule:

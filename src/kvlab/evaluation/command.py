@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvlab.cli_support import err_console, fail, user_errors
+from kvlab.cli_support import err_console, fail, invocation_argv, user_errors
 from kvlab.evaluation.methods import available_method_names
 
 __all__ = ["eval_command", "parse_counts", "sweep_command"]
@@ -139,7 +139,7 @@ def eval_command(
     with user_errors(
         f"finished tasks are kept in {output_dir / 'tasks'}; rerun the same command to resume"
     ):
-        from kvlab.native import check_backend_variables
+        from kvlab.backends import check_backend_variables
 
         check_backend_variables()  # KVLAB_*_BACKEND, before any model loads
         cache_dir, use_cache = _calibration(calibration_cache)
@@ -198,8 +198,6 @@ def _run(config: Any, console: Any) -> Any:
 
 
 def _argv() -> list[str]:
-    from kvlab.cli import invocation_argv
-
     return invocation_argv()
 
 
@@ -242,7 +240,7 @@ def sweep_command(
     with user_errors(
         f"finished tasks are kept in {out / 'tasks'}; rerun the same command to resume"
     ):
-        from kvlab.native import check_backend_variables
+        from kvlab.backends import check_backend_variables
 
         check_backend_variables()  # KVLAB_*_BACKEND, before any model loads
         cache_dir, use_cache = _calibration(calibration_cache)

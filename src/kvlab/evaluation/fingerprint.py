@@ -41,14 +41,16 @@ _DIGESTS: dict[tuple[str, ...], str] = {}
 def code_digest(modules: Iterable[str]) -> str:
     """One sha256 over the source files of ``modules`` (module name -> file sha256, see
     :func:`kvlab.artifacts.provenance.manifest_digest`), and over the C++ sources beside them
-    (``*.cpp`` in a module's folder, e.g. the PN-Mix CPU kernels, which their modules compile
-    and run: ``module:file.cpp`` -> file sha256). Editing any of them changes it. Memoized per
+    (``*.cpp`` and ``*.h`` in a module's folder, e.g. the PN-Mix CPU kernels, which their
+    modules compile and run, and the headers of :mod:`kvlab.kernels_common`:
+    ``module:file.cpp`` -> file sha256). Editing any of them changes it. Memoized per
     process (sources do not change under a running evaluation)."""
     names = tuple(sorted(set(modules)))
     if names not in _DIGESTS:
         files = {n: file_sha256(module_file(n)) for n in names}
         for n in names:
-            for extra in sorted(module_file(n).parent.glob("*.cpp")):
+            folder = module_file(n).parent
+            for extra in sorted([*folder.glob("*.cpp"), *folder.glob("*.h")]):
                 files[f"{n}:{extra.name}"] = file_sha256(extra)
         _DIGESTS[names] = manifest_digest(files)
     return _DIGESTS[names]

@@ -462,6 +462,8 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.integrations.pnmix_calibration",  # its calibration window (CALIBRATION_START)
             "kvlab.relay.attention",
             "kvlab.relay.kernels.cpu",
+            "kvlab.kernels_common",  # kvlab_simd.h, included by the relay kernel
+            "kvlab.backends",
             "kvlab.relay.budgets",
             "kvlab.relay.combined",
             "kvlab.relay.core",
@@ -844,17 +846,12 @@ def parse_method(spec: str, *, protocol: str = "prefill-score", cache_slots: int
 def method_backends(method: Method) -> dict[str, str]:
     """The requested attention backend of each kvlab mechanism ``method`` runs: ``"pnmix"``
     (``KVLAB_PNMIX_BACKEND``) for the PN-Mix and composed families, ``"relay"``
-    (``KVLAB_RELAY_BACKEND``) for the eviction and composed families; ``{}`` otherwise.
+    (``KVLAB_RELAY_BACKEND``) for the eviction and composed families; ``{}`` otherwise
+    (:func:`kvlab.backends.family_backends`).
 
     Raises:
-        ValueError: a variable that is not a backend name (see :mod:`kvlab.native`).
+        ValueError: a variable that is not a backend name (see :mod:`kvlab.backends`).
     """
-    from kvlab.pnmix.kernels.dispatch import requested_backend
-    from kvlab.relay.kernels.cpu import decode_backend
+    from kvlab.backends import family_backends
 
-    backends = {}
-    if method.family in ("quantized", "composed"):
-        backends["pnmix"] = requested_backend("auto")
-    if method.family in ("eviction", "composed"):
-        backends["relay"] = decode_backend()
-    return backends
+    return family_backends(method.family)

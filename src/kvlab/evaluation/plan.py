@@ -84,7 +84,10 @@ IMPLEMENTATION_MODULES = (
     "kvlab.pnmix.kernels.cpu",
     "kvlab.pnmix.kernels.dispatch",
     "kvlab.pnmix.kernels.spec",
+    "kvlab.pnmix.kernels.tables",
+    "kvlab.backends",
     "kvlab.native",
+    "kvlab.kernels_common",  # kvlab_simd.h, included by both CPU kernels
     "kvlab.integrations.model_support",
     "kvlab.integrations.attention",
     "kvlab.integrations.cache_protocol",

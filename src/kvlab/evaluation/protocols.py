@@ -107,14 +107,9 @@ def _load_kernels(method: Method) -> None:
     """Compile (first use on this machine) or load the CPU kernels ``method`` runs, before any
     timing starts: a compilation must not count as model time. Skipped for the backends that
     do not use them (``KVLAB_*_BACKEND=torch``, ``triton``)."""
-    from kvlab.pnmix.kernels import cpu as pnmix_cpu
-    from kvlab.relay.kernels import cpu as relay_cpu
+    from kvlab.backends import preload
 
-    backends = method_backends(method)
-    if backends.get("relay") in ("auto", "cpu"):
-        relay_cpu.load()
-    if backends.get("pnmix") in ("auto", "cpu"):
-        pnmix_cpu.load()
+    preload(method_backends(method))
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab import backends
 from kvlab.attention_logits import softcap_logits, softmax_with_sinks
 from kvlab.relay.kernels import cpu as relay_cpu
 from kvlab.relay.storage import RelayStore
@@ -77,9 +78,9 @@ def ragged_attention(
             f"H_kv={heads}, D={store.head_dim}): H_q must be a multiple of H_kv"
         )
     if backend is None:
-        backend = relay_cpu.decode_backend()
-    elif backend not in ("auto", *relay_cpu.BACKENDS):
-        raise ValueError(f"backend must be 'auto' or one of {relay_cpu.BACKENDS}, got {backend!r}")
+        backend = backends.env_backend("relay")
+    else:
+        backends.check_choice("relay", backend)
     if backend != "torch" and _kernel_covers(query, store, query_lengths, softcap, s_aux):
         module = relay_cpu.load()
         if module is not None:

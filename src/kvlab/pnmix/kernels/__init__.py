@@ -3,7 +3,10 @@
 * :mod:`~kvlab.pnmix.kernels.spec` — a key codec as compiled kernels decode it (and the
   extension points for later codecs);
 * :mod:`~kvlab.pnmix.kernels.dispatch` — which backend runs (``"torch"``, ``"cpu"``,
-  ``"triton"``; argument, ``KVLAB_PNMIX_BACKEND``, automatic rule);
+  ``"triton"``; argument, ``KVLAB_PNMIX_BACKEND`` read by :mod:`kvlab.backends`, automatic
+  rule);
+* :mod:`~kvlab.pnmix.kernels.tables` — the RoPE / Hadamard tables and extra arguments both
+  compiled kernels read;
 * :mod:`~kvlab.pnmix.kernels.cpu` — the C++ CPU kernel (``cpu_kernel.cpp``, and the group
   flush's encoder ``cpu_flush.cpp``; compiled once on first use);
 * :mod:`~kvlab.pnmix.kernels.triton_decode` — the Triton kernel (imported only when used).

@@ -6,13 +6,14 @@ any device), ``"cpu"`` (the compiled C++ kernel, :mod:`kvlab.pnmix.kernels.cpu`)
 ``TRITON_INTERPRET=1``).
 
 Rule: an explicit ``backend=`` argument wins; else the environment variable
-``KVLAB_PNMIX_BACKEND`` (same values); else ``"auto"``: on CUDA ``"triton"`` when the
-``triton`` package is installed, else ``"torch"``; on the CPU ``"cpu"`` (compiled on first use,
-about a minute, one log line; if it cannot be compiled, one log line says why and ``"torch"``
-is used); on other devices ``"torch"``. ``"auto"`` also uses ``"torch"`` for a cache that the
-chosen kernel does not support (:func:`~kvlab.pnmix.kernels.spec.kernel_key_decode` describes
-the cache's codecs once; :func:`unsupported` says what each backend lacks); an explicit
-compiled backend refuses it with ``ValueError``.
+``KVLAB_PNMIX_BACKEND`` (same values; the ``"pnmix"`` entry of :mod:`kvlab.backends`); else
+``"auto"``: on CUDA ``"triton"`` when the ``triton`` package is installed, else ``"torch"``; on
+the CPU ``"cpu"`` (compiled on first use, about a minute, one log line; if it cannot be
+compiled, one log line says why and ``"torch"`` is used); on other devices ``"torch"``.
+``"auto"`` also uses ``"torch"`` for a cache that the chosen kernel does not support
+(:func:`~kvlab.pnmix.kernels.spec.kernel_key_decode` describes the cache's codecs once;
+:func:`unsupported` says what each backend lacks); an explicit compiled backend refuses it
+with ``ValueError``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 
 import torch
 
+from kvlab import backends
 from kvlab.pnmix.kernels import cpu
 from kvlab.pnmix.kernels.spec import KernelKeyDecode
 
@@ -35,8 +37,8 @@ __all__ = [
     "unsupported",
 ]
 
-BACKENDS: tuple[str, ...] = ("torch", "cpu", "triton")
-ENV_VAR = "KVLAB_PNMIX_BACKEND"
+BACKENDS: tuple[str, ...] = backends.PNMIX.choices  # ("torch", "cpu", "triton")
+ENV_VAR = backends.PNMIX.env_var  # "KVLAB_PNMIX_BACKEND"
 
 
 def triton_installed() -> bool:
@@ -68,14 +70,7 @@ def requested_backend(backend: str) -> str:
     Raises:
         ValueError: ``backend`` or the environment variable is not ``"auto"`` or a backend.
     """
-    if backend not in ("auto", *BACKENDS):
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
-    if backend != "auto":
-        return backend
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env and env not in ("auto", *BACKENDS):
-        raise ValueError(f"{ENV_VAR}={env!r}: must be 'auto' or one of {BACKENDS}")
-    return env or "auto"
+    return backends.requested("pnmix", backend)
 
 
 def select_backend(backend: str, device: torch.device, decode: KernelKeyDecode | str) -> str:

@@ -41,6 +41,7 @@ from kvlab.pnmix.kernels.spec import (
     PAIR_PHASE_NORM,
     KernelKeyDecode,
 )
+from kvlab.pnmix.kernels.tables import extra_arguments  # the tables both compiled backends read
 
 if TYPE_CHECKING:
     from kvlab.pnmix.attention import PackedKV
@@ -622,9 +623,7 @@ def triton_launcher(
     extra: dict[str, object] = {} if dev.type == "cpu" else {"enable_fp_fusion": False}
     if num_warps is not None:
         extra["num_warps"] = num_warps
-    from kvlab.pnmix.kernels.cpu import _extras  # the tables both compiled backends read
-
-    widths, payload, cos, sin, rope_base, offsets, sink_tokens, hadamard = _extras(
+    widths, payload, cos, sin, rope_base, offsets, sink_tokens, hadamard = extra_arguments(
         decode,
         mask=kv.mask,
         payload=kv.key_payload,

@@ -5,22 +5,23 @@
 compiled, :func:`load` logs the reason once and returns ``None``, and
 :func:`~kvlab.relay.attention.ragged_attention` uses SDPA (the torch reference).
 
-Backend rule (:func:`decode_backend`): ``KVLAB_RELAY_BACKEND`` = ``auto`` (default), ``torch``
-or ``cpu``. ``auto`` runs the compiled kernel for what it covers — a decode step (one query per
-sequence, none of them padding) over a float32 store on the CPU, without Gemma 2 soft-capping
-or GPT-OSS sinks — and SDPA for everything else; ``cpu`` is the same but fails when the kernel
-cannot be compiled; ``torch`` always uses SDPA.
+Backend rule (:func:`decode_backend`, the ``"relay"`` entry of :mod:`kvlab.backends`):
+``KVLAB_RELAY_BACKEND`` = ``auto`` (default), ``torch`` or ``cpu``. ``auto`` runs the compiled
+kernel for what it covers — a decode step (one query per sequence, none of them padding) over
+a float32 store on the CPU, without Gemma 2 soft-capping or GPT-OSS sinks — and SDPA for
+everything else; ``cpu`` is the same but fails when the kernel cannot be compiled; ``torch``
+always uses SDPA.
 """
 
 from __future__ import annotations
 
-import os
 from importlib import resources
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from kvlab import backends
 from kvlab.native import CompiledModule, compile_module
 
 if TYPE_CHECKING:
@@ -35,8 +36,8 @@ __all__ = [
     "ragged_decode_cpu",
 ]
 
-BACKENDS: tuple[str, ...] = ("torch", "cpu")
-ENV_VAR = "KVLAB_RELAY_BACKEND"
+BACKENDS: tuple[str, ...] = backends.RELAY.choices  # ("torch", "cpu")
+ENV_VAR = backends.RELAY.env_var  # "KVLAB_RELAY_BACKEND"
 
 
 def decode_backend() -> str:
@@ -45,10 +46,7 @@ def decode_backend() -> str:
     Raises:
         ValueError: any other value.
     """
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env and env not in ("auto", *BACKENDS):
-        raise ValueError(f"{ENV_VAR}={env!r}: must be 'auto' or one of {BACKENDS}")
-    return env or "auto"
+    return backends.env_backend("relay")
 
 
 def _compile() -> ModuleType:

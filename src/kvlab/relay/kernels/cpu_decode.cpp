@@ -19,55 +19,9 @@
 #include <limits>
 #include <vector>
 
+#include "kvlab_simd.h"  // v8f, load8, store8, hsum8, dot, dot4 (kernels_common)
+
 namespace {
-
-typedef float v8f __attribute__((vector_size(32)));
-
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float hsum8(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-// out[j] = a . b[j] for four rows b[j] = b + j * n (four independent chains)
-inline void dot4(const float* a, const float* b, int64_t n, float* out) {
-  v8f l0 = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  v8f l1 = l0, l2 = l0, l3 = l0;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const v8f x = load8(a + i);
-    l0 += x * load8(b + i);
-    l1 += x * load8(b + n + i);
-    l2 += x * load8(b + 2 * n + i);
-    l3 += x * load8(b + 3 * n + i);
-  }
-  float t0 = 0.f, t1 = 0.f, t2 = 0.f, t3 = 0.f;
-  for (; i < n; ++i) {
-    t0 += a[i] * b[i];
-    t1 += a[i] * b[n + i];
-    t2 += a[i] * b[2 * n + i];
-    t3 += a[i] * b[3 * n + i];
-  }
-  out[0] = hsum8(l0) + t0;
-  out[1] = hsum8(l1) + t1;
-  out[2] = hsum8(l2) + t2;
-  out[3] = hsum8(l3) + t3;
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  v8f lane = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) lane += load8(a + i) * load8(b + i);
-  float tail = 0.f;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return hsum8(lane) + tail;
-}
 
 // p = exp(scale * x - max) in place over x[0, n); returns sum p (eight lanes, then the tail)
 float softmax_weights(float* x, int64_t n, float scale) {
@@ -159,7 +113,7 @@ torch::Tensor ragged_decode(torch::Tensor query, torch::Tensor keys, torch::Tens
       const float* km = k + m * stride * D;
       p.resize(n);
       int64_t i = 0;
-      for (; i + 4 <= n; i += 4) dot4(qg, km + i * D, D, p.data() + i);
+      for (; i + 4 <= n; i += 4) dot4(qg, km + i * D, D, D, p.data() + i);
       for (; i < n; ++i) p[i] = dot(qg, km + i * D, D);
       const float total = softmax_weights(p.data(), n, s);
       weighted_rows(p.data(), v + m * stride * Dv, n, Dv, 1.f / total, o + mg * Dv);
