@@ -419,6 +419,8 @@ PAPER = Paper(
         "kvlab.pnmix.store",
         "kvlab.pnmix.config",
         "kvlab.pnmix.cache",
+        "kvlab.pnmix.cache_state",
+        "kvlab.pnmix.cache_decode",
         "kvlab.pnmix.attention",
         "kvlab.rope",
     ),

@@ -428,6 +428,8 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.pnmix.allocation",
             "kvlab.pnmix.attention",
             "kvlab.pnmix.cache",
+            "kvlab.pnmix.cache_state",
+            "kvlab.pnmix.cache_decode",
             "kvlab.pnmix.codecs",
             "kvlab.pnmix.key_codec",
             "kvlab.pnmix.pair_codecs",

@@ -68,6 +68,8 @@ IMPLEMENTATION_MODULES = (
     "kvlab.relay.combined",
     "kvlab.relay.kvzip",
     "kvlab.pnmix.cache",
+    "kvlab.pnmix.cache_state",
+    "kvlab.pnmix.cache_decode",
     "kvlab.pnmix.attention",
     "kvlab.pnmix.packing",
     "kvlab.pnmix.quantizers",
