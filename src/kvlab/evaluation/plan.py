@@ -54,6 +54,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: not listed: it needs the optional ``triton`` package and runs only on CUDA.
 IMPLEMENTATION_MODULES = (
     "kvlab.rope",
+    "kvlab.rope.config",
+    "kvlab.rope.scaling",
+    "kvlab.rope.rotation",
     "kvlab.models.loading",
     "kvlab.relay.core",
     "kvlab.relay.attention",
