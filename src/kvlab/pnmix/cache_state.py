@@ -143,6 +143,8 @@ class CacheState:
     _attention_calls: int
 
     def _reset_storage(self, device: torch.device) -> None:
+        """Empty storage on ``device`` and fresh derived table copies (construction, and the
+        first append when the device was not given)."""
         g = self._geometry
         self._store = PackedStore(g, device)
         self._layout = self._layout.to(device)
