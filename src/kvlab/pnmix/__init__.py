@@ -8,16 +8,19 @@ widths with exact sparse outliers (:class:`~kvlab.pnmix.width_codec.BitAllocCode
 recommended ``pn-mix``); values per token, optionally of Hadamard-rotated channels. Attention
 (:func:`pnmix_attention`) reads the packed codes directly.
 
-Modules: :mod:`~kvlab.pnmix.packing` (bitstream packing), :mod:`~kvlab.pnmix.quantizers`
-(elementary min-max and Phase–Norm quantizers), :mod:`~kvlab.pnmix.codecs` (key codecs, the one
-seam every key coding goes through), :mod:`~kvlab.pnmix.store` (contiguous per-layer buffers),
-:mod:`~kvlab.pnmix.config` (the configuration), :mod:`~kvlab.pnmix.cache` (the one-layer
-cache), :mod:`~kvlab.pnmix.attention` (packed attention: the torch reference, the dispatch and
-the fused decode step), :mod:`~kvlab.pnmix.kernels` (the compiled backends: a C++ CPU kernel and
-a Triton kernel), :mod:`~kvlab.pnmix.allocation` (per-layer group sizes under a byte budget),
-:mod:`~kvlab.pnmix.width_codec` (per-pair widths and outliers), :mod:`~kvlab.pnmix.values`
-(value codecs), :mod:`~kvlab.pnmix.bitalloc`, :mod:`~kvlab.pnmix.outliers`,
-:mod:`~kvlab.pnmix.prerope`, :mod:`~kvlab.pnmix.hadamard` (the functions those build on).
+Modules: :mod:`~kvlab.pnmix.packing` (bitstream packing), :mod:`~kvlab.pnmix.quantizers` (elementary
+min-max and Phase–Norm quantizers), :mod:`~kvlab.pnmix.codecs` (key codecs: the name registry,
+re-exporting the seam :mod:`~kvlab.pnmix.key_codec` every key coding goes through and the families
+:mod:`~kvlab.pnmix.pair_codecs` and :mod:`~kvlab.pnmix.mix_codec`), :mod:`~kvlab.pnmix.store`
+(contiguous per-layer buffers), :mod:`~kvlab.pnmix.config` (the configuration),
+:mod:`~kvlab.pnmix.cache` (the one-layer cache: construction and writes; its state and views in
+:mod:`~kvlab.pnmix.cache_state`, its read path in :mod:`~kvlab.pnmix.cache_decode`),
+:mod:`~kvlab.pnmix.attention` (packed attention: the torch reference, the dispatch and the fused
+decode step), :mod:`~kvlab.pnmix.kernels` (the compiled backends: a C++ CPU kernel and a Triton
+kernel), :mod:`~kvlab.pnmix.allocation` (per-layer group sizes under a byte budget),
+:mod:`~kvlab.pnmix.width_codec` (per-pair widths and outliers), :mod:`~kvlab.pnmix.values` (value
+codecs), :mod:`~kvlab.pnmix.bitalloc`, :mod:`~kvlab.pnmix.outliers`, :mod:`~kvlab.pnmix.prerope`,
+:mod:`~kvlab.pnmix.hadamard` (the functions those build on).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 stores the same code bytes. The widths are the row's per-pair table, computed once
 (:meth:`BitAllocCodec.compute_table`) by greedy reverse water-filling
 (:func:`kvlab.pnmix.bitalloc.greedy_pair_bits`) of the expected squared logit error over the
-queries of the commit that computes it (:meth:`kvlab.pnmix.codecs.TableStatistics.logit_error`)
+queries of the commit that computes it (:meth:`kvlab.pnmix.key_codec.TableStatistics.logit_error`)
 and stored as a packed width index. A 0-bit channel stores no codes; its zero point holds the
 mean of the channel's group tokens that are not outliers (its scale slot holds 0). Channels
 beyond ``rotary_dim`` always get ``bits``.
@@ -36,10 +36,9 @@ import torch
 from torch import Tensor
 
 from kvlab.pnmix.bitalloc import greedy_pair_bits
-from kvlab.pnmix.codecs import KeyCodec, KeyCodes, KeyLayout, TableStatistics
+from kvlab.pnmix.key_codec import KeyCodec, KeyCodes, KeyLayout, TableStatistics, minmax_decode
 from kvlab.pnmix.outliers import minmax_excluding, outlier_count, select_outliers
 from kvlab.pnmix.packing import packed_length
-from kvlab.pnmix.quantizers import minmax_dequantize
 
 __all__ = ["BitAllocCodec", "channel_bit_offsets"]
 
@@ -313,8 +312,7 @@ class BitAllocCodec(KeyCodec):
     ) -> Tensor:
         """``zero + code * scale`` per channel, float32 (a 0-bit channel: its zero point, the
         group mean); the widths are implied by the codes and scalars."""
-        d = layout.head_dim
-        return minmax_dequantize(codes, scalars[..., :d], scalars[..., d:], -2)
+        return minmax_decode(codes, scalars, -2, layout.head_dim)
 
     def apply_payload(self, keys: Tensor, payload: Tensor, storage_dtype: torch.dtype) -> Tensor:
         """``keys [..., T, D]`` with the payload's exact outliers written back (their
