@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.evaluation.fingerprint import code_digest, content_hash
+from kvlab.evaluation.methods import MODULES as METHOD_MODULES
 from kvlab.evaluation.methods import Method, method_backends
 
 __all__ = [
@@ -98,7 +99,7 @@ IMPLEMENTATION_MODULES = (
 #: Modules whose source decides a task's result; their code hash is part of every task key.
 RESULT_MODULES = (
     *IMPLEMENTATION_MODULES,
-    "kvlab.evaluation.methods",
+    *METHOD_MODULES,
     "kvlab.evaluation.metrics",
     "kvlab.evaluation.protocols",
     "kvlab.evaluation.needle",
