@@ -90,6 +90,7 @@ IMPLEMENTATION_MODULES = (
     "kvlab.integrations.attention",
     "kvlab.integrations.pnmix_cache",
     "kvlab.integrations.pnmix_calibration",
+    "kvlab.integrations.calibration_record",
     "kvlab.integrations.relay_cache",
     "kvlab.integrations.relay_calibration",
     "kvlab.integrations.composed_cache",

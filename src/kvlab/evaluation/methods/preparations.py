@@ -139,6 +139,7 @@ PREPARATIONS: dict[str, Preparation] = {
         text=_calibration_text,
         modules=(
             "kvlab.integrations.pnmix_calibration",
+            "kvlab.integrations.calibration_record",
             "kvlab.integrations.pnmix_cache",
             "kvlab.integrations.attention",
             "kvlab.pnmix.allocation",
@@ -172,6 +173,7 @@ PREPARATIONS: dict[str, Preparation] = {
         text=_calibration_text,
         modules=(
             "kvlab.integrations.relay_calibration",
+            "kvlab.integrations.calibration_record",
             "kvlab.integrations.relay_cache",
             "kvlab.integrations.attention",
             "kvlab.integrations.model_support",
