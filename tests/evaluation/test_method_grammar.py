@@ -73,8 +73,6 @@ def test_takes_ratio_as_before():
 
 
 def test_the_grammar_splits_a_name_into_its_parts():
-    assert parse_name("full") == MethodName("full")
-    assert not parse_name("full").parametric
     composed = parse_name("evict-no-relay:snapkv@0.5625+pn-mix-lean")
     assert composed == MethodName(
         "evict-no-relay:snapkv@0.5625+pn-mix-lean",
@@ -89,5 +87,5 @@ def test_the_grammar_splits_a_name_into_its_parts():
     assert parse_name("streaming-llm@0.5") == MethodName(
         "streaming-llm@0.5", "streaming-llm", None, "0.5"
     )
-    for text in ("relay@", "relay:@0.5", "relay-legacy@0.5+pn-mix", "relay@0.5+", "x@0.5"):
+    for text in ("full", "relay@", "relay:@0.5", "relay-legacy@0.5+pn-mix", "relay@0.5+", "x@0.5"):
         assert parse_name(text) is None, text

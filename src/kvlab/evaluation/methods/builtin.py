@@ -181,11 +181,11 @@ def build_eviction(parsed: MethodName, context: MethodContext) -> Method:
     from kvlab.relay.policies import default_policy_settings, legacy_policy, policy_kwargs
     from kvlab.relay.scorers import SCORERS, get_scorer
 
-    name, kind, scorer = parsed.text, str(parsed.kind), parsed.scorer
+    name, kind, scorer = parsed.text, parsed.kind, parsed.scorer
     if scorer is not None and scorer not in SCORERS:
         raise ValueError(f"method {name!r}: unknown scorer {scorer!r}")
     try:
-        ratio = float(str(parsed.ratio))
+        ratio = float(parsed.ratio)
     except ValueError as exc:
         raise ValueError(f"method {name!r}: R is not a number") from exc
     if not 0.0 <= ratio < 1.0:
@@ -264,7 +264,9 @@ def build_eviction(parsed: MethodName, context: MethodContext) -> Method:
 
 
 def build_composed(parsed: MethodName, context: MethodContext) -> Method:
-    name, quantizer = parsed.text, str(parsed.pnmix)
+    name, quantizer = parsed.text, parsed.pnmix
+    if quantizer is None:
+        raise ValueError(f"method {name!r} is not composed (no '+PNMIX')")
     if context.protocol != "prefill-score":
         raise ValueError(
             f"method {name!r}: eviction composed with PN-Mix evicts once after the prefill "

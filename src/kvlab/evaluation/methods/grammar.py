@@ -1,7 +1,7 @@
 """The grammar of method names: every name ``kvlab eval --method`` accepts, parsed once.
 
-A name is a *plain name* (a registered fixed name: ``full``, ``pn-mix``, ``int4``, ...) or a
-*parametric name*::
+A name is a *plain name* (a registered fixed name: ``full``, ``pn-mix``, ``int4``, ...,
+looked up as it is) or a *parametric name*::
 
     name       := parametric | plain
     parametric := KIND [":" SCORER] "@" RATIO ["+" PNMIX]
@@ -12,8 +12,8 @@ A name is a *plain name* (a registered fixed name: ``full``, ``pn-mix``, ``int4`
     PNMIX      := [a-z0-9-]+         (only after KIND "relay" or "evict-no-relay")
     plain      := any text without "@"
 
-:func:`parse_name` returns a :class:`MethodName` (the parts, as text) or ``None``; what the
-parts mean (a known scorer, R in [0, 1), a known PN-Mix method) is the registry's
+:func:`parse_name` returns a parametric name's parts (:class:`MethodName`, as text) or
+``None``; what the parts mean (a known scorer, R in [0, 1), a known PN-Mix method) is the registry's
 (:mod:`kvlab.evaluation.methods.registry`), which maps a name to its
 :class:`~kvlab.evaluation.methods.method.Method`.
 
@@ -118,26 +118,21 @@ _PNMIX_CHARS = frozenset(string.ascii_lowercase + string.digits + "-")
 
 @dataclass(frozen=True)
 class MethodName:
-    """A parsed method name (module docstring): its parts as written.
+    """A parsed parametric method name (module docstring): its parts as written.
 
     Attributes:
         text: the whole name.
-        kind: one of :data:`EVICTION_KINDS`, or ``None`` for a plain name.
+        kind: one of :data:`EVICTION_KINDS`.
         scorer: the ``SCORER`` after ``:``, or ``None`` when not given.
-        ratio: the ``RATIO`` text after ``@`` (not yet a number), or ``None`` (plain name).
+        ratio: the ``RATIO`` text after ``@`` (not yet a number).
         pnmix: the ``PNMIX`` method name after ``+``, or ``None`` when not composed.
     """
 
     text: str
-    kind: str | None = None
-    scorer: str | None = None
-    ratio: str | None = None
+    kind: str
+    scorer: str | None
+    ratio: str
     pnmix: str | None = None
-
-    @property
-    def parametric(self) -> bool:
-        """Whether it is a parametric name (``KIND[:SCORER]@R[+PNMIX]``)."""
-        return self.kind is not None
 
     def eviction(self) -> MethodName:
         """The eviction part of a composed name: ``KIND[:SCORER]@R`` without ``+PNMIX``
@@ -153,19 +148,17 @@ def _word(text: str, chars: frozenset[str]) -> bool:
 
 
 def parse_name(text: str) -> MethodName | None:
-    """``text`` split by the grammar (module docstring), taken as given (not stripped).
+    """The parts of ``text`` when it is a parametric name of the grammar (module docstring),
+    taken as given (not stripped).
 
     Returns:
-        A plain :class:`MethodName` for text without ``@``, a parametric one for a
-        well-formed ``KIND[:SCORER]@RATIO[+PNMIX]``, or ``None`` for any other text with an
-        ``@`` (no name of the grammar).
+        A :class:`MethodName` for a well-formed ``KIND[:SCORER]@RATIO[+PNMIX]``, else ``None``
+        (a plain name, looked up as it is, or no name of the grammar).
     """
     head, at, tail = text.partition("@")
-    if not at:
-        return MethodName(text)
     kind, colon, scorer = head.partition(":")
     ratio, plus, pnmix = tail.partition("+")
-    if kind not in EVICTION_KINDS or (colon and not _word(scorer, _SCORER_CHARS)):
+    if not at or kind not in EVICTION_KINDS or (colon and not _word(scorer, _SCORER_CHARS)):
         return None
     if not _word(ratio, _RATIO_CHARS):
         return None

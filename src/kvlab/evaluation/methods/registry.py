@@ -83,8 +83,7 @@ def takes_ratio(name: str) -> bool:
     pattern."""
     if "@" in name:
         return False
-    parsed = parse_name(f"{name}@0.5")
-    if parsed is not None and parsed.parametric:
+    if parse_name(f"{name}@0.5") is not None:
         return True
     return any(p.fullmatch(f"{name}@0.5") for p, _, _ in _PATTERNS)
 
@@ -107,7 +106,7 @@ def parse_method(spec: str, *, protocol: str = "prefill-score", cache_slots: int
     if name in _NAMED:
         return _NAMED[name](name, context)
     parsed = parse_name(name)
-    if parsed is not None and parsed.parametric:
+    if parsed is not None:
         return _build_parametric(parsed, context)
     for pattern, build, _ in _PATTERNS:
         match = pattern.fullmatch(name)
