@@ -98,7 +98,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
-__all__ = ["COMPOSABLE_KINDS", "EVICTION_KINDS", "MethodName", "parse_name"]
+__all__ = ["COMPOSABLE_KINDS", "EVICTION_KINDS", "GRAMMAR_NAMES", "MethodName", "parse_name"]
 
 #: The eviction kinds of a parametric name, as written before ``[:SCORER]@R``.
 EVICTION_KINDS = (
@@ -110,6 +110,16 @@ EVICTION_KINDS = (
 )
 #: The kinds that may be composed with PN-Mix (``+PNMIX``).
 COMPOSABLE_KINDS = ("relay", "evict-no-relay")
+#: How help texts show the parametric names
+#: (:func:`~kvlab.evaluation.methods.registry.available_method_names`).
+GRAMMAR_NAMES = (
+    "relay[:SCORER]@R",
+    "evict-no-relay[:SCORER]@R",
+    "relay-legacy[:SCORER]@R",
+    "evict-no-relay-legacy[:SCORER]@R",
+    "relay[:SCORER]@R+PNMIX / evict-no-relay[:SCORER]@R+PNMIX",
+    "streaming-llm@R",
+)
 
 _SCORER_CHARS = frozenset(string.ascii_lowercase + string.digits + "_-")
 _RATIO_CHARS = frozenset(string.digits + ".")

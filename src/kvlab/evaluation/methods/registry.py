@@ -21,7 +21,7 @@ from kvlab.evaluation.methods.builtin import (
     build_hf_quantized,
     build_pnmix,
 )
-from kvlab.evaluation.methods.grammar import MethodName, parse_name
+from kvlab.evaluation.methods.grammar import GRAMMAR_NAMES, MethodName, parse_name
 from kvlab.evaluation.methods.method import Method, MethodContext
 
 __all__ = [
@@ -31,16 +31,6 @@ __all__ = [
     "register_pattern",
     "takes_ratio",
 ]
-
-#: How help texts show the grammar's parametric names (``available_method_names``).
-GRAMMAR_NAMES = (
-    "relay[:SCORER]@R",
-    "evict-no-relay[:SCORER]@R",
-    "relay-legacy[:SCORER]@R",
-    "evict-no-relay-legacy[:SCORER]@R",
-    "relay[:SCORER]@R+PNMIX / evict-no-relay[:SCORER]@R+PNMIX",
-    "streaming-llm@R",
-)
 
 _NAMED: dict[str, Callable[[str, MethodContext], Method]] = {}
 _PATTERNS: list[tuple[re.Pattern[str], Callable[[re.Match[str], MethodContext], Method], str]] = []
