@@ -100,11 +100,12 @@ IMPLEMENTATION_MODULES = (
 #: Modules whose source decides a task's result; their code hash is part of every task key.
 RESULT_MODULES = (
     *IMPLEMENTATION_MODULES,
-    *METHOD_MODULES,
+    "kvlab.evaluation.methods",
     "kvlab.evaluation.metrics",
     "kvlab.evaluation.protocols",
     "kvlab.evaluation.needle",
     "kvlab.evaluation.execute",
+    *METHOD_MODULES,
 )
 
 

@@ -58,6 +58,7 @@ RUNNER_MODULES = (
     "kvlab.evaluation.report",
     "kvlab.evaluation.protocols",
     "kvlab.evaluation.needle",
+    "kvlab.evaluation.methods",
     *METHOD_MODULES,
     "kvlab.evaluation.calibration",
     "kvlab.evaluation.metrics",

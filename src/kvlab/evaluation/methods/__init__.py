@@ -102,10 +102,9 @@ __all__ = [
     "takes_ratio",
 ]
 
-#: The modules of this package (their source decides a method's settings and cache: task
-#: keys hash them, :data:`kvlab.evaluation.plan.RESULT_MODULES`).
+#: The modules below this package (with the package itself, their source decides a method's
+#: settings and cache: task keys hash them, :data:`kvlab.evaluation.plan.RESULT_MODULES`).
 MODULES = (
-    "kvlab.evaluation.methods",
     "kvlab.evaluation.methods.builtin",
     "kvlab.evaluation.methods.caches",
     "kvlab.evaluation.methods.grammar",
