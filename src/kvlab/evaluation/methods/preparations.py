@@ -52,7 +52,7 @@ def _calibrate_groups(
     model: Any,
     tokenizer: Any,
     text: Any,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     from kvlab.integrations.pnmix_calibration import calibrate_group_tokens
 
@@ -77,7 +77,7 @@ def _calibrate_layer_budgets(
     model: Any,
     tokenizer: Any,
     text: Any,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     from kvlab.integrations.relay_cache import EvictionConfig
     from kvlab.integrations.relay_calibration import calibrate_layer_budgets
@@ -92,7 +92,7 @@ def _kvzip_prompt(
     model: Any,
     tokenizer: Any,
     text: Any,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     from kvlab.relay.kvzip import ReconstructionPrompt
 
