@@ -139,7 +139,7 @@ def test_methods_are_plain_data_that_pickle_and_rebuild_the_same_cache():
 
 
 def test_a_new_method_is_one_registry_entry(monkeypatch):
-    from kvlab.evaluation import methods as registry
+    from kvlab.evaluation.methods import registry
 
     monkeypatch.setattr(registry, "_PATTERNS", list(registry._PATTERNS))
 

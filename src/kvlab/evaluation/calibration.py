@@ -22,20 +22,26 @@ concurrent workers at worst compute the same entry twice.
 
 from __future__ import annotations
 
-import inspect
 import os
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvlab.artifacts.io import read_json, write_json_atomic
 from kvlab.cachedir import user_cache_dir
 from kvlab.evaluation.fingerprint import code_digest, content_hash
-from kvlab.evaluation.methods import PREPARATIONS, Method
+from kvlab.evaluation.methods.method import Method
+from kvlab.evaluation.methods.preparations import (
+    PREPARATIONS,
+    Progress,
+    accepts_progress,
+    count_forwards,
+)
 
 __all__ = [
     "CALIBRATION_CACHE_ENV",
+    "Progress",
+    "accepts_progress",
     "calibration_key",
     "count_forwards",
     "default_calibration_dir",
@@ -43,8 +49,6 @@ __all__ = [
 ]
 
 CALIBRATION_CACHE_ENV = "KVLAB_CALIBRATION_CACHE"
-
-Progress = Callable[[int, int], None]
 
 
 def default_calibration_dir() -> Path:
@@ -129,39 +133,6 @@ def prepare_method(
         except OSError as exc:
             status = f"computed (not stored: {exc.strerror or exc})"
     return {**prepared, "calibration_cache": {"status": status, "key": key}}
-
-
-@contextmanager
-def count_forwards(model: Any, config: Any, progress: Progress | None) -> Iterator[None]:
-    """Report :func:`~kvlab.integrations.pnmix_calibration.calibrate_group_tokens`'s progress
-    in decoder layers, by counting the model's forwards: it runs one exact prefill, one exact
-    scoring forward, then one forward per layer and candidate group size (its docstring).
-    Does nothing when ``progress`` is ``None``."""
-    if progress is None:
-        yield
-        return
-    from kvlab.pnmix.allocation import DEFAULT_GROUP_CANDIDATES
-
-    layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    per_layer = len(set(DEFAULT_GROUP_CANDIDATES))
-    count = 0
-
-    def hook(module: Any, args: Any) -> None:
-        nonlocal count
-        count += 1
-        progress(min(layers, max(0, count - 2) // per_layer), layers)
-
-    progress(0, layers)
-    handle = model.register_forward_pre_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def accepts_progress(function: Callable[..., Any]) -> bool:
-    """Whether ``function`` takes a ``progress`` keyword (a future calibration may)."""
-    return "progress" in inspect.signature(function).parameters
 
 
 def merged_settings(method: Method, prepared: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -30,6 +30,28 @@ _EXECUTOR_HELP = (
     "--ray-address). Both give the same numbers at the same --cpu-threads."
 )
 
+# The run options kvlab eval and kvlab sweep share (each command gives the default).
+DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
+CpuThreadsOption = Annotated[
+    int | None, typer.Option(help="torch CPU threads (per worker with --executor ray).")
+]
+ExecutorOption = Annotated[str, typer.Option(help=_EXECUTOR_HELP)]
+WorkersOption = Annotated[int, typer.Option(help="ray: tasks run at once.")]
+RayAddressOption = Annotated[
+    str | None, typer.Option(help="ray: address of a running cluster (default: start one).")
+]
+CalibrationCacheOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Folder of cached calibrations (default: $KVLAB_CALIBRATION_CACHE or "
+        "~/.cache/kvlab/calibration); 'none' disables it."
+    ),
+]
+ResumeOption = Annotated[
+    bool, typer.Option(help="Reuse results of finished tasks found in the output folder.")
+]
+ProgressOption = Annotated[bool, typer.Option(help="Show progress bars.")]
+
 
 def parse_counts(text: str, option: str, *, allow_float: bool = False) -> list[float]:
     """Comma-separated numbers, ``K`` meaning 1024 (``"2K,4K"`` -> ``[2048, 4096]``).
@@ -104,30 +126,18 @@ def eval_command(
     ] = "0,25,50,75,100",
     needle_trials: Annotated[int, typer.Option(help="needle: trials per cell.")] = 3,
     needle_seed: Annotated[int, typer.Option(help="needle: seed of passkeys and filler.")] = 0,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    device: DeviceOption = "auto",
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16 weights.")] = "float32",
-    cpu_threads: Annotated[
-        int | None, typer.Option(help="torch CPU threads (per worker with --executor ray).")
-    ] = None,
-    executor: Annotated[str, typer.Option(help=_EXECUTOR_HELP)] = "local",
-    workers: Annotated[int, typer.Option(help="ray: tasks run at once.")] = 2,
-    ray_address: Annotated[
-        str | None, typer.Option(help="ray: address of a running cluster (default: start one).")
-    ] = None,
-    calibration_cache: Annotated[
-        str | None,
-        typer.Option(
-            help="Folder of cached calibrations (default: $KVLAB_CALIBRATION_CACHE or "
-            "~/.cache/kvlab/calibration); 'none' disables it."
-        ),
-    ] = None,
+    cpu_threads: CpuThreadsOption = None,
+    executor: ExecutorOption = "local",
+    workers: WorkersOption = 2,
+    ray_address: RayAddressOption = None,
+    calibration_cache: CalibrationCacheOption = None,
     output_dir: Annotated[
         Path, typer.Option(help="Folder for table, artifact, plot and the task store (tasks/).")
     ] = Path("runs/eval"),
-    resume: Annotated[
-        bool, typer.Option(help="Reuse results of finished tasks found in the output folder.")
-    ] = True,
-    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+    resume: ResumeOption = True,
+    progress: ProgressOption = True,
 ) -> None:
     """Compare KV-cache methods on a pretrained model and a real text (perplexity, ΔPPL, KL to
     the full cache, KV bytes, time; needle: passkey accuracy); write a markdown table, a
@@ -207,26 +217,14 @@ def sweep_command(
         Path | None,
         typer.Option(help="Output folder (default: runs/sweep/<file name without .toml>)."),
     ] = None,
-    executor: Annotated[str, typer.Option(help=_EXECUTOR_HELP)] = "local",
-    workers: Annotated[int, typer.Option(help="ray: tasks run at once.")] = 2,
-    ray_address: Annotated[
-        str | None, typer.Option(help="ray: address of a running cluster (default: start one).")
-    ] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    cpu_threads: Annotated[
-        int | None, typer.Option(help="torch CPU threads (per worker with --executor ray).")
-    ] = None,
-    calibration_cache: Annotated[
-        str | None,
-        typer.Option(
-            help="Folder of cached calibrations (default: $KVLAB_CALIBRATION_CACHE or "
-            "~/.cache/kvlab/calibration); 'none' disables it."
-        ),
-    ] = None,
-    resume: Annotated[
-        bool, typer.Option(help="Reuse results of finished tasks found in the output folder.")
-    ] = True,
-    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+    executor: ExecutorOption = "local",
+    workers: WorkersOption = 2,
+    ray_address: RayAddressOption = None,
+    device: DeviceOption = "auto",
+    cpu_threads: CpuThreadsOption = None,
+    calibration_cache: CalibrationCacheOption = None,
+    resume: ResumeOption = True,
+    progress: ProgressOption = True,
 ) -> None:
     """Run a grid of evaluations — models x texts x methods (x ratios, bits) x protocols —
     from a TOML file, as one plan of tasks. Each finished task is stored in

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.evaluation.fingerprint import code_digest, content_hash
+from kvlab.evaluation.methods import MODULES as METHOD_MODULES
 from kvlab.evaluation.methods import Method, method_backends
 
 __all__ = [
@@ -101,6 +102,7 @@ IMPLEMENTATION_MODULES = (
     "kvlab.integrations.cache_protocol",
     "kvlab.integrations.pnmix_cache",
     "kvlab.integrations.pnmix_calibration",
+    "kvlab.integrations.calibration_record",
     "kvlab.integrations.relay_cache",
     "kvlab.integrations.relay_calibration",
     "kvlab.integrations.composed_cache",
@@ -116,6 +118,7 @@ RESULT_MODULES = (
     "kvlab.evaluation.protocols",
     "kvlab.evaluation.needle",
     "kvlab.evaluation.execute",
+    *METHOD_MODULES,
 )
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvlab.evaluation.methods import MODULES as METHOD_MODULES
 from kvlab.evaluation.methods import Method
 from kvlab.evaluation.metrics import CacheStorage, percentile, perplexity
 from kvlab.evaluation.outputs import EvalPaths
@@ -58,6 +59,7 @@ RUNNER_MODULES = (
     "kvlab.evaluation.protocols",
     "kvlab.evaluation.needle",
     "kvlab.evaluation.methods",
+    *METHOD_MODULES,
     "kvlab.evaluation.calibration",
     "kvlab.evaluation.metrics",
     "kvlab.evaluation.table",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,11 @@ class SweepOptions:
     resume: bool = True
     progress: bool = True
     argv: list[str] = field(default_factory=list)
+
+    def eval_fields(self) -> dict[str, Any]:
+        """The :class:`~kvlab.evaluation.plan.EvalConfig` fields these options set in every
+        group, by name: all but ``output_dir`` (each group writes in a folder below it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "output_dir"}
 
 
 @dataclass
@@ -206,18 +211,9 @@ def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalCo
                     text=path,
                     methods=methods,
                     protocol=protocol,
-                    device=options.device,
                     dtype=dtype,
                     output_dir=options.output_dir / f"{model_slug}--{text_slug}",
-                    argv=options.argv,
-                    progress=options.progress,
-                    executor=options.executor,
-                    workers=options.workers,
-                    ray_address=options.ray_address,
-                    cpu_threads=options.cpu_threads,
-                    calibration_cache=options.calibration_cache,
-                    use_calibration_cache=options.use_calibration_cache,
-                    resume=options.resume,
+                    **options.eval_fields(),
                     **extra,
                 )
                 groups.append((model_slug, text_slug, config))

@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.data import TextSource, default_text
 from kvlab.integrations.attention import use_attention
+from kvlab.integrations.calibration_record import measurement_settings
 from kvlab.integrations.model_support import layer_rotary
 from kvlab.integrations.pnmix_cache import PNMixLayer, pnmix_config_for_model
 from kvlab.pnmix.allocation import DEFAULT_GROUP_CANDIDATES, allocate_group_tokens
@@ -149,21 +150,13 @@ class GroupAllocation:
     seconds: float
 
     def settings(self) -> dict[str, Any]:
-        """JSON-ready record for artifacts."""
+        """JSON-ready record for artifacts
+        (:func:`~kvlab.integrations.calibration_record.measurement_settings`)."""
         return {
             "layer_group_tokens": list(self.layer_group_tokens),
             "group_allocation": {
                 "budget_group_tokens": self.budget_group_tokens,
-                "calibration_text": {"id": self.text_id, "sha256": self.text_sha256},
-                "calibration_window": {
-                    "start": self.start,
-                    "prefill": self.prefill,
-                    "score": self.score,
-                },
-                "calibration_seconds": round(self.seconds, 1),
-                "sensitivity_kl_nats": [
-                    {str(g): round(v, 6) for g, v in s.items()} for s in self.sensitivities
-                ],
+                **measurement_settings(self),
             },
         }
 

@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.data import TextSource, default_text
 from kvlab.integrations.attention import use_attention
+from kvlab.integrations.calibration_record import measurement_settings
 from kvlab.integrations.pnmix_calibration import CALIBRATION_START
 from kvlab.integrations.relay_cache import EvictionConfig, RelayLayer, RelayModelCache
 from kvlab.relay.layer_budgets import allocate_layer_fractions
@@ -185,19 +186,11 @@ class LayerBudgetCalibration:
     seconds: float
 
     def settings(self) -> dict[str, Any]:
-        """JSON-ready record for artifacts."""
+        """JSON-ready record for artifacts
+        (:func:`~kvlab.integrations.calibration_record.measurement_settings`)."""
         return {
             "layer_fractions": list(self.layer_fractions),
-            "calibration_text": {"id": self.text_id, "sha256": self.text_sha256},
-            "calibration_window": {
-                "start": self.start,
-                "prefill": self.prefill,
-                "score": self.score,
-            },
-            "calibration_seconds": round(self.seconds, 1),
-            "sensitivity_kl_nats": [
-                {str(f): round(v, 6) for f, v in s.items()} for s in self.sensitivities
-            ],
+            **measurement_settings(self),
         }
 
 

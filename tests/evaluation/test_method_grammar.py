@@ -1,0 +1,91 @@
+"""The method-name grammar parses every name as the regular expressions before it did.
+
+``tests/fixtures/methods_before.json`` holds what :func:`parse_method` returned (the method's
+``record()``) or raised (type and message; ``<KNOWN>`` stands for the list of known names) for
+each name of :mod:`method_name_cases` under each protocol, what ``takes_ratio`` answered, and
+``available_method_names()``, captured from the code before the grammar (six regular
+expressions, one per kind of parametric name). Outcomes are stored by a short hash of their
+canonical JSON; those of the quoted, malformed and HF names, and every error, in full.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from method_name_cases import HF, MALFORMED, PROTOCOLS, QUOTED, method_names
+
+from kvlab.evaluation.methods import (
+    available_method_names,
+    builtin,
+    parse_method,
+    parse_name,
+    takes_ratio,
+)
+from kvlab.evaluation.methods.grammar import MethodName
+
+BEFORE = json.loads((Path(__file__).parents[1] / "fixtures" / "methods_before.json").read_text())
+
+
+def _outcome(name: str, protocol: str, cache_slots: int) -> dict:
+    try:
+        return {"record": parse_method(name, protocol=protocol, cache_slots=cache_slots).record()}
+    except Exception as exc:
+        known = ", ".join(available_method_names())
+        return {"error": [type(exc).__name__, str(exc).replace(known, "<KNOWN>")]}
+
+
+def _ref(outcome: dict) -> str:
+    text = json.dumps(outcome, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check(name: str, outcome: dict, expected: str) -> None:
+    if _ref(outcome) != expected:
+        before = BEFORE["outcomes"].get(expected, "(stored by hash only)")
+        pytest.fail(f"{name!r}: now {outcome}, before {before}")
+
+
+def test_the_case_list_is_the_captured_one():
+    assert sorted(BEFORE["parse"]) == sorted(method_names())
+    assert set(QUOTED) | set(MALFORMED) <= set(BEFORE["parse"])
+
+
+def test_every_name_parses_to_the_same_method_or_error_as_before():
+    assert available_method_names() == BEFORE["available_method_names"]
+    for name, expected in BEFORE["parse"].items():
+        for (protocol, cache_slots), ref in zip(PROTOCOLS, expected, strict=True):
+            _check(f"{name} ({protocol})", _outcome(name, protocol, cache_slots), ref)
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_hf_quantized_names_as_before(monkeypatch, available):
+    monkeypatch.setattr(builtin, "hf_quantized_backend_available", lambda backend: available)
+    for name in HF:
+        _check(name, _outcome(name, "prefill-score", 2048), BEFORE["hf"][str(available)][name])
+
+
+def test_takes_ratio_as_before():
+    for name, expected in BEFORE["takes_ratio"].items():
+        assert takes_ratio(name) is expected, name
+
+
+def test_the_grammar_splits_a_name_into_its_parts():
+    composed = parse_name("evict-no-relay:snapkv@0.5625+pn-mix-lean")
+    assert composed == MethodName(
+        "evict-no-relay:snapkv@0.5625+pn-mix-lean",
+        "evict-no-relay",
+        "snapkv",
+        "0.5625",
+        "pn-mix-lean",
+    )
+    assert composed.eviction() == MethodName(
+        "evict-no-relay:snapkv@0.5625", "evict-no-relay", "snapkv", "0.5625"
+    )
+    assert parse_name("streaming-llm@0.5") == MethodName(
+        "streaming-llm@0.5", "streaming-llm", None, "0.5"
+    )
+    for text in ("full", "relay@", "relay:@0.5", "relay-legacy@0.5+pn-mix", "relay@0.5+", "x@0.5"):
+        assert parse_name(text) is None, text
