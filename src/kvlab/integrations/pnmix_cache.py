@@ -59,6 +59,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView, dense_causal_attention
 from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
+from kvlab.integrations.inference_mode import InferenceModeTracker
 from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
 from kvlab.pnmix.kernels.dispatch import requested_backend
@@ -305,6 +306,7 @@ class PNMixLayer(CacheLayerMixin):
         self._store: PNMixCache | None = None
         self.columns = 0
         self._pending: tuple[Tensor, Tensor] | None = None
+        self._inference = InferenceModeTracker()
         if shared is None:
             shared = _ForwardState()
         shared.layers.append(self)
@@ -365,6 +367,8 @@ class PNMixLayer(CacheLayerMixin):
         """
         with self._shared.guard.checking(accept=False):
             self._check_states(key_states, value_states)
+        # filled under torch.inference_mode(), continued outside it: release the storage once
+        self._inference.before_update(self._store)
         if self._pending is not None:  # a previous update that no attention consumed
             self.commit(None)
         self._pending = (key_states, value_states)  # the store is created after the checks
@@ -464,6 +468,7 @@ class PNMixLayer(CacheLayerMixin):
         self._store = None
         self.columns = 0
         self._pending = None
+        self._inference = InferenceModeTracker()
         self.is_initialized = False
 
     def _select(self, index: Tensor) -> None:
