@@ -45,25 +45,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvlab.integrations.forward import ForwardPlan, ForwardState, Pending, plan_decode
 from kvlab.integrations.model_support import layer_rotary
 from kvlab.integrations.pnmix_cache import pnmix_config_for_model
-from kvlab.integrations.relay_cache import (
-    EvictionConfig,
-    RelayLayer,
-    RelayModelCache,
-    _ForwardPlan,
-    _ForwardState,
-    _Pending,
-)
+from kvlab.integrations.relay_cache import EvictionConfig, RelayLayer, RelayModelCache
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
 from kvlab.pnmix.quantizers import round_to_storage
-from kvlab.relay.scorers import get_scorer
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
 __all__ = ["ComposedLayer", "ComposedModelCache"]
 
 
-class _ComposedState(_ForwardState):
+class _ComposedState(ForwardState):
     """What the composed layers of one cache share: the forward's plan (as relay layers do),
     the deferred mask check of single-token forwards, and the layers (their deferred PN-Mix
     value checks are read together, once)."""
@@ -173,8 +166,8 @@ class ComposedLayer(RelayLayer):
             raise ValueError(f"layer {self.layer_idx} stores on {pnmix.device}, got {keys.device}")
 
     def _plan(
-        self, pending: _Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
-    ) -> _ForwardPlan:
+        self, pending: Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
+    ) -> ForwardPlan:
         """The forward's plan (built by its first layer, before any layer changes): the
         relay cache's checks, plus — in the cache's first forward — a real token in every row,
         and — in later multi-token forwards — the deferred checks of earlier single-token
@@ -202,8 +195,8 @@ class ComposedLayer(RelayLayer):
         return plan
 
     def _decode_plan(
-        self, pending: _Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
-    ) -> _ForwardPlan:
+        self, pending: Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
+    ) -> ForwardPlan:
         """The plan of a single-token forward, without any device read: the new token of
         every row is real; the mask is checked on the device (its last column all ones, its
         older columns the stored padding) and raised later by
@@ -215,39 +208,19 @@ class ComposedLayer(RelayLayer):
         """
         state = self.forward_state
         assert isinstance(state, _ComposedState)
-        batch = pending.keys.shape[0]
-        seen = self.seen_tokens
-        device = pending.keys.device
-        if attention_mask is not None:
-            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, seen + 1):
-                raise ValueError(
-                    "ComposedModelCache takes a 2-D attention_mask [B, seen + new] = "
-                    f"[{batch}, {seen + 1}] (left padding), got {tuple(attention_mask.shape)}"
-                )
-            mask = attention_mask.to(device=device, dtype=torch.bool)
-            padding = torch.tensor(self.padding, device=device).view(-1, 1)
-            expected = torch.arange(seen, device=device).view(1, -1) >= padding
-            ok = mask[:, -1].all() & (mask[:, :seen] == expected).all()
+
+        def record_mask(ok: Tensor) -> None:
             state.mask_ok = ok if state.mask_ok is None else state.mask_ok & ok
-        position_ids = pending.position_ids
-        if position_ids is None:
-            position_ids = kwargs.get("position_ids")
-        shift = None
-        if position_ids is None:  # transformers' default: the columns seen
-            deltas = [n - seen for n in self.next_positions]
-            if any(deltas):
-                shift = torch.tensor(deltas, dtype=torch.int64, device=device).view(-1, 1, 1)
-        else:
-            if position_ids.dim() != 2 or tuple(position_ids.shape) not in ((1, 1), (batch, 1)):
-                raise ValueError(
-                    f"ComposedModelCache needs position_ids [1 or B, 1] for one new token, got "
-                    f"{tuple(position_ids.shape)}"
-                )
-            nexts = torch.tensor(self.next_positions, dtype=torch.int64, device=device)
-            model = position_ids.to(device=device, dtype=torch.int64).expand(batch, 1)[:, 0]
-            shift = (nexts - model).view(-1, 1, 1)  # a rotation by 0 is exact
-        return _ForwardPlan(
-            forward_index=self.forwards, batch=batch, num_new=1, real=[1] * batch, shift=shift
+
+        return plan_decode(
+            pending,
+            attention_mask,
+            kwargs,
+            seen=self.seen_tokens,
+            nexts=self.next_positions,
+            padding=self.padding,
+            forward_index=self.forwards,
+            record_mask=record_mask,
         )
 
     # ---------------------------------------------------------------- the forward
@@ -327,7 +300,7 @@ class ComposedLayer(RelayLayer):
         round_to_storage(keys, dtype, name="keys")
         round_to_storage(values, dtype, name="values")
 
-    def _pack(self, query: Tensor, plan: _ForwardPlan) -> None:
+    def _pack(self, query: Tensor, plan: ForwardPlan) -> None:
         """Move every (row, head)'s tokens — after the eviction, its kept ones, relayed or
         not — from the RelayStore into a new PN-Mix cache, right-aligned with per-(row, head)
         lengths, at position offsets ``next_position - count``; the per-pair tables read the
@@ -462,10 +435,10 @@ class ComposedModelCache(RelayModelCache):
                 "capacity (stream) mode would evict tokens already packed into PN-Mix groups, "
                 "which breaks the groups (docs/design.md, 'Eviction composed with PN-Mix')"
             )
-        if get_scorer(eviction.scorer).needs_reconstruction:
+        if eviction.resolved_scorer.needs_reconstruction:
             raise ValueError(
                 f"ComposedModelCache evicts at its first forward; scorer "
-                f"{get_scorer(eviction.scorer).name!r} needs a reconstruction pass after the "
+                f"{eviction.resolved_scorer.name!r} needs a reconstruction pass after the "
                 "prefill (kvlab.integrations.kvzip.compress), which it does not run"
             )
         text_config = model_config.get_text_config(decoder=True)
@@ -497,7 +470,7 @@ class ComposedModelCache(RelayModelCache):
     def _forward_state(self) -> _ComposedState:
         return _ComposedState()
 
-    def _full_layer(self, index: int, state: _ForwardState) -> ComposedLayer:
+    def _full_layer(self, index: int, state: ForwardState) -> ComposedLayer:
         assert isinstance(state, _ComposedState)
         uses_rope = self.plan.layers[index].uses_rope
         config = self.pnmix_config

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,13 +60,21 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView
+from kvlab.integrations.forward import (
+    ForwardPlan,
+    ForwardState,
+    Pending,
+    ReconstructionSpan,
+    StoredShape,
+    check_states,
+    plan_forward,
+)
 from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.relay.attention import ragged_attention
-from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
-from kvlab.relay.core import relay
+from kvlab.relay.config import EvictionConfig, EvictionEvent
+from kvlab.relay.evictor import Evictor, window_attention
 from kvlab.relay.kvzip import reconstruction_attention
-from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
-from kvlab.relay.scorers import ScoreInputs, Scorer, get_scorer
+from kvlab.relay.scorers import Scorer
 from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
@@ -79,204 +86,6 @@ __all__ = [
     "RelayModelCache",
     "RelayView",
 ]
-
-
-@dataclass(frozen=True)
-class EvictionConfig:
-    """When and how a :class:`RelayModelCache` evicts.
-
-    Exactly one of ``ratio`` and ``capacity`` is set.
-
-    Attributes:
-        ratio: fraction of the tokens evicted once, right after the prefill (the first forward
-            of a layer): each layer keeps ``round((1 - ratio) * n) * H_kv`` tokens. In [0, 1).
-        capacity: tokens per kv head (layer average) kept after every forward that leaves the
-            layer above it (streaming).
-        scorer: a name of :data:`kvlab.relay.SCORERS` (``"recency"``, ``"keynorm"``,
-            ``"snapkv"``, ``"expected-attention"``, ``"tova"``, ``"combined"``) or a
-            :class:`Scorer`.
-        allocation: ``"adaptive"`` (heterogeneous per-head budgets), ``"uniform"``, or ``None``
-            for the scorer's default (uniform for recency, adaptive otherwise).
-        relay: RoPE-Relay the kept keys (True) or leave them at their original positions.
-        sink_tokens: first stream tokens always kept (attention sinks).
-        window_tokens: most recent tokens always kept; also SnapKV's observation window
-            (unless ``observation_tokens`` is set; ``window_fraction`` replaces it).
-        max_head_tokens: per-head cap (the relay's slots; ``E = slots - 1``). Default: the tokens
-            a head holds at eviction (ratio) or ``2 * capacity`` (capacity).
-        observation_tokens: queries of the observation window the attention scorers read
-            (SnapKV), or ``None`` for ``window_tokens`` (the protected window is then also the
-            observation window). A scorer may fix its own (TOVA reads the last query only).
-        layer_budget: how the model's budget is split across layers (``ratio`` only):
-            ``"uniform"`` (every layer ``(1 - ratio) * n``), ``"pyramid"`` (PyramidKV, see
-            :mod:`kvlab.relay.layer_budgets`), or one positive weight per decoder layer
-            (budgets proportional to them, e.g. from a calibration); always the same total;
-            or ``"scores"`` (a reconstruction scorer only, e.g. KVzip: the model's budget goes
-            to the top scores over every layer and kv head — KVzip's cross-layer selection,
-            Kim et al. 2025, arXiv:2505.23416 — so each layer keeps what its scores win;
-            ``scores_share`` of it, the rest split uniformly).
-            Anything but ``"uniform"`` needs every decoder layer to be full attention.
-        pyramid_beta: PyramidKV's steepness ``beta`` (``k_min = k / beta``), >= 1.
-        scores_share: with ``layer_budget="scores"``, the share of each layer's budget that
-            follows the scores: layer ``l`` keeps ``s * T_l + (1 - s) * T / L`` tokens
-            (``T_l`` its winners over every layer, ``T`` the model's budget; integers by
-            largest remainder). In (0, 1]; 1 is KVzip's own split.
-        window_fraction: when set, the protected recent window of each eviction is this
-            fraction of the layer's per-head budget (``round(f * k)`` tokens, at most
-            ``k - sink_tokens``) instead of ``window_tokens``; in [0, 1).
-    """
-
-    ratio: float | None = None
-    capacity: int | None = None
-    scorer: str | Scorer = "snapkv"
-    allocation: str | None = None
-    relay: bool = True
-    sink_tokens: int = 4
-    window_tokens: int = 32
-    max_head_tokens: int | None = None
-    observation_tokens: int | None = None
-    layer_budget: str | tuple[float, ...] = "uniform"
-    pyramid_beta: float = 20.0
-    window_fraction: float | None = None
-    scores_share: float = 1.0
-
-    def __post_init__(self) -> None:
-        if (self.ratio is None) == (self.capacity is None):
-            raise ValueError("set exactly one of EvictionConfig.ratio and EvictionConfig.capacity")
-        if self.ratio is not None and not 0.0 <= self.ratio < 1.0:
-            raise ValueError(f"ratio must lie in [0, 1), got {self.ratio}")
-        if self.capacity is not None and self.capacity < 1:
-            raise ValueError(f"capacity must be >= 1 token per head, got {self.capacity}")
-        if self.sink_tokens < 0 or self.window_tokens < 0:
-            raise ValueError("sink_tokens and window_tokens must be >= 0")
-        if self.capacity is not None and self.capacity < self.sink_tokens + self.window_tokens:
-            raise ValueError(
-                f"capacity {self.capacity} is below sink_tokens + window_tokens = "
-                f"{self.sink_tokens + self.window_tokens}"
-            )
-        if self.allocation not in (None, "uniform", "adaptive"):
-            raise ValueError(f"allocation must be uniform, adaptive or None, got {self.allocation}")
-        if self.max_head_tokens is not None and self.max_head_tokens < 1:
-            raise ValueError("max_head_tokens must be >= 1")
-        if (
-            self.capacity is not None
-            and self.max_head_tokens is not None
-            and self.max_head_tokens < self.capacity
-        ):
-            # the layer keeps capacity * H_kv tokens, more than H_kv heads of this cap hold
-            raise ValueError(
-                f"max_head_tokens {self.max_head_tokens} is below capacity {self.capacity}"
-            )
-        if self.observation_tokens is not None and self.observation_tokens < 1:
-            raise ValueError(f"observation_tokens must be >= 1, got {self.observation_tokens}")
-        if isinstance(self.layer_budget, str):
-            if self.layer_budget not in ("uniform", "pyramid", "scores"):
-                raise ValueError(
-                    "layer_budget must be 'uniform', 'pyramid', 'scores' or per-layer weights, got "
-                    f"{self.layer_budget!r}"
-                )
-        else:
-            weights = tuple(float(w) for w in self.layer_budget)
-            if not weights or any(not w > 0 for w in weights):
-                raise ValueError(f"layer_budget weights must be > 0, got {self.layer_budget}")
-            object.__setattr__(self, "layer_budget", weights)
-        if self.layer_budget != "uniform" and self.capacity is not None:
-            raise ValueError("layer_budget other than 'uniform' needs ratio (prefill eviction)")
-        if self.window_fraction is not None and not 0.0 <= self.window_fraction < 1.0:
-            raise ValueError(f"window_fraction must lie in [0, 1), got {self.window_fraction}")
-        if self.pyramid_beta < 1:
-            raise ValueError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
-        if get_scorer(self.scorer).needs_reconstruction and self.ratio is None:
-            raise ValueError(
-                f"scorer {get_scorer(self.scorer).name!r} scores the tokens by a reconstruction "
-                "pass after a prefill (kvlab.integrations.kvzip.compress): it needs ratio, not "
-                "capacity"
-            )
-        if not 0.0 < self.scores_share <= 1.0:
-            raise ValueError(f"scores_share must lie in (0, 1], got {self.scores_share}")
-        if self.scores_share != 1.0 and self.layer_budget != "scores":
-            raise ValueError("scores_share needs layer_budget='scores'")
-        if self.layer_budget == "scores" and not get_scorer(self.scorer).needs_reconstruction:
-            raise ValueError(
-                "layer_budget 'scores' splits the budget by a reconstruction pass's scores over "
-                f"every layer; scorer {get_scorer(self.scorer).name!r} scores layer by layer"
-            )
-
-    def head_slots(self, tokens_per_head: int) -> int:
-        """The per-head cap (relay slots) for an eviction of heads holding ``tokens_per_head``."""
-        if self.max_head_tokens is not None:
-            return self.max_head_tokens
-        if self.capacity is not None:
-            return 2 * self.capacity
-        return tokens_per_head
-
-
-@dataclass(frozen=True)
-class EvictionEvent:
-    """What one eviction did to one sequence (``row``) of one layer: ``tokens_before`` /
-    ``tokens_after`` per kv head (lists, length ``H_kv``), the shared ``endpoint`` (``None``
-    without relay) and the sequence's stream length (its real tokens) at the time."""
-
-    layer_idx: int
-    stream_length: int
-    tokens_before: list[int]
-    tokens_after: list[int]
-    endpoint: int | None
-    row: int = 0
-
-
-@dataclass
-class _Pending:
-    """What ``update`` stashed for the attention call of the same layer and forward."""
-
-    keys: Tensor  # [B, H_kv, T, D], rotated by the model at its position ids
-    values: Tensor  # [B, H_kv, T, Dv]
-    position_ids: Tensor | None
-
-
-@dataclass
-class _ForwardPlan:
-    """One forward's checked inputs, shared by every layer (built by the first layer).
-
-    ``real[b]``: real (non-padding) new tokens of row ``b`` — the last ``real[b]`` of the
-    ``num_new`` columns; ``shift``: per-row RoPE delta (cache position - model position) as a
-    ``[B, 1, 1]`` device tensor, or ``None`` when known to be zero; ``first_eviction``: rows
-    whose prefill this is (ratio mode evicts them)."""
-
-    forward_index: int
-    batch: int
-    num_new: int
-    real: list[int]
-    shift: Tensor | None
-    first_eviction: list[int] = field(default_factory=list)
-    reconstruction: bool = False
-
-    @property
-    def padded(self) -> bool:
-        return any(r != self.num_new for r in self.real)
-
-
-@dataclass(frozen=True)
-class ReconstructionSpan:
-    """What a reconstruction pass rebuilds in one sequence: the stored tokens with stream
-    indices ``start .. end - 1`` (scored in this pass), and the first ``sinks`` tokens that
-    join the scores' normalization when ``start > 0`` (KVzip's chunked scoring,
-    :mod:`kvlab.relay.kvzip`)."""
-
-    start: int
-    end: int
-    sinks: int = 4
-
-
-class _ForwardState:
-    """Shared by the layers of one :class:`RelayModelCache`: the current forward's plan,
-    during a reconstruction pass the span of each sequence (``None`` for a sequence the pass
-    does not feed), and the guard that puts back the window layers a refused forward changed
-    (set by the cache)."""
-
-    def __init__(self) -> None:
-        self.plan: _ForwardPlan | None = None
-        self.reconstruction: list[ReconstructionSpan | None] | None = None
-        self.guard = ForwardGuard()
 
 
 class RelayView(CacheView):
@@ -312,14 +121,6 @@ class RelayView(CacheView):
         return self.layer.forward_state.guard.checking(self.layer._drop_stash)
 
 
-def _leading_zeros(values: list[int]) -> int:
-    count = 0
-    for v in values:
-        if v:
-            break
-        count += 1
-    return count
-
 
 class RelayLayer(CacheLayerMixin):
     """One full-attention decoder layer of a :class:`RelayModelCache`.
@@ -347,7 +148,7 @@ class RelayLayer(CacheLayerMixin):
         config: EvictionConfig,
         rotary: RotaryConfig,
         layer_idx: int,
-        forward_state: _ForwardState | None = None,
+        forward_state: ForwardState | None = None,
         *,
         uses_rope: bool = True,
     ) -> None:
@@ -356,13 +157,24 @@ class RelayLayer(CacheLayerMixin):
         self.rotary = rotary
         self.uses_rope = uses_rope
         self.layer_idx = layer_idx
-        self.scorer: Scorer = get_scorer(config.scorer)
-        self.allocation = config.allocation or self.scorer.default_allocation
+        # the eviction policy (torch only): budgets, protected window, scorer, selection, relay
+        self.evictor = Evictor(config, rotary, layer_idx, uses_rope=uses_rope)
+        self.scorer: Scorer = self.evictor.scorer
+        self.allocation = self.evictor.allocation
         # a scorer fed by a reconstruction pass: the ratio eviction waits for it
-        self.deferred = self.scorer.needs_reconstruction
-        self.forward_state = forward_state if forward_state is not None else _ForwardState()
-        self.num_layers = 1  # set by RelayModelCache (per-layer budgets need it)
+        self.deferred = self.evictor.deferred
+        self.forward_state = forward_state if forward_state is not None else ForwardState()
         self._clear()
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers the model's budget is split over (set by :class:`RelayModelCache`;
+        per-layer budgets need it)."""
+        return self.evictor.num_layers
+
+    @num_layers.setter
+    def num_layers(self, value: int) -> None:
+        self.evictor.num_layers = value
 
     def _clear(self) -> None:
         self.store: RelayStore | None = None
@@ -376,7 +188,7 @@ class RelayLayer(CacheLayerMixin):
         # per row: the prefill's observation-window attention (KVzipScorer(prefill_queries=w))
         self.observation_scores: list[Tensor | None] = []
         self.evicted: list[bool] = []
-        self._pending: _Pending | None = None
+        self._pending: Pending | None = None
         self.is_initialized = False
 
     # ---------------------------------------------------------------- transformers API
@@ -408,7 +220,7 @@ class RelayLayer(CacheLayerMixin):
         with self.forward_state.guard.checking(accept=False):
             self._check_states(key_states, value_states)
         inner = kwargs.get("kwargs") or {}
-        self._pending = _Pending(key_states, value_states, inner.get("position_ids"))
+        self._pending = Pending(key_states, value_states, inner.get("position_ids"))
         view = RelayView(self)
         return view, view
 
@@ -504,179 +316,53 @@ class RelayLayer(CacheLayerMixin):
         return 0 if self.store is None else self.store.index_bytes()
 
     # ---------------------------------------------------------------- checks (no state change)
-    def _check_states(self, keys: Tensor, values: Tensor) -> None:
-        if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
-            raise ValueError(
-                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must be "
-                "[B, H_kv, T, D] and [B, H_kv, T, Dv]"
-            )
+    def _stored_shape(self) -> StoredShape | None:
         store = self.store
         if store is None:
-            return
-        expected = (store.batch, store.heads, store.head_dim, store.value_dim)
-        got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
-        if got != expected:
-            raise ValueError(
-                f"layer {self.layer_idx} stores [B, H_kv, D, Dv] = {expected}, got {got} "
-                "(a new batch needs a new cache or reset())"
-            )
-        if keys.dtype != store.dtype or values.dtype != store.dtype:
-            raise ValueError(f"layer {self.layer_idx} stores {store.dtype}, got {keys.dtype}")
-        if keys.device != store.device:
-            raise ValueError(f"layer {self.layer_idx} stores on {store.device}, got {keys.device}")
+            return None
+        return StoredShape(
+            store.batch, store.heads, store.head_dim, store.value_dim, store.dtype, store.device
+        )
+
+    def _check_states(self, keys: Tensor, values: Tensor) -> None:
+        check_states(keys, values, self.layer_idx, self._stored_shape())
 
     def _plan(
         self,
-        pending: _Pending,
+        pending: Pending,
         attention_mask: Tensor | None,
         kwargs: dict[str, Any],
         *,
         reconstruction: bool = False,
-    ) -> _ForwardPlan:
-        """Check this forward's inputs against the layer's state and derive the plan. Reads the
-        device at most once per forward (one transfer: the mask check and new columns, the
-        position ids), and not at all when neither is given. A ``reconstruction`` pass stores
-        nothing: its rows may be all padding, and it plans no eviction.
+    ) -> ForwardPlan:
+        """Check this forward's inputs against the layer's state and derive the plan
+        (:func:`kvlab.integrations.forward.plan_forward`), then the rows whose prefill this is
+        and their first eviction's budget checks (ratio mode, not deferred). A
+        ``reconstruction`` pass stores nothing and plans no eviction.
 
         Raises:
-            ValueError: a mask that is not 2-D ``[B, seen + T]``, not left padding, or
-                disagrees with the padding stored; position ids that are not ``[1|B, T]`` or not
-                consecutive over a row's real tokens; a prompt too short for the first
-                eviction.
+            ValueError: see :func:`~kvlab.integrations.forward.plan_forward`; a prompt too
+                short for the first eviction.
         """
-        batch, heads, t, _ = pending.keys.shape
-        seen = self.seen_tokens
+        batch, heads = pending.keys.shape[:2]
         stream = self.stream_lengths or [0] * batch
-        nexts = self.next_positions or [0] * batch
-        padding = self.padding or [0] * batch
-        device = pending.keys.device
-        position_ids = pending.position_ids
-        if position_ids is None:
-            position_ids = kwargs.get("position_ids")
-
-        parts: list[Tensor] = []
-        if attention_mask is not None:
-            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, seen + t):
-                raise ValueError(
-                    "RelayModelCache takes a 2-D attention_mask [B, seen + new] = "
-                    f"[{batch}, {seen + t}] (left padding), got {tuple(attention_mask.shape)}"
-                )
-            mask = attention_mask.to(device=device, dtype=torch.bool)
-            column = torch.arange(seen, device=device)
-            expected = column.view(1, -1) >= torch.tensor(padding, device=device).view(-1, 1)
-            parts += [(mask[:, :seen] == expected).all(-1, keepdim=True), mask[:, seen:]]
-        if position_ids is not None:
-            if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch):
-                raise ValueError(
-                    f"RelayModelCache needs position_ids [1 or B, T], got "
-                    f"{tuple(position_ids.shape)}"
-                )
-            if position_ids.shape[-1] != t:
-                raise ValueError(f"position_ids length {position_ids.shape[-1]} != {t} new tokens")
-            parts.append(position_ids.to(device).expand(batch, t))
-        host = torch.cat([p.to(torch.int64) for p in parts], 1).tolist() if parts else None
-
-        real = [t] * batch
-        if attention_mask is not None:
-            assert host is not None
-            for b in range(batch):
-                if not host[b][0]:
-                    raise ValueError(
-                        f"attention_mask row {b}: its first {seen} columns differ from the "
-                        f"padding the cache stored ({padding[b]} leading zeros, then ones)"
-                    )
-                new = host[b][1 : 1 + t]
-                zeros = _leading_zeros(new)
-                if not all(new[zeros:]):
-                    raise ValueError(
-                        f"attention_mask row {b} has a zero after a one: RelayModelCache "
-                        "supports left padding only"
-                    )
-                if zeros and stream[b] > 0 and not reconstruction:
-                    raise ValueError(
-                        f"attention_mask row {b} pads after real tokens; left padding must "
-                        "come before a sequence's first token"
-                    )
-                real[b] = t - zeros
-
-        if position_ids is None:
-            # transformers' default: positions seen + 0 .. T - 1
-            deltas = [nexts[b] - (seen + t - real[b]) for b in range(batch)]
-        else:
-            assert host is not None
-            offset = 1 + t if attention_mask is not None else 0
-            deltas = []
-            for b in range(batch):
-                ids = host[b][offset + t - real[b] : offset + t]
-                if any(ids[j] != ids[0] + j for j in range(len(ids))):
-                    raise ValueError(
-                        f"RelayModelCache needs consecutive position_ids over each row's real "
-                        f"tokens; row {b} has {ids[:8]}{'...' if len(ids) > 8 else ''}"
-                    )
-                deltas.append(nexts[b] - ids[0] if ids else 0)
-        shift = None
-        if any(deltas):
-            shift = torch.tensor(deltas, dtype=torch.int64, device=device).view(-1, 1, 1)
-
-        first = []
-        if self.eviction.ratio is not None and not self.deferred and not reconstruction:
-            first = [b for b in range(batch) if stream[b] == 0 and real[b] > 1]
-            for b in first:
-                self._check_first_eviction(real[b], heads, b)
-        return _ForwardPlan(
+        plan = plan_forward(
+            pending,
+            attention_mask,
+            kwargs,
+            seen=self.seen_tokens,
+            stream=stream,
+            nexts=self.next_positions or [0] * batch,
+            padding=self.padding or [0] * batch,
             forward_index=self.forwards,
-            batch=batch,
-            num_new=t,
-            real=real,
-            shift=shift,
-            first_eviction=first,
             reconstruction=reconstruction,
         )
-
-    def _layer_budget(self, before: list[int]) -> tuple[int, int]:
-        """``(tokens each kv head keeps on average, per-head cap)`` for an eviction of heads
-        holding ``before`` tokens (see :class:`EvictionConfig`; with ``ratio``, this layer's
-        share of the model's budget, :meth:`_layer_tokens_per_head`)."""
-        cfg = self.eviction
-        slots = cfg.head_slots(max(before))
-        if cfg.ratio is not None:
-            return self._layer_tokens_per_head(max(before), slots), slots
-        assert cfg.capacity is not None
-        return cfg.capacity, slots
-
-    def _check_first_eviction(self, tokens: int, heads: int, row: int) -> None:
-        """Run the budget checks of the first eviction (ratio mode) of every layer on a
-        synthetic prefill of ``tokens`` tokens, so an impossible budget fails before anything
-        is stored."""
-        cfg = self.eviction
-        positions = torch.arange(tokens).expand(1, heads, tokens)
-        valid = torch.ones(1, heads, tokens, dtype=torch.bool)
-        try:
-            slots = cfg.head_slots(tokens)
-            for per_head in sorted(set(self._layer_budgets(tokens, slots))):
-                protected = protected_mask(
-                    positions,
-                    valid,
-                    stream_length=tokens,
-                    sink_tokens=cfg.sink_tokens,
-                    window_tokens=self._protected_window(per_head),
-                )
-                allocate_counts(
-                    torch.zeros(1, heads, tokens),
-                    valid,
-                    protected,
-                    total=per_head * heads,
-                    allocation=self.allocation,
-                    cap=slots,
-                )
-        except ValueError as error:
-            raise ValueError(
-                f"RelayModelCache cannot evict after the {tokens}-token prefill of row {row} "
-                f"(ratio {cfg.ratio}, sink_tokens {cfg.sink_tokens}, "
-                f"window_tokens {cfg.window_tokens}, window_fraction {cfg.window_fraction}, "
-                f"layer_budget {cfg.layer_budget!r}): {error}; use a longer prompt, "
-                "a smaller ratio or fewer protected tokens"
-            ) from None
+        if self.eviction.ratio is not None and not self.deferred and not reconstruction:
+            first = [b for b in range(batch) if stream[b] == 0 and plan.real[b] > 1]
+            for b in first:
+                self.evictor.check_first_eviction(plan.real[b], heads, b)
+            plan.first_eviction = first
+        return plan
 
     # ---------------------------------------------------------------- the forward
     def attend(
@@ -733,7 +419,7 @@ class RelayLayer(CacheLayerMixin):
 
     def _take_pending(
         self, attention_mask: Tensor | None, kwargs: dict[str, Any]
-    ) -> tuple[_Pending, _ForwardPlan]:
+    ) -> tuple[Pending, ForwardPlan]:
         """The stash of this forward and its plan: the one the forward's first layer built
         (shared through :attr:`forward_state`), or a new one (:meth:`_plan`, which checks every
         input before any layer changes).
@@ -761,7 +447,7 @@ class RelayLayer(CacheLayerMixin):
             self.forward_state.plan = plan
         return pending, plan
 
-    def _observe(self, query: Tensor, scaling: float, plan: _ForwardPlan) -> None:
+    def _observe(self, query: Tensor, scaling: float, plan: ForwardPlan) -> None:
         """Before the reconstruction pass: record, per sequence fed real tokens, the attention
         of this forward's last ``scorer.prefill_queries`` queries over its stored tokens (max
         over them and the GQA group, float32 ``[1, H, S]``), which the eviction joins to the
@@ -773,7 +459,7 @@ class RelayLayer(CacheLayerMixin):
             if real == 0 or self.evicted[b]:
                 continue
             view = self.store.padded([b])
-            probs = self._window_attention(
+            probs = window_attention(
                 query[b : b + 1, :, plan.num_new - real :],
                 scaling,
                 view.keys,
@@ -796,7 +482,7 @@ class RelayLayer(CacheLayerMixin):
         keys: Tensor,
         values: Tensor,
         scaling: float,
-        plan: _ForwardPlan,
+        plan: ForwardPlan,
         kwargs: dict[str, Any],
     ) -> Tensor:
         """A reconstruction pass through this layer (docs/design.md, "RoPE-Relay:
@@ -849,39 +535,23 @@ class RelayLayer(CacheLayerMixin):
 
     def split_keys(self, row: int, reconstruction: Tensor) -> Tensor:
         """The keys by which ``layer_budget="scores"`` ranks this layer's stored tokens of
-        sequence ``row`` against every other layer's: float32 ``[H, S]`` (padded view) — the
-        scorer's scores, ``+inf`` where protected (sinks and the uniform split's recent window,
-        as :meth:`evict` protects them), ``-inf`` on empty slots.
+        sequence ``row`` against every other layer's: float32 ``[H, S]``
+        (:meth:`kvlab.relay.evictor.Evictor.split_keys`).
 
         Args:
             row: the sequence.
             reconstruction: ``[1, H, S]`` its reconstruction scores (:meth:`evict`).
         """
         assert self.store is not None
-        per_head, _ = self._layer_budget(self.store.counts(row))
-        view = self.store.padded([row])
-        scores = self.scorer.score(
-            ScoreInputs(
-                keys=view.keys,
-                values=view.values,
-                valid=view.valid,
-                original_positions=view.original_positions,
-                rotary=self.rotary if self.uses_rope else None,
-                next_position=self.next_positions[row],
-                reconstruction=reconstruction,
-            )
-        ).float()
-        protected = protected_mask(
-            view.original_positions,
-            view.valid,
+        return self.evictor.split_keys(
+            self.store,
+            row,
+            reconstruction,
             stream_length=self.stream_lengths[row],
-            sink_tokens=self.eviction.sink_tokens,
-            window_tokens=self._protected_window(per_head),
+            next_position=self.next_positions[row],
         )
-        scores = scores.masked_fill(protected, float("inf"))
-        return scores.masked_fill(~view.valid, float("-inf"))[0]
 
-    def _commit(self, keys: Tensor, values: Tensor, plan: _ForwardPlan) -> None:
+    def _commit(self, keys: Tensor, values: Tensor, plan: ForwardPlan) -> None:
         """Append each row's real new tokens at its stream indices and RoPE positions."""
         if self.store is None:
             self.lazy_initialization(keys, values)
@@ -895,7 +565,7 @@ class RelayLayer(CacheLayerMixin):
         )
         self._advance(plan)
 
-    def _advance(self, plan: _ForwardPlan) -> None:
+    def _advance(self, plan: ForwardPlan) -> None:
         """Count the forward's tokens: padding, stream lengths, RoPE positions, columns seen."""
         for b, r in enumerate(plan.real):
             self.padding[b] += plan.num_new - r
@@ -904,97 +574,12 @@ class RelayLayer(CacheLayerMixin):
         self.seen_tokens += plan.num_new
         self.forwards += 1
 
-    def _rows_due(self, plan: _ForwardPlan) -> list[int]:
+    def _rows_due(self, plan: ForwardPlan) -> list[int]:
         """Rows to evict after this forward (see :class:`EvictionConfig`)."""
         if self.eviction.ratio is not None:
             return plan.first_eviction
-        assert self.eviction.capacity is not None and self.store is not None
-        limit = self.eviction.capacity * self.store.heads
-        return [b for b in range(self.store.batch) if sum(self.store.counts(b)) > limit]
-
-    # ---------------------------------------------------------------- eviction policy inputs
-    def _protected_window(self, per_head: int) -> int:
-        """The protected recent window (tokens) of an eviction to ``per_head`` tokens per head
-        (layer average): ``window_tokens``, or ``round(window_fraction * per_head)`` capped at
-        ``per_head - sink_tokens`` when ``window_fraction`` is set."""
-        cfg = self.eviction
-        if cfg.window_fraction is None:
-            return cfg.window_tokens
-        return max(0, min(round(cfg.window_fraction * per_head), per_head - cfg.sink_tokens))
-
-    def _observation_tokens(self, recent: int) -> int:
-        """Queries in the observation window: the scorer's own, else ``observation_tokens``,
-        else the protected recent window ``recent``."""
-        cfg = self.eviction
-        if self.scorer.observation_tokens is not None:
-            return self.scorer.observation_tokens
-        return cfg.observation_tokens if cfg.observation_tokens is not None else recent
-
-    def _window_attention(
-        self, query: Tensor, scaling: float, keys: Tensor, valid: Tensor, window: int
-    ) -> Tensor:
-        """Softmax probabilities ``[B, H, G, w, S]`` (float32) of the last ``w = window``
-        queries (at most the forward's) over the padded ``keys``, per query head ``g`` of each
-        GQA group; the queries are the newest tokens of every head, rotated at cache
-        positions, and see the slots up to their own (causal)."""
-        batch, hq, q_len, dim = query.shape
-        heads = keys.shape[1]
-        group = hq // heads
-        w = max(1, min(window, q_len))
-        q = query[:, :, q_len - w :].float().reshape(batch, heads, group * w, dim)
-        logits = q @ keys.float().transpose(-1, -2) * scaling  # [B, H, G*w, S]
-        counts = valid[0].sum(-1)  # [H]
-        # query j of the window is the token at per-head slot counts - w + j: causal mask
-        j = torch.arange(w, device=query.device).repeat(group)  # [G*w]
-        limit = counts.view(heads, 1) - w + j.view(1, -1)  # [H, G*w]
-        slot = torch.arange(keys.shape[2], device=query.device)
-        allowed = slot.view(1, 1, -1) <= limit.unsqueeze(-1)  # [H, G*w, S]
-        allowed = allowed.unsqueeze(0) & valid.unsqueeze(2)
-        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-        return probs.reshape(batch, heads, group, w, keys.shape[2])
-
-    def _layer_budgets(self, tokens: int, slots: int) -> list[int]:
-        """Every layer's budget in tokens per kv head for a ratio eviction of heads holding
-        ``tokens`` (``EvictionConfig.layer_budget``; the sum over layers is the same for every
-        setting: ``L * max(1, round((1 - ratio) * tokens))``). Each layer keeps at least its
-        sinks and ``window_tokens`` (one recent token with ``window_fraction``) and at most
-        ``min(slots, tokens)``.
-
-        Raises:
-            ValueError: per-layer weights whose count is not :attr:`num_layers`, or a total
-                the bounds cannot meet (:func:`kvlab.relay.layer_budgets.split_layer_budget`).
-        """
-        cfg = self.eviction
-        assert cfg.ratio is not None
-        mean = max(1, round((1.0 - cfg.ratio) * tokens))
-        if cfg.layer_budget in ("uniform", "scores") or self.num_layers == 1:
-            # "scores": the split is decided by the scores at eviction (evict_reconstructed);
-            # its per-layer bounds are the uniform ones
-            return [mean] * self.num_layers
-        top = min(slots, tokens)
-        recent = cfg.window_tokens if cfg.window_fraction is None else 1
-        floor = min(top, cfg.sink_tokens + recent)
-        if cfg.layer_budget == "pyramid":
-            weights = pyramid_layer_budgets(
-                mean, self.num_layers, beta=cfg.pyramid_beta, max_tokens=top
-            )
-        else:
-            weights = list(cfg.layer_budget)
-            if len(weights) != self.num_layers:
-                raise ValueError(
-                    f"layer_budget has {len(weights)} weights for {self.num_layers} layers"
-                )
-        return split_layer_budget(
-            mean * self.num_layers,
-            weights,
-            low=[floor] * self.num_layers,
-            high=[top] * self.num_layers,
-        )
-
-    def _layer_tokens_per_head(self, tokens: int, slots: int) -> int:
-        """This layer's entry of :meth:`_layer_budgets`."""
-        budgets = self._layer_budgets(tokens, slots)
-        return budgets[self.layer_idx] if len(budgets) > 1 else budgets[0]
+        assert self.store is not None
+        return self.evictor.over_capacity(self.store)
 
     # ---------------------------------------------------------------- eviction
     def evict(
@@ -1007,7 +592,8 @@ class RelayLayer(CacheLayerMixin):
         layer_total: int | None = None,
     ) -> EvictionEvent:
         """Evict in sequence ``row``: budget and protected window, score, allocate, select,
-        relay (or not), compact (docs/design.md, "RoPE-Relay: Eviction policy").
+        relay (or not), compact (:meth:`kvlab.relay.evictor.Evictor.evict`; docs/design.md,
+        "RoPE-Relay: Eviction policy"), then record the event.
 
         Args:
             query: that row's real queries of the current forward ``[1, H_q, Q, D]`` at cache
@@ -1025,106 +611,19 @@ class RelayLayer(CacheLayerMixin):
             ValueError: ``query`` missing for a scorer that needs it.
         """
         assert self.store is not None
-        if query is None and (self.scorer.needs_window_attention or self.scorer.needs_queries):
-            raise ValueError(f"the {self.scorer.name} scorer needs the forward's queries")
-        cfg = self.eviction
-        before = self.store.counts(row)
-        heads = len(before)
-        # the budget and the protected window first: the observation window follows them
-        per_head, slots = self._layer_budget(before)
-        # layer_total replaces the budget, not the protected window (that of the uniform split,
-        # which the split over layers protected: docs/design.md, "RoPE-Relay: Reconstruction
-        # scoring")
-        total = per_head * heads if layer_total is None else layer_total
-        recent = self._protected_window(per_head)
-        view = self.store.padded([row])
-        keys, values, valid = view.keys, view.values, view.valid
-        orig, rot = view.original_positions, view.rotary_positions
-        window = probs = None
-        if self.scorer.needs_window_attention:
-            assert query is not None and scaling is not None
-            probs = self._window_attention(
-                query, scaling, keys, valid, self._observation_tokens(recent)
-            )
-            window = probs.sum((2, 3))
-        next_position = self.next_positions[row]
-        query_positions = None
-        if query is not None:
-            q_len = query.shape[2]
-            query_positions = torch.arange(
-                next_position - q_len, next_position, device=query.device
-            )
-        scores = self.scorer.score(
-            ScoreInputs(
-                keys=keys,
-                values=values,
-                valid=valid,
-                original_positions=orig,
-                window_attention=window,
-                window_probs=probs,
-                queries=query if self.scorer.needs_queries else None,
-                query_positions=query_positions,
-                rotary=self.rotary if self.uses_rope else None,  # None: a NoPE layer
-                next_position=next_position,
-                reconstruction=reconstruction,
-            )
-        )
-        protected = protected_mask(
-            orig,
-            valid,
+        event, next_position = self.evictor.evict(
+            self.store,
+            row,
+            query,
+            scaling,
             stream_length=self.stream_lengths[row],
-            sink_tokens=cfg.sink_tokens,
-            window_tokens=recent,
+            next_position=self.next_positions[row],
+            reconstruction=reconstruction,
+            layer_total=layer_total,
         )
-        counts = allocate_counts(
-            scores,
-            valid,
-            protected,
-            total=total,
-            allocation=self.allocation,
-            cap=slots,
-            comparable_across_heads=self.scorer.comparable_across_heads,
-        )
-        keep = select_keep(scores, valid, protected, counts)
-        kept = [int(k) for k in counts.tolist()]
-        endpoint: int | None = None
-        s = keys.shape[2]
-        if cfg.relay:
-            endpoint = slots - 1
-            out = relay(keys, values, rot, keep, self.rotary, endpoint=endpoint)
-            new_orig = orig.gather(-1, out.source_index.clamp_min(0))
-            # relayed tokens are right-aligned in the padded output: slots s - k .. s - 1
-            self.store.write_front(
-                row,
-                kept,
-                [s - k for k in kept],
-                out.keys[0],
-                out.values[0],
-                new_orig[0],
-                out.positions[0],
-            )
-            self.next_positions[row] = out.next_position
-        else:
-            # kept slots first, in stream order (stable sort on the keep flag)
-            order = torch.argsort((~keep).to(torch.uint8), dim=-1, stable=True)[0]  # [H, S]
-            self.store.write_front(
-                row,
-                kept,
-                [0] * heads,
-                keys[0].gather(1, order.unsqueeze(-1).expand(-1, -1, keys.shape[-1])),
-                values[0].gather(1, order.unsqueeze(-1).expand(-1, -1, values.shape[-1])),
-                orig[0].gather(1, order),
-                rot[0].gather(1, order),
-            )
+        if next_position is not None:
+            self.next_positions[row] = next_position
         self.evicted[row] = True
-        event = EvictionEvent(
-            layer_idx=self.layer_idx,
-            stream_length=self.stream_lengths[row],
-            tokens_before=before,
-            tokens_after=self.store.counts(row),
-            endpoint=endpoint,
-            row=row,
-        )
         self.events.append(event)
         return event
 
@@ -1176,10 +675,10 @@ class RelayModelCache(Cache):
                 raise ValueError(
                     f"layer_budget has {len(config.layer_budget)} weights for {layers} layers"
                 )
-        if get_scorer(config.scorer).needs_reconstruction and plan.window_layers:
+        if config.resolved_scorer.needs_reconstruction and plan.window_layers:
             # a reconstruction pass must store nothing; window layers store every forward
             raise ValueError(
-                f"scorer {get_scorer(config.scorer).name!r} needs every decoder layer to be full "
+                f"scorer {config.resolved_scorer.name!r} needs every decoder layer to be full "
                 f"attention (its reconstruction pass stores nothing); layers "
                 f"{list(plan.window_layers)} are sliding/chunked"
             )
@@ -1197,11 +696,11 @@ class RelayModelCache(Cache):
             layer.num_layers = layers
         state.guard = ForwardGuard(self.layers)  # atomic failure with leading window layers
 
-    def _forward_state(self) -> _ForwardState:
+    def _forward_state(self) -> ForwardState:
         """The forward state the full-attention layers share (a subclass may extend it)."""
-        return _ForwardState()
+        return ForwardState()
 
-    def _full_layer(self, index: int, state: _ForwardState) -> RelayLayer:
+    def _full_layer(self, index: int, state: ForwardState) -> RelayLayer:
         """The cache layer of full-attention decoder layer ``index`` (a subclass's layer kind,
         e.g. :class:`kvlab.integrations.composed_cache.ComposedLayer`)."""
         return RelayLayer(
@@ -1280,7 +779,7 @@ class RelayModelCache(Cache):
         """Whether the eviction waits for a reconstruction pass (a KVzip scorer,
         :mod:`kvlab.relay.kvzip`): forwards then only store, until
         :func:`kvlab.integrations.kvzip.compress` scores the stored tokens and evicts."""
-        return get_scorer(self.eviction.scorer).needs_reconstruction
+        return self.eviction.resolved_scorer.needs_reconstruction
 
     def awaiting_reconstruction(self) -> list[bool]:
         """Per sequence, whether it holds tokens that wait for a reconstruction pass (stored,
@@ -1295,12 +794,13 @@ class RelayModelCache(Cache):
         length per kv head) without changing anything.
 
         Raises:
-            ValueError: a budget the eviction could not meet (see ``_check_first_eviction``).
+            ValueError: a budget the eviction could not meet
+                (:meth:`kvlab.relay.evictor.Evictor.check_first_eviction`).
         """
         layer = self._relay_layers()[0]
         assert layer.store is not None
         for b in rows:
-            layer._check_first_eviction(layer.stream_lengths[b], layer.store.heads, b)
+            layer.evictor.check_first_eviction(layer.stream_lengths[b], layer.store.heads, b)
 
     @contextmanager
     def reconstruction_pass(self, spans: Sequence[ReconstructionSpan | None]) -> Iterator[None]:
@@ -1384,7 +884,7 @@ class RelayModelCache(Cache):
             scores = layer.eviction_scores(row)
             assert scores is not None
             keys.append(layer.split_keys(row, scores).flatten())
-            per_head, _ = layer._layer_budget(layer.store.counts(row))
+            per_head, _ = layer.evictor.layer_budget(layer.store.counts(row))
             budget += per_head * layer.store.heads
         sizes = [k.numel() for k in keys]
         top = torch.topk(torch.cat(keys), budget, sorted=False).indices
