@@ -24,10 +24,13 @@ Design: docs/design.md, "Eviction composed with PN-Mix". Per layer:
    coded in a frame off by their gap — a pure rotation that decoding undoes exactly (keys still
    attend at their original positions), which only loosens how well the pre-RoPE frame aligns
    their channels.
-3. **Later forwards** append to the PN-Mix cache (decode: deferred checks, no host sync) and
-   attend with :func:`kvlab.pnmix.pnmix_attention` over the packed codes. With relay the new
-   token of a sequence sits at the synchronized ``next_position`` in every head and layer (keys
-   and queries re-rotated from the model's positions, as in ``RelayModelCache``).
+3. **Later forwards** append to the PN-Mix cache and attend with
+   :func:`kvlab.pnmix.pnmix_attention` over the packed codes; a single-token forward (decode:
+   deferred checks, no host sync) does both with :func:`kvlab.pnmix.pnmix_decode_step`, one
+   compiled call on the CPU backend, as :class:`kvlab.integrations.pnmix_cache.PNMixView`.
+   With relay the new token of a sequence sits at the synchronized ``next_position`` in every
+   head and layer (keys and queries re-rotated from the model's positions, as in
+   ``RelayModelCache``).
 
 Ratio mode only: ``EvictionConfig.capacity`` (stream mode, evicting again and again) would
 evict tokens already packed into groups, which breaks groups; it is refused at construction.
@@ -49,7 +52,7 @@ from kvlab.integrations.forward import ForwardPlan, ForwardState, Pending, plan_
 from kvlab.integrations.model_support import layer_rotary
 from kvlab.integrations.pnmix_cache import pnmix_config_for_model
 from kvlab.integrations.relay_cache import EvictionConfig, RelayLayer, RelayModelCache
-from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
+from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
 from kvlab.pnmix.quantizers import round_to_storage
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
@@ -270,11 +273,25 @@ class ComposedLayer(RelayLayer):
         if plan.shift is not None and self.uses_rope:
             keys = rotate_by_delta(keys, plan.shift, self.rotary)
             query = rotate_by_delta(query, plan.shift, self.rotary)
+        if plan.num_new == 1:
+            # append + attend as PNMixView does: one compiled call on the CPU backend when the
+            # token only fills a residual slot (the same bytes and logits as the two calls)
+            out = pnmix_decode_step(
+                query,
+                keys,
+                pending.values,
+                self.pnmix,
+                scale=scaling,
+                logit_softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
+                sink_logits=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
+            )
+            self._advance(plan)
+            return out
         # later forwards never pad (the plan refuses padding after a row's first token)
         self.pnmix.append(
             keys,
             pending.values,
-            checks="deferred" if plan.num_new == 1 else "eager",
+            checks="eager",
             queries=query,
         )
         self._advance(plan)

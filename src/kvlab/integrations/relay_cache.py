@@ -121,7 +121,6 @@ class RelayView(CacheView):
         return self.layer.forward_state.guard.checking(self.layer._drop_stash)
 
 
-
 class RelayLayer(CacheLayerMixin):
     """One full-attention decoder layer of a :class:`RelayModelCache`.
 

@@ -8,14 +8,22 @@ Torch-free settings (no ``transformers`` import), mirroring :mod:`kvlab.pnmix.co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvlab.relay.scorers import Scorer, get_scorer
 
 __all__ = ["EvictionConfig", "EvictionEvent"]
 
 
+class _ResolvedScorer:
+    """Holds a config's resolved scorer in a slot: outside the dataclass fields (equality,
+    ``repr``, ``dataclasses.replace``) and outside ``vars(config)`` (which rebuilds a config)."""
+
+    __slots__ = ("_resolved_scorer",)
+
+
 @dataclass(frozen=True)
-class EvictionConfig:
+class EvictionConfig(_ResolvedScorer):
     """When and how a :class:`RelayModelCache` evicts.
 
     Exactly one of ``ratio`` and ``capacity`` is set.
@@ -137,10 +145,17 @@ class EvictionConfig:
                 f"every layer; scorer {scorer.name!r} scores layer by layer"
             )
 
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)  # the fields; the scorer is resolved again on load
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_resolved_scorer", get_scorer(self.scorer))
+
     @property
     def resolved_scorer(self) -> Scorer:
         """The :class:`Scorer` of :attr:`scorer` (resolved once, at construction)."""
-        return self._resolved_scorer  # type: ignore[attr-defined, no-any-return]
+        return self._resolved_scorer  # type: ignore[no-any-return]
 
     @property
     def resolved_allocation(self) -> str:
