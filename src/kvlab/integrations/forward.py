@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -23,6 +23,7 @@ __all__ = [
     "ForwardPlan",
     "ForwardState",
     "Pending",
+    "Planner",
     "ReconstructionSpan",
     "StoredShape",
     "check_states",
@@ -73,6 +74,26 @@ class ReconstructionSpan:
     start: int
     end: int
     sinks: int = 4
+
+
+class Planner(Protocol):
+    """Checks a forward's inputs before any layer changes and plans it (the forward's first
+    layer calls it; the plan is shared through :class:`ForwardState`)."""
+
+    def check_forward(
+        self,
+        pending: Pending,
+        attention_mask: Tensor | None,
+        kwargs: dict[str, Any],
+        *,
+        reconstruction: bool = False,
+    ) -> ForwardPlan:
+        """The plan of the forward whose stash is ``pending``.
+
+        Raises:
+            ValueError: inputs the cache refuses.
+        """
+        ...
 
 
 class ForwardState:

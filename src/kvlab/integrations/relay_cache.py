@@ -64,6 +64,7 @@ from kvlab.integrations.forward import (
     ForwardPlan,
     ForwardState,
     Pending,
+    Planner,
     ReconstructionSpan,
     StoredShape,
     check_states,
@@ -118,7 +119,7 @@ class RelayView(CacheView):
         """A refusal drops the layer's stash and puts back the window layers stored before the
         forward's first full-attention layer (:class:`~kvlab.integrations.model_support.
         ForwardGuard`)."""
-        return self.layer.forward_state.guard.checking(self.layer._drop_stash)
+        return self.layer.forward_state.guard.checking(self.layer.drop_stash)
 
 
 class RelayLayer(CacheLayerMixin):
@@ -126,7 +127,10 @@ class RelayLayer(CacheLayerMixin):
 
     ``forward_state`` is shared by the layers of one cache (the first layer of a forward checks
     its inputs for all); ``uses_rope=False`` (a NoPE layer, only with ``relay=False``) never
-    re-rotates keys or queries.
+    re-rotates keys or queries; ``planner`` checks and plans each forward in place of
+    :meth:`check_forward` (a :class:`kvlab.integrations.composed_cache.ComposedLayer` holding
+    this layer adds its own checks). The eviction policy is :attr:`evictor`
+    (:class:`kvlab.relay.evictor.Evictor`).
 
     Attributes:
         store: the :class:`~kvlab.relay.storage.RelayStore` (``None`` before the first token).
@@ -150,8 +154,11 @@ class RelayLayer(CacheLayerMixin):
         forward_state: ForwardState | None = None,
         *,
         uses_rope: bool = True,
+        planner: Planner | None = None,
     ) -> None:
         super().__init__()
+        # who checks a forward's inputs and plans it (a composed layer adds its checks)
+        self.planner = planner
         self.eviction = config
         self.rotary = rotary
         self.uses_rope = uses_rope
@@ -223,7 +230,13 @@ class RelayLayer(CacheLayerMixin):
         view = RelayView(self)
         return view, view
 
-    def _drop_stash(self) -> None:
+    @property
+    def stash(self) -> Pending | None:
+        """What :meth:`update` stashed for this forward's :meth:`attend` (``None``: nothing)."""
+        return self._pending
+
+    def drop_stash(self) -> None:
+        """Forget the stash of :meth:`update` (a refused forward)."""
         self._pending = None
 
     def get_seq_length(self) -> int:
@@ -246,7 +259,8 @@ class RelayLayer(CacheLayerMixin):
     def reset(self) -> None:
         self._clear()
 
-    def _select_rows(self, rows: list[int]) -> None:
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep sequences ``rows`` (in that order; repeats allowed) of every per-row state."""
         if self.store is None:
             return
         self.store.select_rows(rows)
@@ -259,14 +273,14 @@ class RelayLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row-select the storage by ``beam_idx`` (beam search; reads the indices to the host)."""
-        self._select_rows([int(i) for i in torch.as_tensor(beam_idx).tolist()])
+        self.select_rows([int(i) for i in torch.as_tensor(beam_idx).tolist()])
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        self._select_rows([int(i) for i in torch.as_tensor(indices).tolist()])
+        self.select_rows([int(i) for i in torch.as_tensor(indices).tolist()])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         rows = range(len(self.stream_lengths))
-        self._select_rows([b for b in rows for _ in range(repeats)])
+        self.select_rows([b for b in rows for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:
         """Only ``crop(0)`` is supported.
@@ -326,7 +340,7 @@ class RelayLayer(CacheLayerMixin):
     def _check_states(self, keys: Tensor, values: Tensor) -> None:
         check_states(keys, values, self.layer_idx, self._stored_shape())
 
-    def _plan(
+    def check_forward(
         self,
         pending: Pending,
         attention_mask: Tensor | None,
@@ -385,11 +399,11 @@ class RelayLayer(CacheLayerMixin):
             ``[B, H_q, T, Dv]`` in the query dtype; padding queries give zeros.
 
         Raises:
-            ValueError: see :meth:`_plan`; raised by the first layer of a forward, before any
-                layer changes.
+            ValueError: see :meth:`check_forward`; raised by the first layer of a forward,
+                before any layer changes.
             RuntimeError: ``attend`` without a preceding ``update``.
         """
-        pending, plan = self._take_pending(attention_mask, kwargs)
+        pending, plan = self.take_pending(attention_mask, kwargs)
         spans = self.forward_state.reconstruction
         keys = pending.keys
         if plan.shift is not None and self.uses_rope:
@@ -416,16 +430,16 @@ class RelayLayer(CacheLayerMixin):
             self.store.shrink()
         return out
 
-    def _take_pending(
+    def take_pending(
         self, attention_mask: Tensor | None, kwargs: dict[str, Any]
     ) -> tuple[Pending, ForwardPlan]:
         """The stash of this forward and its plan: the one the forward's first layer built
-        (shared through :attr:`forward_state`), or a new one (:meth:`_plan`, which checks every
-        input before any layer changes).
+        (shared through :attr:`forward_state`), or a new one (:meth:`check_forward`, or the
+        :attr:`planner`'s, which checks every input before any layer changes).
 
         Raises:
             RuntimeError: no stash (``attend`` without a preceding ``update``).
-            ValueError: see :meth:`_plan`.
+            ValueError: see :meth:`check_forward`.
         """
         pending, self._pending = self._pending, None
         if pending is None:
@@ -438,10 +452,9 @@ class RelayLayer(CacheLayerMixin):
             or (plan.batch, plan.num_new) != tuple(pending.keys.shape[0:3:2])
             or plan.reconstruction != (spans is not None)
         ):
-            plan = (
-                self._plan(pending, attention_mask, kwargs)
-                if spans is None
-                else self._plan(pending, attention_mask, kwargs, reconstruction=True)
+            planner = self if self.planner is None else self.planner
+            plan = planner.check_forward(
+                pending, attention_mask, kwargs, reconstruction=spans is not None
             )
             self.forward_state.plan = plan
         return pending, plan
@@ -562,9 +575,9 @@ class RelayLayer(CacheLayerMixin):
             original_start=self.stream_lengths,
             rotary_start=self.next_positions,
         )
-        self._advance(plan)
+        self.advance(plan)
 
-    def _advance(self, plan: ForwardPlan) -> None:
+    def advance(self, plan: ForwardPlan) -> None:
         """Count the forward's tokens: padding, stream lengths, RoPE positions, columns seen."""
         for b, r in enumerate(plan.real):
             self.padding[b] += plan.num_new - r
@@ -699,7 +712,7 @@ class RelayModelCache(Cache):
         """The forward state the full-attention layers share (a subclass may extend it)."""
         return ForwardState()
 
-    def _full_layer(self, index: int, state: ForwardState) -> RelayLayer:
+    def _full_layer(self, index: int, state: ForwardState) -> CacheLayerMixin:
         """The cache layer of full-attention decoder layer ``index`` (a subclass's layer kind,
         e.g. :class:`kvlab.integrations.composed_cache.ComposedLayer`)."""
         return RelayLayer(
@@ -721,9 +734,10 @@ class RelayModelCache(Cache):
     def reserved_bytes(self) -> int:
         """Bytes allocated for keys and values over all layers (used + headroom; a window
         layer's tensors as held)."""
+        full = set(self.plan.full_layers)
         return sum(
-            layer.reserved_bytes() if isinstance(layer, RelayLayer) else layer.nbytes()
-            for layer in self.layers
+            layer.reserved_bytes() if i in full else layer.nbytes()
+            for i, layer in enumerate(self.layers)
         )
 
     def index_bytes(self) -> int:
