@@ -18,13 +18,13 @@ import torch
 from torch import Tensor
 
 from kvlab.integrations.model_support import ForwardGuard
+from kvlab.relay.reconstruction import ReconstructionSpan
 
 __all__ = [
     "ForwardPlan",
     "ForwardState",
     "Pending",
     "Planner",
-    "ReconstructionSpan",
     "StoredShape",
     "check_states",
     "leading_zeros",
@@ -62,18 +62,6 @@ class ForwardPlan:
     @property
     def padded(self) -> bool:
         return any(r != self.num_new for r in self.real)
-
-
-@dataclass(frozen=True)
-class ReconstructionSpan:
-    """What a reconstruction pass rebuilds in one sequence: the stored tokens with stream
-    indices ``start .. end - 1`` (scored in this pass), and the first ``sinks`` tokens that
-    join the scores' normalization when ``start > 0`` (KVzip's chunked scoring,
-    :mod:`kvlab.relay.kvzip`)."""
-
-    start: int
-    end: int
-    sinks: int = 4
 
 
 class Planner(Protocol):

@@ -18,26 +18,9 @@ A forward through a layer (docs/design.md, "RoPE-Relay: A forward"):
    sequence's prefill (``EvictionConfig.ratio``) or whenever a sequence holds more than
    ``capacity`` tokens per kv head on average (``EvictionConfig.capacity``).
 
-Eviction, per sequence (a row's result never depends on its batch neighbours; docs/design.md,
-"RoPE-Relay: Eviction policy"):
-
-1. the layer's budget in tokens per kv head — ``capacity``, or ``(1 - ratio) * tokens`` split
-   across layers by ``EvictionConfig.layer_budget`` (:mod:`kvlab.relay.layer_budgets`) — and
-   the protected recent window (``window_tokens``, or ``window_fraction`` of that budget) are
-   fixed first;
-2. a scorer (:mod:`kvlab.relay.scorers`: recency, key norm, SnapKV, ExpectedAttention, TOVA,
-   combinations) scores every token of every head — SnapKV and TOVA from the per-query-head
-   attention probabilities of the forward's last queries (the observation window), which the
-   attention function has at hand; ExpectedAttention from the forward's queries;
-3. the layer budget is split into per-head counts (:mod:`kvlab.relay.budgets`), sinks and the
-   recent window always kept;
-4. with ``relay=True`` (RoPE-Relay) the kept keys are relayed with :func:`kvlab.relay.relay` —
-   each head's kept tokens at positions ``E - k_h + 1 .. E``, keys rotated by the position
-   delta (pure rotation, rotary channels only: partial rotary, llama3 and yarn scaling through
-   :meth:`kvlab.rope.RotaryConfig.from_hf_config`), values untouched — with one endpoint ``E``
-   shared by every head and layer (``E = slots - 1``), so the next token sits at ``E + 1``
-   everywhere; with ``relay=False`` the kept tokens keep their original positions. The kept
-   tokens are then compacted to the front of their segments, in stream order.
+The eviction itself — budgets, protected window, scores, per-head counts, relay, compaction —
+is :class:`kvlab.relay.evictor.Evictor` (torch only); this module is the ``transformers`` glue.
+The forward's checks and plan are :mod:`kvlab.integrations.forward`.
 
 Positions (docs/design.md, "RoPE-Relay: Positions"): :meth:`RelayModelCache.get_seq_length` is
 what ``transformers`` means by it — the tokens (columns, left padding included) the cache has
@@ -65,7 +48,6 @@ from kvlab.integrations.forward import (
     ForwardState,
     Pending,
     Planner,
-    ReconstructionSpan,
     StoredShape,
     check_states,
     plan_forward,
@@ -73,8 +55,14 @@ from kvlab.integrations.forward import (
 from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.relay.attention import ragged_attention
 from kvlab.relay.config import EvictionConfig, EvictionEvent
-from kvlab.relay.evictor import Evictor, window_attention
-from kvlab.relay.kvzip import reconstruction_attention
+from kvlab.relay.evictor import Evictor
+from kvlab.relay.reconstruction import (
+    ReconstructionSpan,
+    join_max,
+    observe,
+    reconstruct_row,
+    split_by_scores,
+)
 from kvlab.relay.scorers import Scorer
 from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig, rotate_by_delta
@@ -470,15 +458,13 @@ class RelayLayer(CacheLayerMixin):
             real = plan.real[b]
             if real == 0 or self.evicted[b]:
                 continue
-            view = self.store.padded([b])
-            probs = window_attention(
+            self.observation_scores[b] = observe(
+                self.store,
+                b,
                 query[b : b + 1, :, plan.num_new - real :],
                 scaling,
-                view.keys,
-                view.valid,
                 self.scorer.prefill_queries,  # type: ignore[attr-defined]
             )
-            self.observation_scores[b] = probs.amax(dim=(2, 3))
 
     def eviction_scores(self, row: int) -> Tensor | None:
         """The reconstruction scores of sequence ``row`` joined (max) with its observation
@@ -519,30 +505,20 @@ class RelayLayer(CacheLayerMixin):
                     f"row {b} of a reconstruction pass: "
                     + ("it has evicted already" if self.evicted[b] else "no span given")
                 )
-            view = self.store.padded([b])
-            pos = view.original_positions
-            chunk = view.valid & (pos >= span.start) & (pos < span.end)
-            columns = None
-            if span.start > 0 or span.end < self.stream_lengths[b]:
-                columns = chunk | (view.valid & (pos < min(span.sinks, span.start)))
-            o, scores = reconstruction_attention(
+            o, scores = reconstruct_row(
+                self.store,
+                b,
+                span,
+                self.stream_lengths[b],
                 query[b : b + 1, :, t - real :],
-                view.keys,
-                view.values,
-                view.valid,
                 keys[b : b + 1, :, t - real :],
                 values[b : b + 1, :, t - real :],
                 scale=scaling,
-                score_columns=columns,
                 softcap=kwargs.get("softcap"),
                 s_aux=kwargs.get("s_aux"),
             )
             out[b, :, t - real :] = o[0]
-            scores = scores.masked_fill(~chunk, 0.0)
-            previous = self.reconstruction_scores[b]
-            self.reconstruction_scores[b] = (
-                scores if previous is None else torch.maximum(previous, scores)
-            )
+            self.reconstruction_scores[b] = join_max(self.reconstruction_scores[b], scores)
         return out
 
     def split_keys(self, row: int, reconstruction: Tensor) -> Tensor:
@@ -899,18 +875,4 @@ class RelayModelCache(Cache):
             keys.append(layer.split_keys(row, scores).flatten())
             per_head, _ = layer.evictor.layer_budget(layer.store.counts(row))
             budget += per_head * layer.store.heads
-        sizes = [k.numel() for k in keys]
-        top = torch.topk(torch.cat(keys), budget, sorted=False).indices
-        owner = torch.bucketize(top, torch.tensor(sizes, device=top.device).cumsum(0), right=True)
-        won = [int(n) for n in torch.bincount(owner, minlength=len(layers)).tolist()]
-        share = self.eviction.scores_share
-        if share == 1.0:
-            return won
-        # s * won + (1 - s) * uniform, to integers by largest remainder (same total); each
-        # layer stays between its protected tokens and what it holds (both splits do)
-        want = [share * w + (1.0 - share) * budget / len(layers) for w in won]
-        out = [int(w) for w in want]
-        order = sorted(range(len(want)), key=lambda i: want[i] - out[i], reverse=True)
-        for i in order[: budget - sum(out)]:
-            out[i] += 1
-        return out
+        return split_by_scores(keys, budget, self.eviction.scores_share)

@@ -7,15 +7,20 @@ Per sequence (a row's result never depends on its batch neighbours):
    across layers by ``EvictionConfig.layer_budget`` (:mod:`kvlab.relay.layer_budgets`) — and
    the protected recent window (``window_tokens``, or ``window_fraction`` of that budget) are
    fixed first (:meth:`Evictor.layer_budget`, :meth:`Evictor.protected_window`);
-2. the scorer (:mod:`kvlab.relay.scorers`) scores every stored token of every head — SnapKV and
-   TOVA from the observation window's attention probabilities (:func:`window_attention`),
-   ExpectedAttention from the forward's queries, KVzip from a reconstruction pass's scores;
+2. a scorer (:mod:`kvlab.relay.scorers`: recency, key norm, SnapKV, ExpectedAttention, TOVA,
+   combinations) scores every token of every head — SnapKV and TOVA from the per-query-head
+   attention probabilities of the forward's last queries (the observation window,
+   :func:`window_attention`), which the attention function has at hand; ExpectedAttention from
+   the forward's queries; KVzip from a reconstruction pass's scores;
 3. the layer budget is split into per-head counts (:mod:`kvlab.relay.budgets`), sinks and the
    recent window always kept;
-4. with ``relay=True`` the kept keys are relayed (:func:`kvlab.relay.core.relay`) to positions
-   ending at one endpoint ``E = slots - 1`` shared by every head and layer; without relay they
-   keep their positions. The kept tokens are compacted to the front of their segments, in
-   stream order.
+4. with ``relay=True`` (RoPE-Relay) the kept keys are relayed with :func:`kvlab.relay.relay` —
+   each head's kept tokens at positions ``E - k_h + 1 .. E``, keys rotated by the position
+   delta (pure rotation, rotary channels only: partial rotary, llama3 and yarn scaling through
+   :meth:`kvlab.rope.RotaryConfig.from_hf_config`), values untouched — with one endpoint ``E``
+   shared by every head and layer (``E = slots - 1``), so the next token sits at ``E + 1``
+   everywhere; with ``relay=False`` the kept tokens keep their original positions. The kept
+   tokens are then compacted to the front of their segments, in stream order.
 
 The ``transformers`` layer that calls it inside a forward is
 :class:`kvlab.integrations.relay_cache.RelayLayer`.
