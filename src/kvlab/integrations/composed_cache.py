@@ -3,8 +3,11 @@ kv head), then store the kept tokens as PN-Mix codes, so the bytes multiply down
 
 ``ComposedModelCache(model.config, EvictionConfig(ratio=...), PNMixConfig(...))`` is a
 :class:`~kvlab.integrations.relay_cache.RelayModelCache` whose full-attention layers
-(:class:`ComposedLayer`) hold a :class:`kvlab.pnmix.PNMixCache` once the prefill is evicted.
-Design: docs/design.md, "Eviction composed with PN-Mix". Per layer:
+(:class:`ComposedLayer`) compose an eviction stage — their own
+:class:`~kvlab.integrations.relay_cache.RelayLayer`, whose eviction is
+:class:`kvlab.relay.evictor.Evictor` — with a :class:`kvlab.pnmix.PNMixCache` that holds the
+kept tokens once the prefill is evicted. Design: docs/design.md, "Eviction composed with
+PN-Mix". Per layer:
 
 1. **The prefill** (the cache's first forward) runs exactly as in ``RelayModelCache`` — the
    same :meth:`RelayLayer.attend <kvlab.integrations.relay_cache.RelayLayer.attend>`: input
@@ -65,6 +68,7 @@ from kvlab.integrations.relay_cache import EvictionConfig, RelayLayer, RelayMode
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
 from kvlab.pnmix.quantizers import round_to_storage
 from kvlab.relay.config import EvictionEvent
+from kvlab.relay.evictor import Evictor
 from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
@@ -228,6 +232,15 @@ class ComposedLayer(CacheLayerMixin):
     @property
     def forward_state(self) -> ForwardState:
         return self.relay_layer.forward_state
+
+    @property
+    def evictor(self) -> Evictor:
+        """The eviction policy (the relay layer's :class:`~kvlab.relay.evictor.Evictor`)."""
+        return self.relay_layer.evictor
+
+    @property
+    def evicted(self) -> list[bool]:
+        return self.relay_layer.evicted
 
     @property
     def store(self) -> RelayStore | None:
