@@ -94,6 +94,7 @@ IMPLEMENTATION_MODULES = (
     "kvlab.integrations.pnmix_calibration",
     "kvlab.integrations.forward",
     "kvlab.integrations.relay_cache",
+    "kvlab.integrations.relay_layer",
     "kvlab.integrations.relay_calibration",
     "kvlab.integrations.composed_cache",
     "kvlab.integrations.kvzip",

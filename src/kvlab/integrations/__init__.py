@@ -4,7 +4,7 @@
   ``transformers.AttentionInterface`` (no model code is patched).
 * :mod:`~kvlab.integrations.pnmix_cache` — :class:`PNMixModelCache`, PN-Mix for every layer.
 * :mod:`~kvlab.integrations.relay_cache` — :class:`RelayModelCache`, per-head eviction with
-  RoPE-Relay (or without, as a baseline).
+  RoPE-Relay (or without, as a baseline); its layer is :mod:`~kvlab.integrations.relay_layer`.
 * :mod:`~kvlab.integrations.composed_cache` — :class:`ComposedModelCache`, that eviction
   followed by PN-Mix codes for the kept tokens.
 * :mod:`~kvlab.integrations.model_support` — :func:`plan_model`: which layers a cache compresses

@@ -64,10 +64,11 @@ from kvlab.integrations.forward import (
 )
 from kvlab.integrations.model_support import layer_rotary
 from kvlab.integrations.pnmix_cache import pnmix_config_for_model
-from kvlab.integrations.relay_cache import EvictionConfig, RelayLayer, RelayModelCache
+from kvlab.integrations.relay_cache import RelayModelCache
+from kvlab.integrations.relay_layer import RelayLayer
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
 from kvlab.pnmix.quantizers import round_to_storage
-from kvlab.relay.config import EvictionEvent
+from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.relay.evictor import Evictor
 from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig, rotate_by_delta
