@@ -699,3 +699,71 @@ def test_beam_reorder_selects_rows_bit_exactly(make_llama):
                 assert torch.equal(_kept(layer, b, 0), positions)
         logits = model(torch.full((3, 1), 5), cache=cache).logits
         assert torch.equal(logits[0], logits[1])
+
+
+# ------------------------------------------------------------------ one-call decode
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_decode_in_one_call_gives_the_two_calls_bits(make_llama, monkeypatch, relay):
+    """A single-token forward appends and attends with pnmix_decode_step (one compiled call
+    on the CPU backend when the token only fills a residual slot, as PNMixView does): its
+    logits, stored bytes and counts are bit-identical to the append + pnmix_attention path it
+    replaced, across group flushes."""
+    from kvlab.integrations import composed_cache
+    from kvlab.pnmix.kernels import cpu
+
+    model = make_llama(seed=95)
+    ids, mask = _left_pad(_rows([72, 61], seed=96))
+    eviction = dataclasses.replace(POLICY, relay=relay)
+    config = PNMixConfig(**ISSUE8)
+
+    def decode(cache):
+        logits = []
+        with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+            out = model(ids, attention_mask=mask, cache=cache)
+            token, seen = out.logits[:, -1:].argmax(-1), mask
+            for _ in range(20):  # more than one group of 16 tokens: flushes in between
+                seen = torch.cat([seen, torch.ones_like(seen[:, :1])], 1)
+                out = model(token, attention_mask=seen, cache=cache)
+                logits.append(out.logits)
+                token = out.logits[:, -1:].argmax(-1)
+        cache.check_values()
+        return torch.cat(logits, 1)
+
+    fused_calls = []
+    step = cpu.decode_step_cpu
+
+    def counted(*args, **kwargs):
+        fused_calls.append(1)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "decode_step_cpu", counted)
+    fused = ComposedModelCache(model.config, eviction, config)
+    one_call = decode(fused)
+    monkeypatch.undo()
+
+    def two_calls(query, keys, values, store, *, scale, logit_softcap, sink_logits):
+        store.append(keys, values, checks="deferred", queries=query)
+        out = pnmix_attention(
+            query,
+            store,
+            scale=scale,
+            causal=True,
+            logit_softcap=logit_softcap,
+            sink_logits=sink_logits,
+        )
+        return out.to(query.dtype)
+
+    monkeypatch.setattr(composed_cache, "pnmix_decode_step", two_calls)
+    plain = ComposedModelCache(model.config, eviction, config)
+    assert torch.equal(one_call, decode(plain))
+    for a, b in zip(fused.layers, plain.layers, strict=True):
+        assert np.array_equal(a.pnmix.seq_lengths, b.pnmix.seq_lengths)
+        for row in range(2):
+            assert all(
+                torch.equal(x, y)
+                for x, y in zip(_row_bytes(a.pnmix, row), _row_bytes(b.pnmix, row), strict=True)
+            )
+    if cpu.load() is not None:
+        assert fused_calls  # the one-call path ran

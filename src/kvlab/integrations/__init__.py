@@ -4,13 +4,16 @@
   ``transformers.AttentionInterface`` (no model code is patched).
 * :mod:`~kvlab.integrations.pnmix_cache` — :class:`PNMixModelCache`, PN-Mix for every layer.
 * :mod:`~kvlab.integrations.relay_cache` — :class:`RelayModelCache`, per-head eviction with
-  RoPE-Relay (or without, as a baseline).
+  RoPE-Relay (or without, as a baseline); its layer is :mod:`~kvlab.integrations.relay_layer`.
 * :mod:`~kvlab.integrations.composed_cache` — :class:`ComposedModelCache`, that eviction
   followed by PN-Mix codes for the kept tokens.
 * :mod:`~kvlab.integrations.model_support` — :func:`plan_model`: which layers a cache compresses
   (full attention), which it keeps as an exact window (:class:`WindowLayer`), what it refuses.
+* :mod:`~kvlab.integrations.forward` — one forward through the evicting layers: the stash, the
+  input checks and the shared plan.
 
-The eviction policy these caches run (scorers, per-head budgets) lives in :mod:`kvlab.relay`.
+The eviction policy these caches run (:class:`EvictionConfig`, :class:`kvlab.relay.Evictor`,
+scorers, per-head budgets) lives in :mod:`kvlab.relay`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from kvlab.integrations.attention import (
 from kvlab.integrations.composed_cache import ComposedModelCache
 from kvlab.integrations.model_support import ModelPlan, WindowLayer, plan_model
 from kvlab.integrations.pnmix_cache import PNMixModelCache, pnmix_config_for_model
-from kvlab.integrations.relay_cache import EvictionConfig, EvictionEvent, RelayModelCache
+from kvlab.integrations.relay_cache import RelayModelCache
+from kvlab.relay.config import EvictionConfig, EvictionEvent
 
 # "kvlab" is a name transformers knows once this package is imported: from_pretrained(...,
 # attn_implementation="kvlab") and model.set_attn_implementation("kvlab") work

@@ -3,8 +3,11 @@ kv head), then store the kept tokens as PN-Mix codes, so the bytes multiply down
 
 ``ComposedModelCache(model.config, EvictionConfig(ratio=...), PNMixConfig(...))`` is a
 :class:`~kvlab.integrations.relay_cache.RelayModelCache` whose full-attention layers
-(:class:`ComposedLayer`) hold a :class:`kvlab.pnmix.PNMixCache` once the prefill is evicted.
-Design: docs/design.md, "Eviction composed with PN-Mix". Per layer:
+(:class:`ComposedLayer`) compose an eviction stage — their own
+:class:`~kvlab.integrations.relay_cache.RelayLayer`, whose eviction is
+:class:`kvlab.relay.evictor.Evictor` — with a :class:`kvlab.pnmix.PNMixCache` that holds the
+kept tokens once the prefill is evicted. Design: docs/design.md, "Eviction composed with
+PN-Mix". Per layer:
 
 1. **The prefill** (the cache's first forward) runs exactly as in ``RelayModelCache`` — the
    same :meth:`RelayLayer.attend <kvlab.integrations.relay_cache.RelayLayer.attend>`: input
@@ -24,10 +27,13 @@ Design: docs/design.md, "Eviction composed with PN-Mix". Per layer:
    coded in a frame off by their gap — a pure rotation that decoding undoes exactly (keys still
    attend at their original positions), which only loosens how well the pre-RoPE frame aligns
    their channels.
-3. **Later forwards** append to the PN-Mix cache (decode: deferred checks, no host sync) and
-   attend with :func:`kvlab.pnmix.pnmix_attention` over the packed codes. With relay the new
-   token of a sequence sits at the synchronized ``next_position`` in every head and layer (keys
-   and queries re-rotated from the model's positions, as in ``RelayModelCache``).
+3. **Later forwards** append to the PN-Mix cache and attend with
+   :func:`kvlab.pnmix.pnmix_attention` over the packed codes; a single-token forward (decode:
+   deferred checks, no host sync) does both with :func:`kvlab.pnmix.pnmix_decode_step`, one
+   compiled call on the CPU backend, as :class:`kvlab.integrations.pnmix_cache.PNMixView`.
+   With relay the new token of a sequence sits at the synchronized ``next_position`` in every
+   head and layer (keys and queries re-rotated from the model's positions, as in
+   ``RelayModelCache``).
 
 Ratio mode only: ``EvictionConfig.capacity`` (stream mode, evicting again and again) would
 evict tokens already packed into groups, which breaks groups; it is refused at construction.
@@ -39,32 +45,39 @@ kept (positions are ``offset + stream index``, host ints), so :meth:`index_bytes
 from __future__ import annotations
 
 import dataclasses
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+from transformers.cache_utils import CacheLayerMixin
 
+from kvlab.integrations.attention import CacheView
 from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
+from kvlab.integrations.forward import (
+    ForwardPlan,
+    ForwardState,
+    Pending,
+    StoredShape,
+    check_states,
+    plan_decode,
+)
 from kvlab.integrations.model_support import layer_rotary
 from kvlab.integrations.pnmix_cache import pnmix_config_for_model
-from kvlab.integrations.relay_cache import (
-    EvictionConfig,
-    RelayLayer,
-    RelayModelCache,
-    _ForwardPlan,
-    _ForwardState,
-    _Pending,
-)
-from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
+from kvlab.integrations.relay_cache import RelayModelCache
+from kvlab.integrations.relay_layer import RelayLayer
+from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
 from kvlab.pnmix.quantizers import round_to_storage
-from kvlab.relay.scorers import get_scorer
+from kvlab.relay.config import EvictionConfig, EvictionEvent
+from kvlab.relay.evictor import Evictor
+from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
-__all__ = ["ComposedLayer", "ComposedModelCache"]
+__all__ = ["ComposedLayer", "ComposedModelCache", "ComposedView"]
 
 
-class _ComposedState(_ForwardState):
+class _ComposedState(ForwardState):
     """What the composed layers of one cache share: the forward's plan (as relay layers do),
     the deferred mask check of single-token forwards, and the layers (their deferred PN-Mix
     value checks are read together, once)."""
@@ -102,10 +115,44 @@ class _ComposedState(_ForwardState):
             )
 
 
-class ComposedLayer(RelayLayer):
-    """One full-attention decoder layer of a :class:`ComposedModelCache`: a
-    :class:`~kvlab.integrations.relay_cache.RelayLayer` for the prefill and its eviction, then
-    a :class:`kvlab.pnmix.PNMixCache` (:attr:`pnmix`) holding the kept tokens as codes.
+class ComposedView(CacheView):
+    """Returned by :meth:`ComposedLayer.update`: attends through the composed layer
+    (:meth:`ComposedLayer.attend`). Handles left-padded batches (``supports_padding``)."""
+
+    supports_padding = True
+    # model-matrix: Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
+    supported_features = frozenset({"softcap", "s_aux"})
+
+    def __init__(self, layer: ComposedLayer) -> None:
+        self.layer = layer
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: Tensor,
+        *,
+        scaling: float,
+        attention_mask: Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        """See :meth:`ComposedLayer.attend`."""
+        return self.layer.attend(
+            query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs
+        )
+
+    def refusal_guard(self) -> AbstractContextManager[None]:
+        """A refusal drops the layer's stash and puts back the window layers stored before the
+        forward's first full-attention layer (:class:`~kvlab.integrations.model_support.
+        ForwardGuard`)."""
+        return self.layer.forward_state.guard.checking(self.layer.relay_layer.drop_stash)
+
+
+class ComposedLayer(CacheLayerMixin):
+    """One full-attention decoder layer of a :class:`ComposedModelCache`: its eviction stage, a
+    :class:`~kvlab.integrations.relay_cache.RelayLayer` (:attr:`relay_layer`: the prefill's
+    ragged storage, exact attention and eviction, and the stream's counters), then a
+    :class:`kvlab.pnmix.PNMixCache` (:attr:`pnmix`) holding the kept tokens as codes. The
+    composed layer plans every forward (:meth:`check_forward`, the relay layer's planner).
 
     Args:
         config: the eviction (``ratio`` mode).
@@ -120,12 +167,17 @@ class ComposedLayer(RelayLayer):
             not counted in bytes).
 
     Attributes:
+        relay_layer: the eviction stage (its ``store`` is dropped once the prefill is packed).
         pnmix: the layer's :class:`~kvlab.pnmix.PNMixCache` (``None`` until the prefill is
             packed).
         kept_positions: with ``record_kept``, ``(stream_indices, counts)`` — int64 ``[B, H_kv,
             W]`` on the device, each (row, head)'s kept stream indices in stream order (left
             aligned, ``counts [B, H_kv]`` host ints valid), as packed; else ``None``.
     """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
 
     def __init__(
         self,
@@ -139,60 +191,220 @@ class ComposedLayer(RelayLayer):
         pnmix_rotary: RotaryConfig | None,
         record_kept: bool = False,
     ) -> None:
-        super().__init__(config, rotary, layer_idx, forward_state, uses_rope=uses_rope)
+        self.relay_layer = RelayLayer(
+            config, rotary, layer_idx, forward_state, uses_rope=uses_rope, planner=self
+        )
+        super().__init__()
         self.pnmix_config = pnmix_config
         self.pnmix_rotary = pnmix_rotary
         self.record_kept = record_kept
+        self._clear_packed()
         forward_state.layers.append(self)
 
-    def _clear(self) -> None:
-        super()._clear()
+    def _clear_packed(self) -> None:
         self.pnmix: PNMixCache | None = None
         self.kept_positions: tuple[Tensor, np.ndarray] | None = None
 
-    # ---------------------------------------------------------------- checks and plan
-    def _check_states(self, keys: Tensor, values: Tensor) -> None:
-        super()._check_states(keys, values)
+    # ---------------------------------------------------------------- the stream's state
+    @property
+    def is_initialized(self) -> bool:  # type: ignore[override]
+        """Whether the layer has received its first tokens."""
+        return self.relay_layer.is_initialized
+
+    @is_initialized.setter
+    def is_initialized(self, value: bool) -> None:
+        self.relay_layer.is_initialized = value
+
+    @property
+    def layer_idx(self) -> int:
+        return self.relay_layer.layer_idx
+
+    @property
+    def eviction(self) -> EvictionConfig:
+        return self.relay_layer.eviction
+
+    @property
+    def rotary(self) -> RotaryConfig:
+        return self.relay_layer.rotary
+
+    @property
+    def uses_rope(self) -> bool:
+        return self.relay_layer.uses_rope
+
+    @property
+    def forward_state(self) -> ForwardState:
+        return self.relay_layer.forward_state
+
+    @property
+    def evictor(self) -> Evictor:
+        """The eviction policy (the relay layer's :class:`~kvlab.relay.evictor.Evictor`)."""
+        return self.relay_layer.evictor
+
+    @property
+    def evicted(self) -> list[bool]:
+        return self.relay_layer.evicted
+
+    @property
+    def store(self) -> RelayStore | None:
+        """The prefill's RelayStore (``None`` before the first token and once packed)."""
+        return self.relay_layer.store
+
+    @property
+    def seen_tokens(self) -> int:
+        return self.relay_layer.seen_tokens
+
+    @property
+    def padding(self) -> list[int]:
+        return self.relay_layer.padding
+
+    @property
+    def stream_lengths(self) -> list[int]:
+        return self.relay_layer.stream_lengths
+
+    @property
+    def next_positions(self) -> list[int]:
+        return self.relay_layer.next_positions
+
+    @property
+    def forwards(self) -> int:
+        return self.relay_layer.forwards
+
+    @property
+    def events(self) -> list[EvictionEvent]:
+        return self.relay_layer.events
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.relay_layer.dtype
+
+    # ---------------------------------------------------------------- transformers API
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        """See :meth:`RelayLayer.lazy_initialization`."""
+        self.relay_layer.lazy_initialization(key_states, value_states)
+
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[ComposedView, ComposedView]:
+        """Check ``[B, H_kv, T, D]`` rotated keys and ``[B, H_kv, T, Dv]`` values against the
+        packed storage, then stash them in the eviction stage (:meth:`RelayLayer.update`) for
+        this forward's :meth:`attend`.
+
+        Raises:
+            ValueError: shapes, dtype or device that differ from what the layer stores.
+        """
+        with self.forward_state.guard.checking(accept=False):
+            check_states(key_states, value_states, self.layer_idx, self._packed_shape())
+        self.relay_layer.update(key_states, value_states, *args, **kwargs)
+        view = ComposedView(self)
+        return view, view
+
+    def _packed_shape(self) -> StoredShape | None:
         pnmix = self.pnmix
         if pnmix is None:
-            return
-        expected = (
+            return None
+        return StoredShape(
             pnmix.batch_size,
             pnmix.num_key_value_heads,
             pnmix.head_dim,
             pnmix.value_head_dim,
+            self.dtype,
+            pnmix.device,
+            dtype_verb="takes",
         )
-        got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
-        if got != expected:
-            raise ValueError(
-                f"layer {self.layer_idx} stores [B, H_kv, D, Dv] = {expected}, got {got} "
-                "(a new batch needs a new cache or reset())"
-            )
-        if keys.dtype != self.dtype or values.dtype != self.dtype:
-            raise ValueError(f"layer {self.layer_idx} takes {self.dtype}, got {keys.dtype}")
-        if keys.device != pnmix.device:
-            raise ValueError(f"layer {self.layer_idx} stores on {pnmix.device}, got {keys.device}")
 
-    def _plan(
-        self, pending: _Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
-    ) -> _ForwardPlan:
-        """The forward's plan (built by its first layer, before any layer changes): the
-        relay cache's checks, plus — in the cache's first forward — a real token in every row,
-        and — in later multi-token forwards — the deferred checks of earlier single-token
-        forwards. A single-token forward after the prefill reads nothing back from the device
-        (:meth:`_decode_plan`).
+    def get_seq_length(self) -> int:
+        """Tokens seen (columns, left padding included)."""
+        return self.relay_layer.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.relay_layer.get_mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def reset(self) -> None:
+        self.relay_layer.reset()
+        self._clear_packed()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Only ``crop(0)`` is supported.
 
         Raises:
-            ValueError: see :meth:`RelayLayer._plan`; a row with no real token in the first
-                forward; a deferred check that fails.
+            NotImplementedError: ``tokens_to_remove != 0``.
+        """
+        self.relay_layer.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row-select the storage by ``beam_idx`` (beam search; reads the indices to the host)."""
+        self._select_rows([int(i) for i in torch.as_tensor(beam_idx).tolist()])
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._select_rows([int(i) for i in torch.as_tensor(indices).tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = range(len(self.stream_lengths))
+        self._select_rows([b for b in rows for _ in range(repeats)])
+
+    def _select_rows(self, rows: list[int]) -> None:
+        relay = self.relay_layer
+        if self.pnmix is None:
+            relay.select_rows(rows)
+            return
+        self.pnmix.select_batch(torch.tensor(rows, dtype=torch.int64))
+        relay.padding = [relay.padding[b] for b in rows]
+        relay.stream_lengths = [relay.stream_lengths[b] for b in rows]
+        relay.next_positions = [relay.next_positions[b] for b in rows]
+        if self.kept_positions is not None:
+            positions, counts = self.kept_positions
+            index = torch.tensor(rows, dtype=torch.int64, device=positions.device)
+            self.kept_positions = (positions.index_select(0, index), counts[rows])
+
+    # ---------------------------------------------------------------- checks and plan
+    def check_forward(
+        self,
+        pending: Pending,
+        attention_mask: Tensor | None,
+        kwargs: dict[str, Any],
+        *,
+        reconstruction: bool = False,
+    ) -> ForwardPlan:
+        """The forward's plan (built by its first layer, before any layer changes): the
+        relay layer's checks (:meth:`RelayLayer.check_forward`), plus — in the cache's first
+        forward — a real token in every row, and — in later multi-token forwards — the deferred
+        checks of earlier single-token forwards. A single-token forward after the prefill reads
+        nothing back from the device (:func:`kvlab.integrations.forward.plan_decode`).
+
+        Raises:
+            ValueError: see :meth:`RelayLayer.check_forward`; a row with no real token in the
+                first forward; a deferred check that fails.
         """
         state = self.forward_state
         assert isinstance(state, _ComposedState)
+        relay = self.relay_layer
         if self.pnmix is not None and pending.keys.shape[2] == 1:
-            return self._decode_plan(pending, attention_mask, kwargs)
+
+            def record_mask(ok: Tensor) -> None:
+                state.mask_ok = ok if state.mask_ok is None else state.mask_ok & ok
+
+            return plan_decode(
+                pending,
+                attention_mask,
+                kwargs,
+                seen=relay.seen_tokens,
+                nexts=relay.next_positions,
+                padding=relay.padding,
+                forward_index=relay.forwards,
+                record_mask=record_mask,
+            )
         if self.pnmix is not None:
             state.check()
-        plan = super()._plan(pending, attention_mask, kwargs)
+        plan = relay.check_forward(pending, attention_mask, kwargs, reconstruction=reconstruction)
         if self.pnmix is None:
             empty = [b for b, r in enumerate(plan.real) if r == 0]
             if empty:
@@ -201,55 +413,6 @@ class ComposedLayer(RelayLayer):
                     f"{empty} have no real token in it (all padding)"
                 )
         return plan
-
-    def _decode_plan(
-        self, pending: _Pending, attention_mask: Tensor | None, kwargs: dict[str, Any]
-    ) -> _ForwardPlan:
-        """The plan of a single-token forward, without any device read: the new token of
-        every row is real; the mask is checked on the device (its last column all ones, its
-        older columns the stored padding) and raised later by
-        :meth:`ComposedModelCache.check_values`; the RoPE shift to the cache's positions is a
-        device tensor when the model passes ``position_ids``.
-
-        Raises:
-            ValueError: a mask or ``position_ids`` of the wrong shape.
-        """
-        state = self.forward_state
-        assert isinstance(state, _ComposedState)
-        batch = pending.keys.shape[0]
-        seen = self.seen_tokens
-        device = pending.keys.device
-        if attention_mask is not None:
-            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, seen + 1):
-                raise ValueError(
-                    "ComposedModelCache takes a 2-D attention_mask [B, seen + new] = "
-                    f"[{batch}, {seen + 1}] (left padding), got {tuple(attention_mask.shape)}"
-                )
-            mask = attention_mask.to(device=device, dtype=torch.bool)
-            padding = torch.tensor(self.padding, device=device).view(-1, 1)
-            expected = torch.arange(seen, device=device).view(1, -1) >= padding
-            ok = mask[:, -1].all() & (mask[:, :seen] == expected).all()
-            state.mask_ok = ok if state.mask_ok is None else state.mask_ok & ok
-        position_ids = pending.position_ids
-        if position_ids is None:
-            position_ids = kwargs.get("position_ids")
-        shift = None
-        if position_ids is None:  # transformers' default: the columns seen
-            deltas = [n - seen for n in self.next_positions]
-            if any(deltas):
-                shift = torch.tensor(deltas, dtype=torch.int64, device=device).view(-1, 1, 1)
-        else:
-            if position_ids.dim() != 2 or tuple(position_ids.shape) not in ((1, 1), (batch, 1)):
-                raise ValueError(
-                    f"ComposedModelCache needs position_ids [1 or B, 1] for one new token, got "
-                    f"{tuple(position_ids.shape)}"
-                )
-            nexts = torch.tensor(self.next_positions, dtype=torch.int64, device=device)
-            model = position_ids.to(device=device, dtype=torch.int64).expand(batch, 1)[:, 0]
-            shift = (nexts - model).view(-1, 1, 1)  # a rotation by 0 is exact
-        return _ForwardPlan(
-            forward_index=self.forwards, batch=batch, num_new=1, real=[1] * batch, shift=shift
-        )
 
     # ---------------------------------------------------------------- the forward
     def attend(
@@ -260,10 +423,10 @@ class ComposedLayer(RelayLayer):
         attention_mask: Tensor | None,
         kwargs: dict[str, Any],
     ) -> Tensor:
-        """This layer's part of a forward. The cache's first forward: RelayLayer's (checks,
-        commit, exact attention, eviction), then the kept tokens are packed
-        (:meth:`_pack`). Later forwards: checks (a single-token forward reads nothing back),
-        append to :attr:`pnmix`, packed attention.
+        """This layer's part of a forward. The cache's first forward: the relay layer's
+        (:meth:`RelayLayer.attend`: checks, commit, exact attention, eviction), then the kept
+        tokens are packed (:meth:`_pack`). Later forwards: checks (a single-token forward reads
+        nothing back), append to :attr:`pnmix`, packed attention.
 
         Args:
             query: ``[B, H_q, T, D]`` rotated by the model at its ``position_ids``.
@@ -281,31 +444,45 @@ class ComposedLayer(RelayLayer):
                 the cache).
             RuntimeError: ``attend`` without a preceding ``update``.
         """
+        relay = self.relay_layer
         if self.pnmix is None:
-            if self._pending is not None:  # before the RelayStore commits anything
-                self._check_storable(self._pending.keys, self._pending.values)
-            out = super().attend(
-                query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs
-            )
+            stash = relay.stash
+            if stash is not None:  # before the RelayStore commits anything
+                self._check_storable(stash.keys, stash.values)
+            out = relay.attend(query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs)
             plan = self.forward_state.plan
             assert plan is not None
             if plan.shift is not None and self.uses_rope:
                 query = rotate_by_delta(query, plan.shift, self.rotary)
             self._pack(query, plan)
             return out
-        pending, plan = self._take_pending(attention_mask, kwargs)
+        pending, plan = relay.take_pending(attention_mask, kwargs)
         keys = pending.keys
         if plan.shift is not None and self.uses_rope:
             keys = rotate_by_delta(keys, plan.shift, self.rotary)
             query = rotate_by_delta(query, plan.shift, self.rotary)
+        if plan.num_new == 1:
+            # append + attend as PNMixView does: one compiled call on the CPU backend when the
+            # token only fills a residual slot (the same bytes and logits as the two calls)
+            out = pnmix_decode_step(
+                query,
+                keys,
+                pending.values,
+                self.pnmix,
+                scale=scaling,
+                logit_softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
+                sink_logits=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
+            )
+            relay.advance(plan)
+            return out
         # later forwards never pad (the plan refuses padding after a row's first token)
         self.pnmix.append(
             keys,
             pending.values,
-            checks="deferred" if plan.num_new == 1 else "eager",
+            checks="eager",
             queries=query,
         )
-        self._advance(plan)
+        relay.advance(plan)
         return pnmix_attention(
             query,
             self.pnmix,
@@ -328,12 +505,13 @@ class ComposedLayer(RelayLayer):
         round_to_storage(keys, dtype, name="keys")
         round_to_storage(values, dtype, name="values")
 
-    def _pack(self, query: Tensor, plan: _ForwardPlan) -> None:
+    def _pack(self, query: Tensor, plan: ForwardPlan) -> None:
         """Move every (row, head)'s tokens — after the eviction, its kept ones, relayed or
         not — from the RelayStore into a new PN-Mix cache, right-aligned with per-(row, head)
         lengths, at position offsets ``next_position - count``; the per-pair tables read the
         forward's real queries ``query`` (at cache positions). Drops the RelayStore."""
-        store = self.store
+        relay = self.relay_layer
+        store = relay.store
         assert store is not None
         counts = np.asarray([store.counts(b) for b in range(store.batch)], dtype=np.int64)
         view = store.padded()
@@ -353,38 +531,24 @@ class ComposedLayer(RelayLayer):
             rotary=self.pnmix_rotary,
         )
         if pnmix.codec.position_aware:
-            pnmix.set_position_offsets(np.asarray(self.next_positions)[:, None] - counts)
+            pnmix.set_position_offsets(np.asarray(relay.next_positions)[:, None] - counts)
         pnmix.append(keys, values, counts, checks="eager", queries=query, query_lengths=plan.real)
         if self.record_kept:
             self.kept_positions = (view.original_positions, counts)
         self.pnmix = pnmix
-        self.store = None
-
-    # ---------------------------------------------------------------- transformers API
-    def _select_rows(self, rows: list[int]) -> None:
-        if self.pnmix is None:
-            super()._select_rows(rows)
-            return
-        self.pnmix.select_batch(torch.tensor(rows, dtype=torch.int64))
-        self.padding = [self.padding[b] for b in rows]
-        self.stream_lengths = [self.stream_lengths[b] for b in rows]
-        self.next_positions = [self.next_positions[b] for b in rows]
-        if self.kept_positions is not None:
-            positions, counts = self.kept_positions
-            index = torch.tensor(rows, dtype=torch.int64, device=positions.device)
-            self.kept_positions = (positions.index_select(0, index), counts[rows])
+        relay.store = None
 
     # ---------------------------------------------------------------- sizes
     def tokens_per_head(self, row: int = 0) -> list[int]:
         """Tokens stored per kv head of sequence ``row`` (empty before the first token)."""
         if self.pnmix is None:
-            return super().tokens_per_head(row)
+            return self.relay_layer.tokens_per_head(row)
         return [int(n) for n in self.pnmix.seq_lengths[row]]
 
     def max_tokens(self) -> int:
         """The most tokens any (sequence, kv head) stores."""
         if self.pnmix is None:
-            return super().max_tokens()
+            return self.relay_layer.max_tokens()
         return int(self.pnmix.seq_lengths.max(initial=0))
 
     def segment(self, row: int, head: int) -> Any:
@@ -398,31 +562,31 @@ class ComposedLayer(RelayLayer):
                 "the layer's tokens are packed as PN-Mix codes: read layer.pnmix (e.g. "
                 "dequantize(), seq_lengths)"
             )
-        return super().segment(row, head)
+        return self.relay_layer.segment(row, head)
 
     def nbytes(self) -> int:
         """Used bytes of the PN-Mix storage (sinks, groups, residual, tables; docs/design.md,
         "PN-Mix: Byte accounting")."""
         if self.pnmix is None:
-            return super().nbytes()
+            return self.relay_layer.nbytes()
         return self.pnmix.persistent_bytes
 
     def numel(self) -> int:
         """Key and value elements of the stored tokens (``tokens * (D + Dv)``; packed)."""
         if self.pnmix is None:
-            return super().numel()
+            return self.relay_layer.numel()
         p = self.pnmix
         return int(p.seq_lengths.sum()) * (p.head_dim + p.value_head_dim)
 
     def reserved_bytes(self) -> int:
         """Bytes allocated for the storage (spare group slots and residual slots included)."""
         if self.pnmix is None:
-            return super().reserved_bytes()
+            return self.relay_layer.reserved_bytes()
         return sum(self.pnmix.reserved_bytes().values())
 
     def index_bytes(self) -> int:
         """0 once packed: positions are ``offset + stream index`` (host ints)."""
-        return super().index_bytes() if self.pnmix is None else 0
+        return self.relay_layer.index_bytes() if self.pnmix is None else 0
 
 
 class ComposedModelCache(RelayModelCache):
@@ -463,10 +627,10 @@ class ComposedModelCache(RelayModelCache):
                 "capacity (stream) mode would evict tokens already packed into PN-Mix groups, "
                 "which breaks the groups (docs/design.md, 'Eviction composed with PN-Mix')"
             )
-        if get_scorer(eviction.scorer).needs_reconstruction:
+        if eviction.resolved_scorer.needs_reconstruction:
             raise ValueError(
                 f"ComposedModelCache evicts at its first forward; scorer "
-                f"{get_scorer(eviction.scorer).name!r} needs a reconstruction pass after the "
+                f"{eviction.resolved_scorer.name!r} needs a reconstruction pass after the "
                 "prefill (kvlab.integrations.kvzip.compress), which it does not run"
             )
         text_config = model_config.get_text_config(decoder=True)
@@ -498,7 +662,7 @@ class ComposedModelCache(RelayModelCache):
     def _forward_state(self) -> _ComposedState:
         return _ComposedState()
 
-    def _full_layer(self, index: int, state: _ForwardState) -> ComposedLayer:
+    def _full_layer(self, index: int, state: ForwardState) -> ComposedLayer:
         assert isinstance(state, _ComposedState)
         uses_rope = self.plan.layers[index].uses_rope
         config = self.pnmix_config
@@ -521,6 +685,11 @@ class ComposedModelCache(RelayModelCache):
 
     def _composed_layers(self) -> list[ComposedLayer]:
         return [layer for layer in self.layers if isinstance(layer, ComposedLayer)]
+
+    def _relay_layers(self) -> list[RelayLayer]:
+        """The eviction stages of the full-attention layers (each composed layer's
+        :attr:`~ComposedLayer.relay_layer`: its counters and events)."""
+        return [layer.relay_layer for layer in self._composed_layers()]
 
     def check_values(self) -> None:
         """Check every single-token forward since the last check (values finite and within the

@@ -14,6 +14,11 @@ The package holds the mechanism's parts, none of which imports ``transformers``:
 * :mod:`~kvlab.relay.storage` / :mod:`~kvlab.relay.attention` — the ragged storage
   (:class:`RelayStore`: one flat buffer per layer, one segment per (sequence, kv head)) and
   the one-call attention over it (:func:`ragged_attention`).
+* :mod:`~kvlab.relay.config` / :mod:`~kvlab.relay.evictor` /
+  :mod:`~kvlab.relay.reconstruction` — the eviction's settings (:class:`EvictionConfig`,
+  :class:`EvictionEvent`), one layer's eviction on its RelayStore (:class:`Evictor`: budgets,
+  protected window, observation window, scores, per-head counts, relay, compaction), and the
+  per-sequence steps of a reconstruction pass (KVzip scoring).
 
 The ``transformers`` cache that evicts inside a model's forward is
 :class:`kvlab.integrations.RelayModelCache`.
@@ -27,11 +32,15 @@ from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 # combined, expected_attention, kvzip and tova register their scorers in SCORERS on import; this
 # package always runs first, so SCORERS is complete wherever kvlab.relay.* is imported
 from kvlab.relay.combined import CombinedScorer
+from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.relay.core import EMPTY_POSITION, RelayedCache, relay, relay_attention, relay_logits
+from kvlab.relay.evictor import Evictor, window_attention
 from kvlab.relay.expected_attention import ExpectedAttentionScorer
 from kvlab.relay.kvzip import KVzipScorer, ReconstructionPrompt, reconstruction_attention
 from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
-from kvlab.relay.scorers import SCORERS, ScoreInputs, Scorer, get_scorer
+from kvlab.relay.policies import EvictionPolicy, eviction_policy
+from kvlab.relay.reconstruction import ReconstructionSpan
+from kvlab.relay.scorers import SCORERS, ScoreInputs, Scorer, get_scorer, scorer_from_settings
 from kvlab.relay.storage import PaddedSegments, RelayStore, Segment
 from kvlab.relay.tova import TOVAScorer
 
@@ -39,10 +48,15 @@ __all__ = [
     "EMPTY_POSITION",
     "SCORERS",
     "CombinedScorer",
+    "EvictionConfig",
+    "EvictionEvent",
+    "EvictionPolicy",
+    "Evictor",
     "ExpectedAttentionScorer",
     "KVzipScorer",
     "PaddedSegments",
     "ReconstructionPrompt",
+    "ReconstructionSpan",
     "RelayStore",
     "RelayedCache",
     "ScoreInputs",
@@ -50,6 +64,7 @@ __all__ = [
     "Segment",
     "TOVAScorer",
     "allocate_counts",
+    "eviction_policy",
     "get_scorer",
     "protected_mask",
     "pyramid_layer_budgets",
@@ -58,6 +73,8 @@ __all__ = [
     "relay",
     "relay_attention",
     "relay_logits",
+    "scorer_from_settings",
     "select_keep",
     "split_layer_budget",
+    "window_attention",
 ]

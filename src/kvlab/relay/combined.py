@@ -10,12 +10,20 @@ scores stay comparable across heads for the adaptive allocation whenever every p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from kvlab.relay.scorers import SCORERS, ScoreInputs, Scorer, SnapKVScorer, get_scorer
+from kvlab.relay.scorers import (
+    SCORERS,
+    ScoreInputs,
+    Scorer,
+    SnapKVScorer,
+    get_scorer,
+    scorer_from_settings,
+)
 
 __all__ = ["CombinedScorer"]
 
@@ -24,11 +32,10 @@ def _part(spec: Scorer | str | Sequence[Any]) -> Scorer:
     if isinstance(spec, (Scorer, str)):
         return get_scorer(spec)
     name, kwargs = spec
-    if name not in SCORERS:
-        raise ValueError(f"unknown scorer {name!r}; choose one of {sorted(SCORERS)}")
-    return SCORERS[name](**kwargs)
+    return scorer_from_settings(name, kwargs)
 
 
+@dataclass(frozen=True, repr=False)
 class CombinedScorer(Scorer):
     """``sum_i w_i * s_i / sum_slots s_i`` over the parts ``s_i`` (module docstring).
 
@@ -44,25 +51,34 @@ class CombinedScorer(Scorer):
 
     name = "combined"
 
-    def __init__(
-        self,
-        parts: Sequence[Scorer | str | Sequence[Any]] | None = None,
-        weights: Sequence[float] | None = None,
-    ) -> None:
+    parts: Sequence[Scorer | str | Sequence[Any]] | None = None
+    weights: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
         specs = (
-            parts if parts is not None else ["expected-attention", SnapKVScorer(value_norm=True)]
+            self.parts
+            if self.parts is not None
+            else ["expected-attention", SnapKVScorer(value_norm=True)]
         )
-        self.parts = [_part(p) for p in specs]
-        if not self.parts:
+        parts = tuple(_part(p) for p in specs)
+        if not parts:
             raise ValueError("CombinedScorer needs at least one part")
-        self.weights = [1.0] * len(self.parts) if weights is None else [float(w) for w in weights]
-        if len(self.weights) != len(self.parts) or any(w < 0 for w in self.weights):
-            raise ValueError(f"need one weight >= 0 per part, got {self.weights}")
-        self.needs_window_attention = any(p.needs_window_attention for p in self.parts)
-        self.needs_queries = any(p.needs_queries for p in self.parts)
-        windows = [p.observation_tokens for p in self.parts if p.observation_tokens is not None]
-        self.observation_tokens = windows[0] if windows else None
-        self.comparable_across_heads = all(p.comparable_across_heads for p in self.parts)
+        weights = (
+            (1.0,) * len(parts) if self.weights is None else tuple(float(w) for w in self.weights)
+        )
+        if len(weights) != len(parts) or any(w < 0 for w in weights):
+            raise ValueError(f"need one weight >= 0 per part, got {list(weights)}")
+        windows = [p.observation_tokens for p in parts if p.observation_tokens is not None]
+        resolved = {
+            "parts": parts,  # the parts as scorers, a tuple (hashable)
+            "weights": weights,
+            "needs_window_attention": any(p.needs_window_attention for p in parts),
+            "needs_queries": any(p.needs_queries for p in parts),
+            "observation_tokens": windows[0] if windows else None,
+            "comparable_across_heads": all(p.comparable_across_heads for p in parts),
+        }
+        for key, value in resolved.items():
+            object.__setattr__(self, key, value)
 
     def score(self, inputs: ScoreInputs) -> Tensor:
         total = torch.zeros(inputs.valid.shape, dtype=torch.float32, device=inputs.valid.device)
@@ -72,7 +88,9 @@ class CombinedScorer(Scorer):
         return total
 
     def __repr__(self) -> str:
-        return f"CombinedScorer(parts={self.parts!r}, weights={self.weights})"
+        return (
+            f"CombinedScorer(parts={list(self.parts or ())!r}, weights={list(self.weights or ())})"
+        )
 
 
 SCORERS.setdefault(CombinedScorer.name, CombinedScorer)

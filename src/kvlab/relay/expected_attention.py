@@ -26,6 +26,7 @@ both libraries (docs/results.md).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -91,6 +92,7 @@ def expected_attention_logits(
     return z
 
 
+@dataclass(frozen=True, repr=False, kw_only=True)
 class ExpectedAttentionScorer(Scorer):
     """Expected attention of future queries (module docstring; kvpress defaults).
 
@@ -113,24 +115,17 @@ class ExpectedAttentionScorer(Scorer):
     # kvpress's uniform per-head budgets beat its AdaKV wrapper on this scorer (docs/results.md)
     default_allocation = "uniform"
 
-    def __init__(
-        self,
-        *,
-        future_positions: int = 512,
-        sink_tokens: int = 4,
-        use_covariance: bool = True,
-        value_norm: bool = True,
-        epsilon: float = 0.0,
-    ) -> None:
-        if future_positions < 1:
-            raise ValueError(f"future_positions must be >= 1, got {future_positions}")
-        if sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
-        self.future_positions = future_positions
-        self.sink_tokens = sink_tokens
-        self.use_covariance = use_covariance
-        self.value_norm = value_norm
-        self.epsilon = epsilon
+    future_positions: int = 512
+    sink_tokens: int = 4
+    use_covariance: bool = True
+    value_norm: bool = True
+    epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.future_positions < 1:
+            raise ValueError(f"future_positions must be >= 1, got {self.future_positions}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
 
     def score(self, inputs: ScoreInputs) -> Tensor:
         if inputs.queries is None or inputs.query_positions is None:

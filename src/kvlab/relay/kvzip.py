@@ -30,7 +30,7 @@ scoring"), driven by :func:`kvlab.integrations.kvzip.compress`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -245,6 +245,7 @@ def reconstruction_attention(
     return out, scores.unsqueeze(0)
 
 
+@dataclass(frozen=True, repr=False, kw_only=True)
 class KVzipScorer(Scorer):
     """The reconstruction-pass attention of each cached token (KVzip), optionally times the
     value norm and max-pooled over neighbours.
@@ -274,31 +275,20 @@ class KVzipScorer(Scorer):
     name = "kvzip"
     needs_reconstruction = True
 
-    def __init__(
-        self,
-        *,
-        value_norm: bool = False,
-        kernel_size: int = 1,
-        prompt: ReconstructionPrompt | None = None,
-        prefill_queries: int = 0,
-    ) -> None:
-        if kernel_size < 1 or kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be an odd int >= 1, got {kernel_size}")
-        if prefill_queries < 0:
-            raise ValueError(f"prefill_queries must be >= 0, got {prefill_queries}")
-        self.prefill_queries = prefill_queries
-        self.value_norm = value_norm
-        self.kernel_size = kernel_size
-        self.prompt = prompt
+    value_norm: bool = False
+    kernel_size: int = 1
+    prompt: ReconstructionPrompt | None = None
+    prefill_queries: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd int >= 1, got {self.kernel_size}")
+        if self.prefill_queries < 0:
+            raise ValueError(f"prefill_queries must be >= 0, got {self.prefill_queries}")
 
     def with_prompt(self, prompt: ReconstructionPrompt) -> KVzipScorer:
         """This scorer with the repeat prompt ``prompt`` (a copy)."""
-        return KVzipScorer(
-            value_norm=self.value_norm,
-            kernel_size=self.kernel_size,
-            prompt=prompt,
-            prefill_queries=self.prefill_queries,
-        )
+        return replace(self, prompt=prompt)
 
     def score(self, inputs: ScoreInputs) -> Tensor:
         if inputs.reconstruction is None:

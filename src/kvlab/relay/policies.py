@@ -25,24 +25,31 @@ search in docs/results.md (section 6, "Policy search", issue 9) on SmolLM2-135M 
   value-norm rescaling of ExpectedAttention and CriticalKV), max-pooled over 7 tokens and
   compared across heads (adaptive per-head budgets, Ada-KV).
 
-Policies exist in two forms: JSON-ready settings (:func:`default_policy_settings`,
-:func:`legacy_policy`; a scorer with options is ``"scorer"`` + ``"scorer_options"``, the
-keyword arguments of its class in :data:`kvlab.relay.SCORERS`), which ``kvlab eval`` records
-and hashes, and ``EvictionConfig`` keyword arguments (:func:`default_policy`,
-:func:`policy_kwargs`), with the scorer object built.
+A policy is one frozen :class:`EvictionPolicy` (:data:`DEFAULT_POLICIES`,
+:func:`eviction_policy`). It has one settings shape, its JSON-ready form
+(:meth:`EvictionPolicy.settings`, :func:`default_policy_settings`, :func:`legacy_policy`; a
+scorer with options is ``"scorer"`` + ``"scorer_options"``, the keyword arguments of its class in
+:data:`kvlab.relay.SCORERS`), which ``kvlab eval`` records and hashes; its ``EvictionConfig``
+keyword arguments (:meth:`EvictionPolicy.kwargs`, :func:`default_policy`,
+:func:`policy_kwargs`) hold the scorer object, built once
+(:func:`kvlab.relay.scorers.scorer_from_settings`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
-from kvlab.relay.scorers import SCORERS
+from kvlab.relay.scorers import Scorer, scorer_from_settings
 
 __all__ = [
+    "DEFAULT_POLICIES",
     "DEFAULT_WINDOW_FRACTION",
+    "EvictionPolicy",
     "default_policy",
     "default_policy_settings",
+    "eviction_policy",
     "legacy_policy",
     "policy_kwargs",
 ]
@@ -51,41 +58,122 @@ __all__ = [
 DEFAULT_WINDOW_FRACTION = 0.75
 
 
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """An eviction policy: the scorer and its options, and the ``EvictionConfig`` settings the
+    policy fixes besides the budget (``ratio`` / ``capacity``). ``None`` leaves a setting at
+    ``EvictionConfig``'s default and out of :meth:`settings`.
+
+    Attributes:
+        scorer: a name of :data:`kvlab.relay.SCORERS`.
+        scorer_options: the scorer class's keyword arguments, or ``None`` for its defaults.
+        window_tokens, window_fraction, layer_budget, scores_share, relay, allocation: as in
+            :class:`kvlab.relay.config.EvictionConfig`.
+
+    Raises:
+        ValueError: an unknown scorer or options it refuses (checked at construction).
+    """
+
+    scorer: str
+    scorer_options: Mapping[str, Any] | None = None
+    window_tokens: int | None = None
+    window_fraction: float | None = None
+    layer_budget: str | None = None
+    scores_share: float | None = None
+    relay: bool | None = None
+    allocation: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_scorer", scorer_from_settings(self.scorer, self.scorer_options))
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> EvictionPolicy:
+        """The policy of JSON-ready ``settings`` (:meth:`settings`'s form).
+
+        Raises:
+            ValueError: a key that is not a policy setting, or see the class.
+        """
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(settings) - names)
+        if unknown:
+            raise ValueError(f"not eviction policy settings: {unknown}")
+        return cls(**settings)
+
+    def settings(self) -> dict[str, Any]:
+        """The JSON-ready form that ``kvlab eval`` records and hashes: ``"scorer"`` and every
+        setting that is not ``None``, in field order."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = dict(value) if f.name == "scorer_options" else value
+        return out
+
+    def scorer_object(self) -> Scorer:
+        """The scorer (built once, at construction)."""
+        return self._scorer  # type: ignore[attr-defined, no-any-return]
+
+    def kwargs(self) -> dict[str, Any]:
+        """``EvictionConfig`` keyword arguments: :meth:`settings` with the scorer object in
+        place of ``"scorer"`` + ``"scorer_options"`` (the name stays when there are no
+        options)."""
+        kwargs = self.settings()
+        if kwargs.pop("scorer_options", None) is not None:
+            kwargs["scorer"] = self.scorer_object()
+        return kwargs
+
+
+#: The default policy of each scorer (module docstring). Recency keeps sinks + the newest
+#: tokens whatever the window, so it keeps the plain settings.
+DEFAULT_POLICIES: dict[str, EvictionPolicy] = {
+    "recency": EvictionPolicy("recency"),
+    # kvpress's ExpectedAttentionPress policy: 4 sinks, no protected window, uniform budgets
+    # (the scorer's default allocation); a protected window measured worse
+    "expected-attention": EvictionPolicy("expected-attention", window_tokens=0),
+    # KVzip's cross-layer selection (three quarters of the model's budget to the top scores
+    # over every layer and head, the rest uniform), the prefill's last 128 queries joined to
+    # the reconstruction queries, a protected recent window of 3/8 of each layer's per-head
+    # budget (docs/results.md, section 7)
+    "kvzip": EvictionPolicy(
+        "kvzip",
+        scorer_options={"prefill_queries": 128},
+        window_fraction=0.375,
+        layer_budget="scores",
+        scores_share=0.75,
+    ),
+    "snapkv": EvictionPolicy(
+        "snapkv",
+        scorer_options={"kernel_size": 7, "pooling": "max", "value_norm": True},
+        window_fraction=DEFAULT_WINDOW_FRACTION,
+    ),
+}
+
+
+def eviction_policy(scorer: str) -> EvictionPolicy:
+    """The default :class:`EvictionPolicy` for the scorer ``scorer`` (a name of
+    :data:`kvlab.relay.SCORERS`): :data:`DEFAULT_POLICIES`, else the scorer with the default
+    protected window fraction.
+
+    Raises:
+        ValueError: an unknown scorer.
+    """
+    policy = DEFAULT_POLICIES.get(scorer)
+    if policy is None:
+        policy = EvictionPolicy(scorer, window_fraction=DEFAULT_WINDOW_FRACTION)
+    return policy
+
+
 def default_policy_settings(scorer: str) -> dict[str, Any]:
-    """The default policy for the scorer ``scorer`` (a name of :data:`kvlab.relay.SCORERS`) as
-    JSON-ready settings (module docstring). Recency keeps sinks + the newest tokens whatever
-    the window, so it keeps the plain settings."""
-    if scorer == "recency":
-        return {"scorer": "recency"}
-    if scorer == "expected-attention":
-        # kvpress's ExpectedAttentionPress policy: 4 sinks, no protected window, uniform budgets
-        # (the scorer's default allocation); a protected window measured worse
-        return {"scorer": "expected-attention", "window_tokens": 0}
-    if scorer == "kvzip":
-        # KVzip's cross-layer selection (three quarters of the model's budget to the top scores
-        # over every layer and head, the rest uniform), the prefill's last 128 queries joined
-        # to the reconstruction queries, a protected recent window of 3/8 of each layer's
-        # per-head budget (docs/results.md, section 7)
-        return {
-            "scorer": "kvzip",
-            "scorer_options": {"prefill_queries": 128},
-            "window_fraction": 0.375,
-            "layer_budget": "scores",
-            "scores_share": 0.75,
-        }
-    if scorer == "snapkv":
-        return {
-            "scorer": "snapkv",
-            "scorer_options": {"kernel_size": 7, "pooling": "max", "value_norm": True},
-            "window_fraction": DEFAULT_WINDOW_FRACTION,
-        }
-    return {"scorer": scorer, "window_fraction": DEFAULT_WINDOW_FRACTION}
+    """The default policy for the scorer ``scorer`` as JSON-ready settings
+    (:meth:`EvictionPolicy.settings` of :func:`eviction_policy`)."""
+    return eviction_policy(scorer).settings()
 
 
 def policy_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
     """``EvictionConfig`` keyword arguments from JSON-ready policy settings: ``"scorer"`` +
-    ``"scorer_options"`` become the scorer object ``SCORERS[scorer](**scorer_options)``; the
-    other entries pass through.
+    ``"scorer_options"`` become the scorer object ``SCORERS[scorer](**scorer_options)``
+    (:func:`kvlab.relay.scorers.scorer_from_settings`); the other entries pass through (a
+    method's budget and flags included).
 
     Raises:
         ValueError: ``scorer_options`` for a scorer name not in :data:`kvlab.relay.SCORERS`.
@@ -93,17 +181,14 @@ def policy_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
     kwargs = dict(settings)
     options = kwargs.pop("scorer_options", None)
     if options is not None:
-        name = kwargs.get("scorer")
-        if name not in SCORERS:
-            raise ValueError(f"unknown scorer {name!r}; choose one of {sorted(SCORERS)}")
-        kwargs["scorer"] = SCORERS[name](**options)
+        kwargs["scorer"] = scorer_from_settings(kwargs.get("scorer"), options)  # type: ignore[arg-type]
     return kwargs
 
 
 def default_policy(scorer: str) -> dict[str, Any]:
     """``EvictionConfig`` keyword arguments of the default policy for the scorer ``scorer``
-    (:func:`default_policy_settings` with the scorer object built)."""
-    return policy_kwargs(default_policy_settings(scorer))
+    (:meth:`EvictionPolicy.kwargs` of :func:`eviction_policy`)."""
+    return eviction_policy(scorer).kwargs()
 
 
 def legacy_policy(scorer: str) -> dict[str, Any]:

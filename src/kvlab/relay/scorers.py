@@ -32,7 +32,9 @@ imported: ``"expected-attention"`` (:mod:`kvlab.relay.expected_attention`), ``"t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass, fields, is_dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,7 @@ __all__ = [
     "SnapKVScorer",
     "get_scorer",
     "pool_scores",
+    "scorer_from_settings",
 ]
 
 
@@ -92,7 +95,9 @@ class ScoreInputs:
 
 
 class Scorer:
-    """Base class. Attributes: ``name``; ``needs_window_attention`` (the cache then computes
+    """Base class; each scorer is a frozen dataclass whose fields are its options
+    (:meth:`settings`: the ``scorer_options`` of a policy, :func:`scorer_from_settings`).
+    Attributes: ``name``; ``needs_window_attention`` (the cache then computes
     :attr:`ScoreInputs.window_attention` and ``window_probs``); ``observation_tokens`` (the
     observation window this scorer needs, or ``None`` for the cache's setting);
     ``needs_queries`` (the cache then passes the forward's queries and positions);
@@ -113,10 +118,18 @@ class Scorer:
         """Scores ``[B, H, S]`` float32 (higher = keep); values at invalid slots are ignored."""
         raise NotImplementedError
 
+    def settings(self) -> dict[str, Any]:
+        """The scorer's options: its dataclass fields by name (``SCORERS[name](**settings())``
+        rebuilds an equal scorer)."""
+        if not is_dataclass(self):
+            return {}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
+@dataclass(frozen=True, repr=False)
 class RecencyScorer(Scorer):
     """Score = original stream index (StreamingLLM's recent window, with protected sinks)."""
 
@@ -127,6 +140,7 @@ class RecencyScorer(Scorer):
         return inputs.original_positions.to(torch.float32)
 
 
+@dataclass(frozen=True, repr=False)
 class KeyNormScorer(Scorer):
     """Score = ``-||k||_2`` over the head's channels (keep low-norm keys; Devoto et al. 2024)."""
 
@@ -161,6 +175,7 @@ def pool_scores(scores: Tensor, valid: Tensor, kernel_size: int, pooling: str) -
     return out.reshape(b, h, s)
 
 
+@dataclass(frozen=True, repr=False)
 class SnapKVScorer(Scorer):
     """Observation-window attention, pooled over ``kernel_size`` neighbours (SnapKV).
 
@@ -181,15 +196,16 @@ class SnapKVScorer(Scorer):
     name = "snapkv"
     needs_window_attention = True
 
-    def __init__(
-        self,
-        kernel_size: int = 7,
-        *,
-        pooling: str = "max",
-        group_reduction: str = "sum",
-        value_norm: bool = False,
-        observation_tokens: int | None = None,
-    ) -> None:
+    kernel_size: int = 7
+    _: KW_ONLY
+    pooling: str = "max"
+    group_reduction: str = "sum"
+    value_norm: bool = False
+    observation_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        kernel_size, pooling = self.kernel_size, self.pooling
+        group_reduction, observation_tokens = self.group_reduction, self.observation_tokens
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be an odd int >= 1, got {kernel_size}")
         if pooling not in _POOLINGS:
@@ -200,11 +216,6 @@ class SnapKVScorer(Scorer):
             )
         if observation_tokens is not None and observation_tokens < 1:
             raise ValueError(f"observation_tokens must be >= 1, got {observation_tokens}")
-        self.kernel_size = kernel_size
-        self.pooling = pooling
-        self.group_reduction = group_reduction
-        self.value_norm = value_norm
-        self.observation_tokens = observation_tokens
 
     def score(self, inputs: ScoreInputs) -> Tensor:
         if inputs.window_attention is None:
@@ -232,6 +243,18 @@ SCORERS: dict[str, type[Scorer]] = {
     "keynorm": KeyNormScorer,
     "snapkv": SnapKVScorer,
 }
+
+
+def scorer_from_settings(name: str, options: Mapping[str, Any] | None = None) -> Scorer:
+    """The scorer ``SCORERS[name](**options)`` (a policy's ``"scorer"`` and
+    ``"scorer_options"``; :meth:`Scorer.settings` gives the options back).
+
+    Raises:
+        ValueError: unknown name, or options the scorer refuses.
+    """
+    if name not in SCORERS:
+        raise ValueError(f"unknown scorer {name!r}; choose one of {sorted(SCORERS)}")
+    return SCORERS[name](**(options or {}))
 
 
 def get_scorer(scorer: str | Scorer) -> Scorer:

@@ -11,6 +11,8 @@ here the cache's protected recent window keeps it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
 
 from kvlab.relay.scorers import SCORERS, ScoreInputs, Scorer
@@ -20,6 +22,7 @@ __all__ = ["TOVAScorer"]
 _REDUCTIONS = ("layer", "group")
 
 
+@dataclass(frozen=True, repr=False)
 class TOVAScorer(Scorer):
     """Last-query attention (TOVA).
 
@@ -35,11 +38,18 @@ class TOVAScorer(Scorer):
     needs_window_attention = True
     observation_tokens = 1
 
-    def __init__(self, head_reduction: str = "layer") -> None:
+    head_reduction: str = "layer"
+
+    def __post_init__(self) -> None:
+        head_reduction = self.head_reduction
         if head_reduction not in _REDUCTIONS:
             raise ValueError(f"head_reduction must be one of {_REDUCTIONS}, got {head_reduction!r}")
-        self.head_reduction = head_reduction
-        self.default_allocation = "uniform" if head_reduction == "layer" else "adaptive"
+
+    @property  # type: ignore[override]
+    def default_allocation(self) -> str:
+        """Uniform budgets for the layer-wide reduction (equal scores across heads), else
+        adaptive."""
+        return "uniform" if self.head_reduction == "layer" else "adaptive"
 
     def score(self, inputs: ScoreInputs) -> Tensor:
         if inputs.window_probs is None:
