@@ -522,25 +522,33 @@ def test_window_layers_softcap_and_a_second_generate(make_llama):
 # ------------------------------------------------------------------ host syncs
 
 
-def test_decode_forwards_read_nothing_back_from_the_device(make_llama, monkeypatch):
+def test_decode_forwards_read_the_mask_once_and_nothing_else(make_llama, monkeypatch):
     """Single-token forwards of a padded batch — with the mask and position ids generate
-    passes, and with neither — read no tensor value into Python; groups flush among them; the
-    deferred checks run in check_values (and catch a padding column)."""
+    passes, with the mask only, and with neither — read at most their mask into Python, once
+    per forward (its check: a hole or a padding new token is refused before anything is
+    stored); groups flush among them; the value checks run in check_values."""
     model = make_llama(seed=80)
     ids, mask = _left_pad(_rows([80, 66], seed=81))
-    steps = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(82))
+    steps = torch.randint(3, 96, (2, 25), generator=torch.Generator().manual_seed(82))
     cache = ComposedModelCache(model.config, POLICY, PNMixConfig(**ISSUE8))
+    reads = []
+    as_bool = torch.Tensor.__bool__
 
     def forbidden(self, *args, **kwargs):
         raise AssertionError("host sync: a tensor value was read by Python")
+
+    def counted(self):
+        reads.append(1)
+        return as_bool(self)
 
     with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
         model(ids, attention_mask=mask, cache=cache)
         before = cache.layers[0].pnmix.group_counts
         masks = [torch.cat([mask, torch.ones(2, t + 1, dtype=torch.long)], 1) for t in range(24)]
         positions = [m.sum(-1, keepdim=True) - 1 for m in masks]
-        for name in ("item", "__bool__", "tolist", "__int__", "__float__"):
+        for name in ("item", "tolist", "__int__", "__float__"):
             monkeypatch.setattr(torch.Tensor, name, forbidden)
+        monkeypatch.setattr(torch.Tensor, "__bool__", counted)
         for t in range(20):
             model(
                 steps[:, t : t + 1],
@@ -550,14 +558,19 @@ def test_decode_forwards_read_nothing_back_from_the_device(make_llama, monkeypat
             )
         for t in range(20, 24):
             model(steps[:, t : t + 1], attention_mask=masks[t], cache=cache)
+        assert len(reads) == 24  # one mask check per forward, for every layer
+        monkeypatch.setattr(torch.Tensor, "__bool__", forbidden)
+        model(steps[:, 24:25], cache=cache)  # no mask: nothing read
         monkeypatch.undo()
         assert (cache.layers[0].pnmix.group_counts - before).min() >= 1
         cache.check_values()
-        pad_column = torch.cat([masks[-1], torch.tensor([[1], [0]])], 1)
-        model(steps[:, :1], attention_mask=pad_column, cache=cache)
-        with pytest.raises(ValueError, match="padding"):
-            cache.check_values()
-        cache.check_values()  # reported once
+        seen = cache.get_seq_length()
+        pad_column = torch.cat([masks[-1], torch.ones(2, 1, dtype=torch.long),
+                                torch.tensor([[1], [0]])], 1)  # fmt: skip
+        with pytest.raises(ValueError, match="padding new token"):
+            model(steps[:, :1], attention_mask=pad_column, cache=cache)
+        assert cache.get_seq_length() == seen
+        cache.check_values()
 
 
 # ------------------------------------------------------------------ refusals and atomic failure

@@ -80,31 +80,24 @@ def test_plan_forward_reads_left_padding_and_the_rope_shift():
         )
 
 
-def test_plan_decode_defers_the_mask_check():
-    flags = []
-    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])  # row 1: its new token as padding
-    plan = plan_decode(
-        _pending(tokens=1),
-        mask,
-        {},
-        seen=3,
-        nexts=[3, 3],
-        padding=[1, 0],
-        forward_index=5,
-        record_mask=flags.append,
-    )
+def test_plan_decode_reads_the_mask_and_refuses_a_bad_one():
+    kwargs = dict(seen=3, nexts=[3, 3], padding=[1, 0], forward_index=5)
+    good = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    plan = plan_decode(_pending(tokens=1), good, {}, **kwargs)
     assert plan.real == [1, 1] and plan.shift is None and plan.forward_index == 5
-    assert len(flags) == 1 and not bool(flags[0])
+    for bad in (
+        torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]]),  # row 1: its new token as padding
+        torch.tensor([[0, 1, 0, 1], [1, 1, 1, 1]]),  # row 0: a hole in a past position
+        torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1]]),  # row 0: its stored padding as real
+    ):
+        with pytest.raises(ValueError, match="hole in a past position"):
+            plan_decode(_pending(tokens=1), bad, {}, **kwargs)
     with pytest.raises(ValueError, match=r"position_ids \[1 or B, 1\]"):
         plan_decode(
             _pending(tokens=1, position_ids=torch.zeros(1, 2, dtype=torch.int64)),
             None,
             {},
-            seen=3,
-            nexts=[3, 3],
-            padding=[0, 0],
-            forward_index=5,
-            record_mask=flags.append,
+            **kwargs,
         )
 
 

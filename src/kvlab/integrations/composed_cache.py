@@ -78,41 +78,32 @@ __all__ = ["ComposedLayer", "ComposedModelCache", "ComposedView"]
 
 
 class _ComposedState(ForwardState):
-    """What the composed layers of one cache share: the forward's plan (as relay layers do),
-    the deferred mask check of single-token forwards, and the layers (their deferred PN-Mix
-    value checks are read together, once)."""
+    """What the composed layers of one cache share: the forward's plan (as relay layers do)
+    and the layers (their deferred PN-Mix value checks are read together, once)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layers: list[ComposedLayer] = []
-        self.mask_ok: Tensor | None = None
 
     def check(self) -> None:
         """Read every deferred flag with one device read (none when nothing is pending).
 
         Raises:
-            ValueError: naming the offending layer, or the padding column.
+            ValueError: naming the offending layer.
         """
-        flags = [] if self.mask_ok is None else [self.mask_ok]
+        flags: list[Tensor] = []
         for layer in self.layers:
             if layer.pnmix is not None and layer.pnmix.pending_check() is not None:
                 flags.append(layer.pnmix.pending_check())
         if not flags:
             return
         ok = bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
-        mask_ok, self.mask_ok = self.mask_ok, None
         for layer in self.layers:
             if layer.pnmix is not None:
                 try:
                     layer.pnmix.check_values(assume_valid=ok)
                 except ValueError as err:
                     raise ValueError(f"layer {layer.layer_idx}: {err}") from err
-        if mask_ok is not None and not ok and not bool(mask_ok):
-            raise ValueError(
-                "a single-token forward's attention_mask marked its new token as padding (or "
-                "disagreed with the stored padding); ComposedModelCache stores the new token of "
-                "every row in single-token forwards (it is stored now: reset the cache)"
-            )
 
 
 class ComposedView(CacheView):
@@ -378,7 +369,8 @@ class ComposedLayer(CacheLayerMixin):
         relay layer's checks (:meth:`RelayLayer.check_forward`), plus — in the cache's first
         forward — a real token in every row, and — in later multi-token forwards — the deferred
         checks of earlier single-token forwards. A single-token forward after the prefill reads
-        nothing back from the device (:func:`kvlab.integrations.forward.plan_decode`).
+        its attention mask, if it has one, once (:func:`kvlab.integrations.forward.plan_decode`)
+        and nothing else.
 
         Raises:
             ValueError: see :meth:`RelayLayer.check_forward`; a row with no real token in the
@@ -388,10 +380,6 @@ class ComposedLayer(CacheLayerMixin):
         assert isinstance(state, _ComposedState)
         relay = self.relay_layer
         if self.pnmix is not None and pending.keys.shape[2] == 1:
-
-            def record_mask(ok: Tensor) -> None:
-                state.mask_ok = ok if state.mask_ok is None else state.mask_ok & ok
-
             return plan_decode(
                 pending,
                 attention_mask,
@@ -400,7 +388,6 @@ class ComposedLayer(CacheLayerMixin):
                 nexts=relay.next_positions,
                 padding=relay.padding,
                 forward_index=relay.forwards,
-                record_mask=record_mask,
             )
         if self.pnmix is not None:
             state.check()

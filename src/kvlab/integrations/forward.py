@@ -10,7 +10,7 @@ layers of a refused forward is :class:`kvlab.integrations.model_support.ForwardG
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -267,16 +267,17 @@ def plan_decode(
     nexts: Sequence[int],
     padding: Sequence[int],
     forward_index: int,
-    record_mask: Callable[[Tensor], None],
 ) -> ForwardPlan:
-    """The plan of a single-token forward, without any device read: the new token of every
-    row is real; the mask is checked on the device (its last column all ones, its older
-    columns the stored padding) and its bool device flag handed to ``record_mask`` for a
-    deferred check (before ``position_ids`` are checked); the RoPE shift to the cache's
-    positions is a device tensor when the model passes ``position_ids``.
+    """The plan of a single-token forward: the new token of every row is real; a mask, if
+    given, is read once (one host sync; none without a mask) and refused before anything is
+    stored unless its last column is all ones and its older columns are the stored padding (a
+    hole in a past position is refused, never ignored: docs/design.md, "Cache life cycle");
+    the RoPE shift to the cache's positions is a device tensor when the model passes
+    ``position_ids``.
 
     Raises:
-        ValueError: a mask or ``position_ids`` of the wrong shape.
+        ValueError: a mask of the wrong shape or pattern, or ``position_ids`` of the wrong
+            shape.
     """
     batch = pending.keys.shape[0]
     device = pending.keys.device
@@ -289,7 +290,13 @@ def plan_decode(
         mask = attention_mask.to(device=device, dtype=torch.bool)
         pads = torch.tensor(padding, device=device).view(-1, 1)
         expected = torch.arange(seen, device=device).view(1, -1) >= pads
-        record_mask(mask[:, -1].all() & (mask[:, :seen] == expected).all())
+        if not bool(mask[:, -1].all() & (mask[:, :seen] == expected).all()):
+            raise ValueError(
+                "attention_mask of a single-token forward must mark the new token of every "
+                "row as real and its older columns as the stored padding (left padding, then "
+                "ones); a mask with a hole in a past position, or a padding new token, is "
+                "refused"
+            )
     position_ids = pending.position_ids
     if position_ids is None:
         position_ids = kwargs.get("position_ids")
