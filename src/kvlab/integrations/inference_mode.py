@@ -96,15 +96,13 @@ def release_inference_tensors(root: Any) -> int:
     return replaced
 
 
+@dataclasses.dataclass
 class InferenceModeTracker:
     """Remembers whether a layer stored anything under ``torch.inference_mode()``, so that its
     first update outside the mode releases its storage's inference tensors (one bool check per
-    update otherwise)."""
+    update otherwise). Compared by value (a deep copy of a cache equals its original)."""
 
-    __slots__ = ("filled_in_inference",)
-
-    def __init__(self) -> None:
-        self.filled_in_inference = False
+    filled_in_inference: bool = False
 
     def before_update(self, storage: Any) -> None:
         """Call at the start of each update, with the layer's storage object (or ``None``)."""
