@@ -1,0 +1,555 @@
+"""A split-K GQA decode kernel for packed PN-Mix caches (docs/benchmarks.md, "Split-K decode
+kernel"; docs/design.md, "Kernels").
+
+Differences from :mod:`kvlab.pnmix.kernels.triton_decode` (the kernel timed in
+docs/benchmarks.md), aimed at reading each stored byte once at full bandwidth:
+
+* one program per (sequence, kv head, context split, block of query rows): the block covers
+  every query head of the GQA group (and every query token), padded to at least 16 rows, so
+  each K/V tile is loaded once and both products are ``tl.dot`` (``q·k`` and ``p·v``);
+* codes are loaded as 32-bit little-endian words (an ``int32`` view of the store's uint8
+  buffers: a token's codes start on a word when ``D · bits`` is a multiple of 32) and
+  unpacked in registers with shifts and masks, ``32 / bits`` codes per word;
+* the rotary pairs are decoded as two tiles ``[BLOCK_T, P]`` — every pair's first channel and
+  every pair's second channel — so a Phase–Norm pair's norm and phase meet element for element
+  (no partner gather) and ``q·k = q_A · k_A + q_B · k_B``; both RoPE layouts: ``half`` (pair
+  ``p`` = channels ``p, p + D/2``: the low and high words of a token) and ``interleaved``
+  (``2p, 2p + 1``: even and odd codes of a word);
+* splits are ``BLOCK_T``-token tiles of the quantized region (a split may end inside a
+  group); the exact sink and residual tokens are a separate small kernel; the merge (by
+  log-sum-exp, learned sinks, Hadamard value transform) is
+  :mod:`~kvlab.pnmix.kernels.triton_decode`'s merge kernel;
+* the split count comes from the shape and the device's SM count (:func:`choose_splits`), and
+  the launch function does nothing but launch (capturable in a CUDA graph).
+
+Covered (:func:`splitk_unsupported` says why not otherwise): per-channel keys — Cartesian,
+Phase–Norm, a mix of the two per (row, pair) (the seed coding), KIVI keys — at 2 or 4 bits,
+rotary pairs over the whole head (``rotary_dim = D``), ``D`` and ``Dv`` powers of two with
+``D >= 32``, ``Dv >= 16``; per-token or Hadamard values; causal or not, any query count,
+soft-cap, learned sinks. Not covered: per-token keys, per-pair widths, outliers and pre-RoPE
+rotation (the ``pn-mix`` coding): those stay on the older kernel.
+
+Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (set before Triton is imported).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvlab.pnmix.kernels.spec import KEYS_PER_CHANNEL, PAIR_PHASE_NORM, KernelKeyDecode
+from kvlab.pnmix.kernels.triton_decode import _merge_kernel, _online, _pointer, _pow2, _softcap
+
+if TYPE_CHECKING:
+    from kvlab.pnmix.attention import PackedKV
+
+__all__ = [
+    "choose_splits",
+    "packed_attention_splitk",
+    "splitk_launcher",
+    "splitk_unsupported",
+]
+
+
+@triton.jit
+def _unpack(words, SHIFT0: tl.constexpr, STEP: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr):
+    """Float codes ``[BT, W * N]`` of int32 words ``[BT, W]``: code ``j`` of word ``w`` at bit
+    ``SHIFT0 + j * STEP`` lands in column ``w * N + j``."""
+    sh = SHIFT0 + tl.arange(0, N) * STEP
+    c = (words[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(c, (words.shape[0], words.shape[1] * N)).to(tl.float32)
+
+
+@triton.jit
+def _quantized_kernel(
+    q_ptr,
+    mu_ptr,
+    kwords,
+    kscal,
+    vwords,
+    vscal,
+    counts,
+    mask_ptr,
+    part_m,
+    part_l,
+    part_acc,
+    rows,
+    M,
+    Q,
+    G_cap,
+    NS,
+    tiles_per_split,
+    softcap,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    T: tl.constexpr,
+    BITS: tl.constexpr,
+    HALF: tl.constexpr,
+    MODE_FIRST: tl.constexpr,
+    MODE_SECOND: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    mblk = tl.program_id(2)
+    P: tl.constexpr = D // 2
+    CPW: tl.constexpr = 32 // BITS  # codes per word
+    KW: tl.constexpr = D // CPW  # words per token of keys
+    VW: tl.constexpr = DV // CPW
+    TPG: tl.constexpr = T // BLOCK_T  # tiles per group
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_p = tl.arange(0, P)
+    offs_dv = tl.arange(0, DV)
+    # the pairs' first and second channels (module docstring: half or interleaved)
+    if HALF:
+        ch_a = offs_p
+        ch_b = offs_p + P
+    else:
+        ch_a = 2 * offs_p
+        ch_b = 2 * offs_p + 1
+    s_len = tl.load(counts + row)
+    g_cnt = tl.load(counts + rows + row)
+    r_len = tl.load(counts + 2 * rows + row)
+    n = s_len + g_cnt * T + r_len
+    limit = tl.zeros([BLOCK_M], dtype=tl.int64) + n
+    if CAUSAL:
+        limit = limit - (Q - 1 - offs_m % Q).to(tl.int64)
+    qrow = q_ptr + (row * M + offs_m[:, None]) * D
+    qa = tl.load(qrow + ch_a[None, :], mask=m_ok[:, None], other=0.0)
+    qb = tl.load(qrow + ch_b[None, :], mask=m_ok[:, None], other=0.0)
+    mua = tl.load(mu_ptr + row * D + ch_a)
+    mub = tl.load(mu_ptr + row * D + ch_b)
+    qmu = tl.sum(qa * mua[None, :], axis=1) + tl.sum(qb * mub[None, :], axis=1)
+    if HAS_MASK:
+        bit = tl.load(mask_ptr + row * P + offs_p)
+        pn = tl.where(bit != 0, MODE_SECOND, MODE_FIRST) == 1
+    else:
+        pn = (tl.zeros([P], dtype=tl.int32) + MODE_FIRST) == 1
+    levels = (1 << BITS) - 1
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+    accz = tl.zeros([BLOCK_M], dtype=tl.float32)
+    tt = tl.arange(0, BLOCK_T)
+    i0 = split * tiles_per_split
+    i1 = tl.minimum(i0 + tiles_per_split, g_cnt * TPG)
+    for it in range(i0, i1):
+        g = it // TPG
+        t = (it % TPG) * BLOCK_T + tt  # tokens of the tile within group g
+        slot = row * G_cap + g
+        sbase = kscal + slot * (2 * D)
+        kw = kwords + slot * (T * KW) + t[:, None] * KW
+        if HALF:  # low words: first channels; high words: second channels
+            wa = tl.load(kw + tl.arange(0, KW // 2)[None, :])
+            wb = tl.load(kw + KW // 2 + tl.arange(0, KW // 2)[None, :])
+            ca = _unpack(wa, 0, BITS, CPW, BITS)
+            cb = _unpack(wb, 0, BITS, CPW, BITS)
+        else:  # even codes: first channels; odd codes: second channels
+            w = tl.load(kw + tl.arange(0, KW)[None, :])
+            ca = _unpack(w, 0, 2 * BITS, CPW // 2, BITS)
+            cb = _unpack(w, BITS, 2 * BITS, CPW // 2, BITS)
+        sc_a = tl.load(sbase + ch_a).to(tl.float32)
+        ze_a = tl.load(sbase + D + ch_a).to(tl.float32)
+        sc_b = tl.load(sbase + ch_b).to(tl.float32)
+        ze_b = tl.load(sbase + D + ch_b).to(tl.float32)
+        ka = ze_a[None, :] + ca * sc_a[None, :]
+        kb = ze_b[None, :] + cb * sc_b[None, :]
+        if (
+            MODE_FIRST == 1 or MODE_SECOND == 1
+        ):  # norm in the first slot, phase level offset + c * span / L in the second
+            level = ze_b[None, :] + cb * (sc_b / levels)[None, :]
+            ka2 = ka * tl.cos(level)
+            kb2 = ka * tl.sin(level)
+            ka = tl.where(pn[None, :], ka2, ka)
+            kb = tl.where(pn[None, :], kb2, kb)
+        ka = ka - mua[None, :]
+        kb = kb - mub[None, :]
+        s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
+        s += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
+        if SOFTCAP:
+            s = _softcap(s, qmu[:, None], softcap)
+        stream = s_len + g * T + t
+        seen = (stream[None, :] < limit[:, None]) & m_ok[:, None]
+        s = tl.where(seen, s, float("-inf"))
+        m_run, l_run, acc, accz, p = _online(s, m_run, l_run, acc, accz)
+        vw = tl.load(vwords + slot * (T * VW) + t[:, None] * VW + tl.arange(0, VW)[None, :])
+        vc = _unpack(vw, 0, BITS, CPW, BITS)
+        vsbase = vscal + slot * (2 * T)
+        v_scale = tl.load(vsbase + t).to(tl.float32)
+        v_zero = tl.load(vsbase + T + t).to(tl.float32)
+        acc += tl.dot(p * v_scale[None, :], vc, input_precision=PRECISION)
+        accz += tl.sum(p * v_zero[None, :], axis=1)
+    base = (row * (NS + 1) + split) * M + offs_m
+    tl.store(part_m + base, m_run, mask=m_ok)
+    tl.store(part_l + base, l_run, mask=m_ok)
+    tl.store(
+        part_acc + base[:, None] * DV + offs_dv[None, :], acc + accz[:, None], mask=m_ok[:, None]
+    )
+
+
+@triton.jit
+def _exact_kernel(
+    q_ptr,
+    mu_ptr,
+    sink_k,
+    sink_v,
+    res_k,
+    res_v,
+    counts,
+    part_m,
+    part_l,
+    part_acc,
+    rows,
+    M,
+    Q,
+    S_cap,
+    R_cap,
+    NS,
+    softcap,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    T: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The exact tokens (sinks, then residual) of a row into partial slot ``NS``."""
+    row = tl.program_id(0).to(tl.int64)
+    mblk = tl.program_id(1)
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    m_ok = offs_m < M
+    s_len = tl.load(counts + row)
+    g_cnt = tl.load(counts + rows + row)
+    r_len = tl.load(counts + 2 * rows + row)
+    n = s_len + g_cnt * T + r_len
+    limit = tl.zeros([BLOCK_M], dtype=tl.int64) + n
+    if CAUSAL:
+        limit = limit - (Q - 1 - offs_m % Q).to(tl.int64)
+    q = tl.load(
+        q_ptr + (row * M + offs_m[:, None]) * D + offs_d[None, :], mask=m_ok[:, None], other=0.0
+    )
+    mu = tl.load(mu_ptr + row * D + offs_d)
+    qmu = tl.sum(q * mu[None, :], axis=1)
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+    accz = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for e0 in range(0, s_len + r_len, BLOCK_E):
+        i = e0 + tl.arange(0, BLOCK_E)  # i < s_len: sink slot i, else residual slot i - s_len
+        is_sink = i < s_len
+        j = i - s_len
+        ok_s = is_sink
+        ok_r = (~is_sink) & (j < r_len)
+        stream = tl.where(is_sink, i, s_len + g_cnt * T + j)
+        ks = tl.load(
+            sink_k + (row * S_cap + i[:, None]) * D + offs_d[None, :], mask=ok_s[:, None], other=0.0
+        ).to(tl.float32)
+        kr = tl.load(
+            res_k + (row * R_cap + j[:, None]) * D + offs_d[None, :], mask=ok_r[:, None], other=0.0
+        ).to(tl.float32)
+        k = tl.where(is_sink[:, None], ks, kr) - mu[None, :]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if SOFTCAP:
+            s = _softcap(s, qmu[:, None], softcap)
+        seen = (ok_s | ok_r)[None, :] & (stream[None, :] < limit[:, None]) & m_ok[:, None]
+        s = tl.where(seen, s, float("-inf"))
+        m_run, l_run, acc, accz, p = _online(s, m_run, l_run, acc, accz)
+        vs_ = tl.load(
+            sink_v + (row * S_cap + i[:, None]) * DV + offs_dv[None, :],
+            mask=ok_s[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        vr = tl.load(
+            res_v + (row * R_cap + j[:, None]) * DV + offs_dv[None, :],
+            mask=ok_r[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.dot(p, tl.where(is_sink[:, None], vs_, vr), input_precision=PRECISION)
+    base = (row * (NS + 1) + NS) * M + offs_m
+    tl.store(part_m + base, m_run, mask=m_ok)
+    tl.store(part_l + base, l_run, mask=m_ok)
+    tl.store(part_acc + base[:, None] * DV + offs_dv[None, :], acc, mask=m_ok[:, None])
+
+
+def choose_splits(
+    batch: int, kv_heads: int, tokens: int, sm_count: int, *, min_tokens: int = 512
+) -> int:
+    """Context splits per (sequence, kv head) for a decode step: enough programs for about
+    four per SM (``4 · sm_count / (batch · kv_heads)``, rounded up), at most one split per
+    ``min_tokens`` context tokens (a split's partial costs ``(Dv + 2)`` floats per query row:
+    negligible beside 512 tokens of codes), at least 1.
+
+    Raises:
+        ValueError: a non-positive ``batch``, ``kv_heads`` or ``sm_count``.
+    """
+    if batch < 1 or kv_heads < 1 or sm_count < 1:
+        raise ValueError(f"batch, kv_heads, sm_count must be >= 1: {batch, kv_heads, sm_count}")
+    wanted = math.ceil(4 * sm_count / (batch * kv_heads))
+    return max(1, min(wanted, tokens // max(1, min_tokens)))
+
+
+def _layout_kind(kv: PackedKV) -> str | None:
+    """``"half"``, ``"interleaved"`` or ``None`` (rotary pairs not covering the head in one of
+    the two layouts). Reads the layout's index tensors (a copy to the host when on a GPU:
+    launcher build time, not launch time)."""
+    d = kv.layout.head_dim
+    p = kv.layout.num_pairs
+    if 2 * p != d:
+        return None
+    first = kv.layout.first.cpu().tolist()
+    second = kv.layout.second.cpu().tolist()
+    if first == list(range(p)) and second == list(range(p, d)):
+        return "half"
+    if first == list(range(0, d, 2)) and second == list(range(1, d, 2)):
+        return "interleaved"
+    return None
+
+
+def splitk_unsupported(kv: PackedKV, decode: KernelKeyDecode | str) -> str | None:
+    """``None`` when :func:`splitk_launcher` runs this cache, else why not (module docstring:
+    what is covered)."""
+    if isinstance(decode, str):
+        return decode
+    if decode.kind != KEYS_PER_CHANNEL:
+        return "split-K kernel: per-channel keys only (no per-token keys, no per-pair widths)"
+    if decode.payload_bytes or decode.rotate_to_position:
+        return "split-K kernel: no key outliers, no pre-RoPE keys yet"
+    if kv.bits not in (2, 4):
+        return f"split-K kernel: 2- or 4-bit codes only, got {kv.bits}"
+    d, dv = kv.layout.head_dim, kv.sink_values.shape[-1]
+    cpw = 32 // kv.bits
+    for name, x, lo in (("head_dim", d, 32), ("value head_dim", dv, 16)):
+        if x < lo or x & (x - 1) or x % cpw:
+            return f"split-K kernel: {name} must be a power of two >= {lo}, got {x}"
+    if (d // cpw) % 2:
+        return "split-K kernel: a token's key codes must fill an even number of words"
+    t = kv.group_tokens
+    if t < 16 or t & (t - 1):
+        return f"split-K kernel: group_tokens must be a power of two >= 16, got {t}"
+    if _layout_kind(kv) is None:
+        return "split-K kernel: rotary pairs must cover the head (rotary_dim = head_dim)"
+    for buf in (kv.key_codes, kv.value_codes):
+        if not buf.is_contiguous() or buf.storage_offset() % 4:
+            return "split-K kernel: code buffers must be contiguous and 4-byte aligned"
+    return None
+
+
+def _words(buf: Tensor) -> Tensor:
+    """The int32 view of a uint8 code buffer (little-endian words)."""
+    if buf.numel():
+        return buf.view(torch.int32)
+    return torch.zeros(1, dtype=torch.int32, device=buf.device)
+
+
+def packed_attention_splitk(
+    query: Tensor, kv: PackedKV, decode: KernelKeyDecode, mu: Tensor, **options: Any
+) -> Tensor:
+    """Packed attention by the split-K kernels: arguments and result as
+    :func:`~kvlab.pnmix.kernels.triton_decode.packed_attention_triton` (float32
+    ``[B, H_q, Q, Dv]``); ``options``: the keyword arguments of :func:`splitk_launcher`."""
+    return splitk_launcher(query, kv, decode, mu, **options)()
+
+
+def splitk_launcher(
+    query: Tensor,
+    kv: PackedKV,
+    decode: KernelKeyDecode,
+    mu: Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    logit_softcap: float | None,
+    sink_logits: Tensor | None,
+    splits: int | None = None,
+    block_t: int | None = None,
+    sm_count: int | None = None,
+    precision: str = "ieee",
+    num_warps: int | None = None,
+) -> Callable[[], Tensor]:
+    """Everything before the launches, once; returns a function that only launches the three
+    kernels (quantized splits, exact tokens, merge: capturable in a CUDA graph) and returns
+    float32 ``[B, H_q, Q, Dv]`` (the same buffer every call).
+
+    Args:
+        query: ``[B, H_q, Q, D]``; ``kv``, ``decode``, ``mu``: as the Triton backend's.
+        scale, causal, logit_softcap, sink_logits: as :func:`~kvlab.pnmix.pnmix_attention`.
+        splits: context splits per row (default :func:`choose_splits` of the longest row and
+            ``sm_count``); the kernel uses ``ceil(tiles / ceil(tiles / splits))``.
+        block_t: tokens per tile, a power of two >= 16 dividing ``group_tokens`` (default
+            ``min(group_tokens, 64)``).
+        sm_count: the device's SMs (default: queried on CUDA, 132 elsewhere).
+        precision: ``tl.dot``'s ``input_precision`` (``"ieee"``: float32 products; ``"tf32"``
+            trades 10-bit mantissas for speed, outside the reference's tolerance).
+        num_warps: Triton's (default 4).
+
+    Raises:
+        ValueError: a configuration :func:`splitk_unsupported` rejects, or a bad ``block_t``.
+    """
+    reason = splitk_unsupported(kv, decode)
+    if reason is not None:
+        raise ValueError(reason)
+    b, hq, nq, d = query.shape
+    hkv = kv.sink_keys.shape[1]
+    rep = hq // hkv
+    m_rows = rep * nq
+    rows = b * hkv
+    dev = kv.key_codes.device
+    dv = kv.sink_values.shape[-1]
+    t = kv.group_tokens
+    bt = min(t, 64) if block_t is None else block_t
+    if bt < 16 or bt & (bt - 1) or t % bt:
+        raise ValueError(f"block_t must be a power of two >= 16 dividing {t}, got {bt}")
+    q = (query.to(device=dev, dtype=torch.float32) * scale).reshape(rows, m_rows, d).contiguous()
+    mu_rows = mu.to(torch.float32).reshape(rows, d).contiguous()
+    counts_host = np.stack([kv.sink_lengths, kv.group_counts, kv.residual_lengths]).reshape(3, -1)
+    counts = torch.from_numpy(np.ascontiguousarray(counts_host)).to(dev, non_blocking=True)
+    block_m = min(max(_pow2(m_rows), 16), 64)
+    mblocks = math.ceil(m_rows / block_m)
+    g_max = int(kv.group_counts.max(initial=0))
+    tiles = g_max * (t // bt)
+    if splits is None:
+        if sm_count is None:
+            sm_count = (
+                torch.cuda.get_device_properties(dev).multi_processor_count
+                if dev.type == "cuda"
+                else 132
+            )
+        splits = choose_splits(b, hkv, g_max * t, sm_count)
+    tiles_per_split = max(1, math.ceil(tiles / max(1, splits)))
+    ns = math.ceil(tiles / tiles_per_split) if tiles else 0
+    part_m = torch.empty((rows, ns + 1, m_rows), dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((rows, ns + 1, m_rows, dv), dtype=torch.float32, device=dev)
+    out = torch.empty((rows, m_rows, dv), dtype=torch.float32, device=dev)
+    has_mask = kv.mask is not None and decode.mode_first != decode.mode_second
+    mask = kv.mask.to(torch.uint8).contiguous() if has_mask else counts
+    cap = 0.0 if logit_softcap is None else float(logit_softcap)
+    extra: dict[str, object] = {} if dev.type == "cpu" else {"enable_fp_fusion": False}
+    if num_warps is not None:
+        extra["num_warps"] = num_warps
+    from kvlab.pnmix.kernels.cpu import _extras  # the Hadamard matrix both backends read
+
+    hadamard = _extras(
+        decode,
+        mask=kv.mask,
+        payload=None,
+        rotary=None,
+        position_offsets=None,
+        group_counts=kv.group_counts,
+        sink_tokens=kv.sink_tokens,
+        group_tokens=t,
+        value_head_dim=dv,
+        device=dev,
+    )[-1]
+    common = dict(CAUSAL=causal, SOFTCAP=logit_softcap is not None, PRECISION=precision)
+    quant_args = (
+        q,
+        mu_rows,
+        _words(kv.key_codes),
+        _pointer(kv.key_scalars),
+        _words(kv.value_codes),
+        _pointer(kv.value_scalars),
+        counts,
+        mask,
+        part_m,
+        part_l,
+        part_acc,
+        rows,
+        m_rows,
+        nq,
+        kv.key_codes.shape[2],
+        ns,
+        tiles_per_split,
+        cap,
+    )
+    quant_meta = dict(
+        D=d,
+        DV=dv,
+        T=t,
+        BITS=kv.bits,
+        HALF=_layout_kind(kv) == "half",
+        MODE_FIRST=int(decode.mode_first == PAIR_PHASE_NORM),
+        MODE_SECOND=int(decode.mode_second == PAIR_PHASE_NORM),
+        HAS_MASK=has_mask,
+        BLOCK_M=block_m,
+        BLOCK_T=bt,
+        **common,
+        **extra,
+    )
+    exact_args = (
+        q,
+        mu_rows,
+        _pointer(kv.sink_keys),
+        _pointer(kv.sink_values),
+        _pointer(kv.residual_keys),
+        _pointer(kv.residual_values),
+        counts,
+        part_m,
+        part_l,
+        part_acc,
+        rows,
+        m_rows,
+        nq,
+        kv.sink_keys.shape[2],
+        kv.residual_keys.shape[2],
+        ns,
+        cap,
+    )
+    exact_meta = dict(D=d, DV=dv, T=t, BLOCK_M=block_m, BLOCK_E=16, **common, **extra)
+    sinks = (
+        sink_logits.detach().to(device=dev, dtype=torch.float32).contiguous()
+        if sink_logits is not None
+        else out
+    )
+    merge_args = (
+        part_m,
+        part_l,
+        part_acc,
+        q,
+        mu_rows,
+        sinks,
+        _pointer(hadamard, dev),
+        out,
+        m_rows,
+        nq,
+        hkv,
+        rep,
+        ns,
+    )
+    merge_meta = dict(
+        D=d,
+        DV=dv,
+        HAS_SINKS=sink_logits is not None,
+        SOFTCAP=logit_softcap is not None,
+        HADAMARD=bool(decode.value_hadamard),
+        BLOCK_M=block_m,
+        BLOCK_D=d,
+        BLOCK_DV=dv,
+        **extra,
+    )
+
+    def launch() -> Tensor:
+        if ns:
+            _quantized_kernel[(rows, ns, mblocks)](*quant_args, **quant_meta)
+        _exact_kernel[(rows, mblocks)](*exact_args, **exact_meta)
+        _merge_kernel[(rows, mblocks)](*merge_args, **merge_meta)
+        return out.reshape(b, hq, nq, dv)
+
+    return launch
