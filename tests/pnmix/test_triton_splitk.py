@@ -204,3 +204,74 @@ def test_choose_splits_and_unsupported_reasons() -> None:
     assert "head_dim" in str(splitk_unsupported(packed_kv(cache), cache.kernel_decode))
     cache = make_cache("mix", [20], seed=1, bits=3)
     assert "bit" in str(splitk_unsupported(packed_kv(cache), cache.kernel_decode))
+
+
+# (key_coding, key_outlier_fraction, value_coding, rotary layout, storage dtype, relayed,
+#  group tokens, block_t)
+PNMIX_CASES = [
+    ("bit_alloc", 0.05, "hadamard", "half", torch.float16, True, 16, None),  # pn-mix's coding
+    ("bit_alloc", 0.02, "hadamard", "interleaved", torch.float16, False, 32, 16),
+    ("bit_alloc", 0.0, "per_token", "interleaved", torch.bfloat16, True, 16, None),
+    ("prerope_cartesian", 0.05, "hadamard", "interleaved", torch.bfloat16, True, 16, None),
+    ("prerope_mix", 0.0, "hadamard", "half", torch.float16, False, 16, None),
+    ("cartesian", 0.05, "per_token", "half", torch.float16, False, 32, 16),
+]
+
+
+def pnmix_cache(case: int) -> tuple[PNMixCache, torch.Generator]:
+    """The cache of PNMIX_CASES row ``case``: rows of 45 and 30 tokens, 2 kv heads, D = 32,
+    Dv = 16, full rotary; tables from prefill queries; optionally moved position offsets."""
+    from kvlab.rope import RotaryConfig, apply_rotary
+
+    coding, outliers, values, layout, dtype, relayed, group, _ = PNMIX_CASES[case]
+    d, dv = 32, 16
+    rotary = RotaryConfig(d, d, 10000.0, layout)  # type: ignore[arg-type]
+    cfg = PNMixConfig(
+        sink_tokens=2,
+        residual_tokens=3,
+        group_tokens=group,
+        storage_dtype=dtype,
+        key_coding=coding,  # type: ignore[arg-type]
+        key_outlier_fraction=outliers,
+        value_coding=values,  # type: ignore[arg-type]
+        rotary_layout=layout,  # type: ignore[arg-type]
+    )
+    cache = PNMixCache(
+        cfg,
+        batch_size=2,
+        num_key_value_heads=2,
+        head_dim=d,
+        value_head_dim=dv,
+        device=DEVICE,
+        rotary=rotary if cfg.key_codec.position_aware else None,
+    )
+    gen = torch.Generator().manual_seed(100 + case)
+    if coding == "bit_alloc" and case < 2:  # widths 4/3/2/0 in every row: 3-bit codes straddle
+        widths = torch.tensor([4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0], dtype=torch.uint8)
+        table = torch.stack([widths[torch.randperm(16, generator=gen)] for _ in range(4)])
+        cache.set_pair_table(table.reshape(2, 2, 16))
+    n = 45
+    keys = apply_rotary(torch.randn(2, 2, n, d, generator=gen), torch.arange(n), rotary)
+    keys[..., 3] += 6 * (torch.rand(2, 2, n, generator=gen) < 0.05)  # a few real outliers
+    queries = torch.randn(2, 6, n, d, generator=gen)
+    vals = torch.randn(2, 2, n, dv, generator=gen)
+    cache.append(keys.to(DEVICE), vals.to(DEVICE), [n, 30], queries=queries.to(DEVICE))
+    if relayed:
+        cache.set_position_offsets([[5, 0], [17, 3]])
+    return cache, gen
+
+
+@pytest.mark.parametrize("case", range(len(PNMIX_CASES)))
+def test_splitk_matches_the_reference_on_the_pnmix_codings(case: int) -> None:
+    """Per-pair widths (3-bit codes straddling words), exact outliers as a sparse logit
+    correction (rotated for pre-RoPE keys; tiles ending mid-group), pre-RoPE keys at moved
+    position offsets, Hadamard values; padded rows, GQA 3, Q = 1 and causal Q = 3."""
+    from kvlab.pnmix.attention import packed_kv
+    from kvlab.pnmix.kernels.triton_splitk import splitk_unsupported
+
+    cache, gen = pnmix_cache(case)
+    assert splitk_unsupported(packed_kv(cache), cache.kernel_decode) is None
+    block_t = PNMIX_CASES[case][-1]
+    for nq in (1, 3):
+        query = torch.randn(2, 6, nq, 32, generator=gen).to(DEVICE)
+        check(cache, query, splits=3, block_t=block_t)

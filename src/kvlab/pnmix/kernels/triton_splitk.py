@@ -22,12 +22,23 @@ docs/benchmarks.md), aimed at reading each stored byte once at full bandwidth:
 * the split count comes from the shape and the device's SM count (:func:`choose_splits`), and
   the launch function does nothing but launch (capturable in a CUDA graph).
 
+The ``pn-mix`` coding's steps (docs/design.md, "Kernels"): per-pair code widths — each
+channel's bit offset in a token of the width layout (widths descending, then channel
+ascending) computed once per program, each code taken from its word (and the next, for a code
+straddling two) selected in registers from the token's words; pre-RoPE keys rotated to their
+positions with the CPU backend's float32 cos/sin table (the A and B tiles are the rotation's
+two inputs); exact outliers as a sparse correction ``q · R(pos) (exact − decoded)`` of the
+logits of the tile holding them (placed by a one-hot ``[K, BLOCK_T]`` product), not written
+over the key tile.
+
 Covered (:func:`splitk_unsupported` says why not otherwise): per-channel keys — Cartesian,
-Phase–Norm, a mix of the two per (row, pair) (the seed coding), KIVI keys — at 2 or 4 bits,
-rotary pairs over the whole head (``rotary_dim = D``), ``D`` and ``Dv`` powers of two with
-``D >= 32``, ``Dv >= 16``; per-token or Hadamard values; causal or not, any query count,
-soft-cap, learned sinks. Not covered: per-token keys, per-pair widths, outliers and pre-RoPE
-rotation (the ``pn-mix`` coding): those stay on the older kernel.
+Phase–Norm, a mix of the two per (row, pair) (the seed coding), KIVI keys — and per-pair
+widths (``bit_alloc``), rotated or pre-RoPE, with or without outliers (not over Phase–Norm
+pairs), at 2 or 4 bits (the width layout: a mean of 2 or 4), rotary pairs over the whole head
+(``rotary_dim = D``), ``D`` and ``Dv`` powers of two with ``D >= 32``, ``Dv >= 16``, groups a
+power of two ``>= 16``; per-token or Hadamard values; causal or not, any query count,
+soft-cap, learned sinks. Not covered: per-token keys, 3-bit codes, partial rotary: those stay
+on :mod:`~kvlab.pnmix.kernels.triton_decode`.
 
 Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (set before Triton is imported).
 """
@@ -44,7 +55,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvlab.pnmix.kernels.spec import KEYS_PER_CHANNEL, PAIR_PHASE_NORM, KernelKeyDecode
+from kvlab.pnmix.kernels.spec import (
+    KEYS_PER_CHANNEL,
+    KEYS_WIDTHS,
+    PAIR_PHASE_NORM,
+    KernelKeyDecode,
+)
 from kvlab.pnmix.kernels.triton_decode import _merge_kernel, _online, _pointer, _pow2, _softcap
 
 if TYPE_CHECKING:
@@ -68,6 +84,112 @@ def _unpack(words, SHIFT0: tl.constexpr, STEP: tl.constexpr, N: tl.constexpr, BI
 
 
 @triton.jit
+def _join(lo, hi, sh, width):
+    """Float codes of ``width`` bits at bit ``sh`` of the 64-bit words ``hi:lo`` (int32
+    tiles; a 3-bit code may straddle two words)."""
+    v = ((lo.to(tl.int64) & 0xFFFFFFFF) >> sh.to(tl.int64)) | (hi.to(tl.int64) << (32 - sh))
+    return (v & ((1 << width) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _width_offsets(ch, w_ch, wd, offs_d):
+    """Bit offsets in a token of the width layout (widths descending, then channel ascending)
+    of channels ``ch`` of widths ``w_ch``; ``wd [D]``: every channel's width."""
+    before = (wd[None, :] > w_ch[:, None]) | (
+        (wd[None, :] == w_ch[:, None]) & (offs_d[None, :] < ch[:, None])
+    )
+    return tl.sum(tl.where(before, wd[None, :], 0), axis=1)
+
+
+@triton.jit
+def _outlier_logits(
+    qrow,
+    kw,
+    sbase,
+    pbase,
+    wrow,
+    rope_cos,
+    rope_sin,
+    pos0,
+    g,
+    t_first,
+    m_ok,
+    offs_d,
+    wd,
+    K,
+    D: tl.constexpr,
+    T: tl.constexpr,
+    BITS: tl.constexpr,
+    HALF: tl.constexpr,
+    KIND: tl.constexpr,
+    ROTATE: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Logit corrections ``[BLOCK_M, BLOCK_T]`` of a tile (tokens ``t_first ..`` of group
+    ``g``) from the group's exact outliers (``K`` storage-dtype values, then ``K`` int16 flat
+    indices ``t * D + d``): ``q · R(pos) (exact − decoded) e_d`` per outlier, placed in its
+    token's column by a one-hot product (one nonzero term per entry: exact)."""
+    P: tl.constexpr = D // 2
+    KW: tl.constexpr = D * BITS // 32
+    e = tl.arange(0, BLOCK_K)
+    e_ok = e < K
+    v_lo = tl.load(pbase + 2 * e, mask=e_ok, other=0).to(tl.int32)
+    v_hi = tl.load(pbase + 2 * e + 1, mask=e_ok, other=0).to(tl.int32)
+    bits16 = (v_lo | (v_hi << 8)).to(tl.int16)
+    if BF16:
+        exact = bits16.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    else:
+        exact = bits16.to(tl.float16, bitcast=True).to(tl.float32)
+    i_lo = tl.load(pbase + 2 * K + 2 * e, mask=e_ok, other=0).to(tl.int32)
+    i_hi = tl.load(pbase + 2 * K + 2 * e + 1, mask=e_ok, other=0).to(tl.int32)
+    idx = i_lo | (i_hi << 8)
+    t_e = idx // D
+    d_e = idx % D
+    hit = e_ok & (t_e >= t_first) & (t_e < t_first + BLOCK_T)
+    if HALF:
+        pair_e = d_e % P
+        first_e = d_e < P
+        ch_a = pair_e
+        ch_b = pair_e + P
+    else:
+        pair_e = d_e // 2
+        first_e = d_e % 2 == 0
+        ch_a = 2 * pair_e
+        ch_b = 2 * pair_e + 1
+    # the decoded element the outlier replaces
+    if KIND == 2:
+        w_e = tl.load(wrow + pair_e, mask=hit, other=0).to(tl.int32)
+        off_e = _width_offsets(d_e, w_e, wd, offs_d)
+    else:
+        w_e = tl.zeros([BLOCK_K], dtype=tl.int32) + BITS
+        off_e = d_e * BITS
+    word = t_e * KW + (off_e >> 5)
+    lo = tl.load(kw + word, mask=hit, other=0)
+    hi = tl.load(kw + word + 1, mask=hit & (word + 1 < T * KW), other=0)
+    code = _join(lo, hi, off_e & 31, w_e)
+    scale = tl.load(sbase + d_e, mask=hit, other=0.0).to(tl.float32)
+    zero = tl.load(sbase + D + d_e, mask=hit, other=0.0).to(tl.float32)
+    delta = tl.where(hit, exact - (zero + code * scale), 0.0)
+    if ROTATE:  # R(pos) delta e_d: (d cos, d sin) for a first channel, (-d sin, d cos) else
+        at = (pos0 + g * T + t_e) * P + pair_e
+        cs = tl.load(rope_cos + at, mask=hit, other=1.0)
+        sn = tl.load(rope_sin + at, mask=hit, other=0.0)
+        rot_a = tl.where(first_e, delta * cs, -(delta * sn))
+        rot_b = tl.where(first_e, delta * sn, delta * cs)
+    else:
+        rot_a = tl.where(first_e, delta, 0.0)
+        rot_b = tl.where(first_e, 0.0, delta)
+    qa = tl.load(qrow + ch_a[None, :], mask=m_ok[:, None] & hit[None, :], other=0.0)
+    qb = tl.load(qrow + ch_b[None, :], mask=m_ok[:, None] & hit[None, :], other=0.0)
+    corr = qa * rot_a[None, :] + qb * rot_b[None, :]  # [BLOCK_M, BLOCK_K]
+    col = tl.arange(0, BLOCK_T)
+    onehot = ((t_e - t_first)[:, None] == col[None, :]) & hit[:, None]
+    return tl.dot(corr, onehot.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
 def _quantized_kernel(
     q_ptr,
     mu_ptr,
@@ -77,6 +199,11 @@ def _quantized_kernel(
     vscal,
     counts,
     mask_ptr,
+    widths_ptr,
+    payload_ptr,
+    rope_cos,
+    rope_sin,
+    pos_off,
     part_m,
     part_l,
     part_acc,
@@ -87,11 +214,20 @@ def _quantized_kernel(
     NS,
     tiles_per_split,
     softcap,
+    E,
+    K,
+    rope_base,
+    sink_tokens,
     D: tl.constexpr,
     DV: tl.constexpr,
     T: tl.constexpr,
     BITS: tl.constexpr,
     HALF: tl.constexpr,
+    KIND: tl.constexpr,
+    ROTATE: tl.constexpr,
+    HAS_PAYLOAD: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     MODE_FIRST: tl.constexpr,
     MODE_SECOND: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -139,6 +275,20 @@ def _quantized_kernel(
     else:
         pn = (tl.zeros([P], dtype=tl.int32) + MODE_FIRST) == 1
     levels = (1 << BITS) - 1
+    offs_d = tl.arange(0, D)
+    if HALF:  # noqa: SIM108 (a constexpr branch)
+        pair_d = offs_d % P
+    else:
+        pair_d = offs_d // 2
+    wd = tl.zeros([D], dtype=tl.int32) + BITS
+    pos0 = tl.zeros([1], dtype=tl.int64)
+    if KIND == 2:  # per-pair widths: every channel's width and the pairs' bit offsets
+        wp = tl.load(widths_ptr + row * P + offs_p).to(tl.int32)
+        wd = tl.load(widths_ptr + row * P + pair_d).to(tl.int32)
+        off_a = _width_offsets(ch_a, wp, wd, offs_d)
+        off_b = _width_offsets(ch_b, wp, wd, offs_d)
+    if ROTATE:
+        pos0 = tl.load(pos_off + row + tl.zeros([1], dtype=tl.int64)) + sink_tokens - rope_base
     m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
@@ -152,7 +302,22 @@ def _quantized_kernel(
         slot = row * G_cap + g
         sbase = kscal + slot * (2 * D)
         kw = kwords + slot * (T * KW) + t[:, None] * KW
-        if HALF:  # low words: first channels; high words: second channels
+        if KIND == 2:  # per-pair widths: each code's word(s) selected in registers
+            wi_a = (off_a >> 5)[None, :]
+            wi_b = (off_b >> 5)[None, :]
+            lo_a = tl.zeros([BLOCK_T, P], dtype=tl.int32)
+            hi_a = lo_a
+            lo_b = lo_a
+            hi_b = lo_a
+            for w in tl.static_range(KW):
+                col = tl.load(kw + w)
+                lo_a = tl.where(wi_a == w, col, lo_a)
+                hi_a = tl.where(wi_a + 1 == w, col, hi_a)
+                lo_b = tl.where(wi_b == w, col, lo_b)
+                hi_b = tl.where(wi_b + 1 == w, col, hi_b)
+            ca = _join(lo_a, hi_a, (off_a & 31)[None, :], wp[None, :])
+            cb = _join(lo_b, hi_b, (off_b & 31)[None, :], wp[None, :])
+        elif HALF:  # low words: first channels; high words: second channels
             wa = tl.load(kw + tl.arange(0, KW // 2)[None, :])
             wb = tl.load(kw + KW // 2 + tl.arange(0, KW // 2)[None, :])
             ca = _unpack(wa, 0, BITS, CPW, BITS)
@@ -175,10 +340,47 @@ def _quantized_kernel(
             kb2 = ka * tl.sin(level)
             ka = tl.where(pn[None, :], ka2, ka)
             kb = tl.where(pn[None, :], kb2, kb)
+        if ROTATE:  # pre-RoPE keys to positions offset + S + g * T + t (no fused mul-adds)
+            at = (pos0 + g * T + t)[:, None] * P + offs_p[None, :]
+            cs = tl.load(rope_cos + at)
+            sn = tl.load(rope_sin + at)
+            a = ka * cs
+            b = kb * sn
+            c2 = ka * sn
+            e2 = kb * cs
+            ka = a - b
+            kb = c2 + e2
         ka = ka - mua[None, :]
         kb = kb - mub[None, :]
         s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
         s += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
+        if HAS_PAYLOAD:  # exact outliers: a sparse correction q . (exact - decoded) to logits
+            t_first = (it % TPG) * BLOCK_T
+            s += _outlier_logits(
+                qrow,
+                kwords + slot * (T * KW),
+                kscal + slot * (2 * D),
+                payload_ptr + slot * E,
+                widths_ptr + row * P,
+                rope_cos,
+                rope_sin,
+                pos0,
+                g,
+                t_first,
+                m_ok,
+                offs_d,
+                wd,
+                K,
+                D,
+                T,
+                BITS,
+                HALF,
+                KIND,
+                ROTATE,
+                BF16,
+                BLOCK_T,
+                BLOCK_K,
+            )
         if SOFTCAP:
             s = _softcap(s, qmu[:, None], softcap)
         stream = s_len + g * T + t
@@ -327,10 +529,13 @@ def splitk_unsupported(kv: PackedKV, decode: KernelKeyDecode | str) -> str | Non
     what is covered)."""
     if isinstance(decode, str):
         return decode
-    if decode.kind != KEYS_PER_CHANNEL:
-        return "split-K kernel: per-channel keys only (no per-token keys, no per-pair widths)"
-    if decode.payload_bytes or decode.rotate_to_position:
-        return "split-K kernel: no key outliers, no pre-RoPE keys yet"
+    if decode.kind not in (KEYS_PER_CHANNEL, KEYS_WIDTHS):
+        return "split-K kernel: per-channel keys or per-pair widths only (no per-token keys)"
+    pn = PAIR_PHASE_NORM in (decode.mode_first, decode.mode_second)
+    if decode.payload_bytes and pn:
+        return "split-K kernel: outliers over Phase-Norm pairs are not decoded"
+    if decode.kind == KEYS_WIDTHS and kv.mask is None:
+        return "split-K kernel: per-pair widths without a width table"
     if kv.bits not in (2, 4):
         return f"split-K kernel: 2- or 4-bit codes only, got {kv.bits}"
     d, dv = kv.layout.head_dim, kv.sink_values.shape[-1]
@@ -446,18 +651,20 @@ def splitk_launcher(
         extra["num_warps"] = num_warps
     from kvlab.pnmix.kernels.cpu import _extras  # the Hadamard matrix both backends read
 
-    hadamard = _extras(
+    widths, payload, cos, sin, rope_base, offsets, sink_tokens, hadamard = _extras(
         decode,
         mask=kv.mask,
-        payload=None,
-        rotary=None,
-        position_offsets=None,
+        payload=kv.key_payload,
+        rotary=kv.rotary,
+        position_offsets=kv.position_offsets,
         group_counts=kv.group_counts,
         sink_tokens=kv.sink_tokens,
         group_tokens=t,
         value_head_dim=dv,
         device=dev,
-    )[-1]
+    )
+    e_bytes = payload.shape[-1] if payload.numel() else 0
+    n_out = e_bytes // (kv.sink_keys.element_size() + 2)
     common = dict(CAUSAL=causal, SOFTCAP=logit_softcap is not None, PRECISION=precision)
     quant_args = (
         q,
@@ -468,6 +675,11 @@ def splitk_launcher(
         _pointer(kv.value_scalars),
         counts,
         mask,
+        _pointer(widths, dev),
+        _pointer(payload.contiguous(), dev),
+        _pointer(cos, dev),
+        _pointer(sin, dev),
+        _pointer(offsets.to(dev, non_blocking=True), dev),
         part_m,
         part_l,
         part_acc,
@@ -478,6 +690,10 @@ def splitk_launcher(
         ns,
         tiles_per_split,
         cap,
+        e_bytes,
+        n_out,
+        rope_base,
+        sink_tokens,
     )
     quant_meta = dict(
         D=d,
@@ -485,6 +701,11 @@ def splitk_launcher(
         T=t,
         BITS=kv.bits,
         HALF=_layout_kind(kv) == "half",
+        KIND=2 if decode.kind == KEYS_WIDTHS else 0,
+        ROTATE=bool(decode.rotate_to_position),
+        HAS_PAYLOAD=n_out > 0,
+        BF16=kv.sink_keys.dtype == torch.bfloat16,
+        BLOCK_K=_pow2(n_out, 16),
         MODE_FIRST=int(decode.mode_first == PAIR_PHASE_NORM),
         MODE_SECOND=int(decode.mode_second == PAIR_PHASE_NORM),
         HAS_MASK=has_mask,
