@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, replace
 __all__ = [
     "CODINGS",
     "H200_BANDWIDTH",
+    "MODEL_SHAPES",
+    "PEAK_BANDWIDTH",
     "Coding",
     "DecodeBytes",
     "decode_bytes",
@@ -33,6 +35,23 @@ __all__ = [
 
 #: H200 SXM HBM3e peak bandwidth, bytes per second (4.8 TB/s).
 H200_BANDWIDTH = 4.8e12
+#: Peak memory bandwidths (bytes/s) by a substring of ``torch.cuda.get_device_name``; the
+#: first match wins (vendor figures).
+PEAK_BANDWIDTH: dict[str, float] = {
+    "H200": 4.8e12,
+    "H100 NVL": 3.9e12,
+    "H100 PCIe": 2.0e12,
+    "H100": 3.35e12,
+    "A100-SXM4-80GB": 2.039e12,
+    "A100": 1.555e12,
+    "L40S": 0.864e12,
+    "A10G": 0.6e12,
+}
+#: Attention shapes of the benchmarked models: (query heads, kv heads, head_dim).
+MODEL_SHAPES: dict[str, tuple[int, int, int]] = {
+    "smollm2-135m": (9, 3, 64),
+    "qwen2.5-1.5b": (12, 2, 128),
+}
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ from kvlab.pnmix.kernels.spec import (
     PAIR_PHASE_NORM,
     KernelKeyDecode,
 )
+from kvlab.pnmix.kernels.splits import choose_splits
 from kvlab.pnmix.kernels.triton_decode import _merge_kernel, _online, _pointer, _pow2, _softcap
 
 if TYPE_CHECKING:
@@ -488,23 +489,6 @@ def _exact_kernel(
     tl.store(part_m + base, m_run, mask=m_ok)
     tl.store(part_l + base, l_run, mask=m_ok)
     tl.store(part_acc + base[:, None] * DV + offs_dv[None, :], acc, mask=m_ok[:, None])
-
-
-def choose_splits(
-    batch: int, kv_heads: int, tokens: int, sm_count: int, *, min_tokens: int = 512
-) -> int:
-    """Context splits per (sequence, kv head) for a decode step: enough programs for about
-    four per SM (``4 · sm_count / (batch · kv_heads)``, rounded up), at most one split per
-    ``min_tokens`` context tokens (a split's partial costs ``(Dv + 2)`` floats per query row:
-    negligible beside 512 tokens of codes), at least 1.
-
-    Raises:
-        ValueError: a non-positive ``batch``, ``kv_heads`` or ``sm_count``.
-    """
-    if batch < 1 or kv_heads < 1 or sm_count < 1:
-        raise ValueError(f"batch, kv_heads, sm_count must be >= 1: {batch, kv_heads, sm_count}")
-    wanted = math.ceil(4 * sm_count / (batch * kv_heads))
-    return max(1, min(wanted, tokens // max(1, min_tokens)))
 
 
 def _layout_kind(kv: PackedKV) -> str | None:
