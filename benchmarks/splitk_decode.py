@@ -51,7 +51,9 @@ FIRST: list[tuple[str, dict[str, Any]]] = [
 ]
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("splitk", {"num_warps": 8}),
+    ("splitk", {"num_warps": 4, "precision": "tf32x3"}),
     ("splitk", {"num_warps": 4, "precision": "tf32"}),
+    ("splitk", {"num_warps": 4, "dot": False, "block_t": 32}),
     ("splitk", {"num_warps": 4, "splits": "x2"}),
     ("splitk", {"num_warps": 4, "block_t": 32}),
     ("old", {"dot": True, "num_warps": 4}),
@@ -80,6 +82,8 @@ def plan(shapes: list[str], codings: list[str]) -> list[tuple[str, str, str, dic
             for coding in codings:
                 for kernel, opts in rows:
                     key = opts.get("dot") if kernel == "old" else opts.get("block_t")
+                    if "dot" in opts and kernel == "splitk":
+                        key = None  # the reduced-products variant runs everywhere
                     if (coding, kernel, key) not in SKIP:
                         out.append((shape, coding, kernel, opts))
     return out

@@ -275,3 +275,16 @@ def test_splitk_matches_the_reference_on_the_pnmix_codings(case: int) -> None:
     for nq in (1, 3):
         query = torch.randn(2, 6, nq, 32, generator=gen).to(DEVICE)
         check(cache, query, splits=3, block_t=block_t)
+
+
+@pytest.mark.parametrize("case", [None, 0, 1])
+def test_splitk_reduced_products(case: int | None) -> None:
+    """``dot=False`` (broadcast products reduced over an axis, query rows padded to a power
+    of two: 3 -> 4) on the seed coding and two pn-mix configurations (outliers, widths)."""
+    if case is None:
+        cache = make_cache("mix", [37, 50], seed=11)
+        gen = torch.Generator().manual_seed(12)
+    else:
+        cache, gen = pnmix_cache(case)
+    query = torch.randn(2, 6, 1, 32, generator=gen).to(DEVICE)
+    check(cache, query, splits=2, dot=False)

@@ -85,6 +85,22 @@ def _unpack(words, SHIFT0: tl.constexpr, STEP: tl.constexpr, N: tl.constexpr, BI
 
 
 @triton.jit
+def _qk(q, k, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """``q [M, C] @ k [N, C]^T``: ``tl.dot`` (blocks >= 16) or broadcast products reduced."""
+    if DOT:
+        return tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    return tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+
+
+@triton.jit
+def _pv(p, v, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """``p [M, N] @ v [N, C]``: ``tl.dot`` (blocks >= 16) or broadcast products reduced."""
+    if DOT:
+        return tl.dot(p, v, input_precision=PRECISION)
+    return tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+
+@triton.jit
 def _join(lo, hi, sh, width):
     """Float codes of ``width`` bits at bit ``sh`` of the 64-bit words ``hi:lo`` (int32
     tiles; a 3-bit code may straddle two words)."""
@@ -127,6 +143,7 @@ def _outlier_logits(
     BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """Logit corrections ``[BLOCK_M, BLOCK_T]`` of a tile (tokens ``t_first ..`` of group
     ``g``) from the group's exact outliers (``K`` storage-dtype values, then ``K`` int16 flat
@@ -187,7 +204,7 @@ def _outlier_logits(
     corr = qa * rot_a[None, :] + qb * rot_b[None, :]  # [BLOCK_M, BLOCK_K]
     col = tl.arange(0, BLOCK_T)
     onehot = ((t_e - t_first)[:, None] == col[None, :]) & hit[:, None]
-    return tl.dot(corr, onehot.to(tl.float32), input_precision="ieee")
+    return _pv(corr, onehot.to(tl.float32), DOT, "ieee")
 
 
 @triton.jit
@@ -237,6 +254,7 @@ def _quantized_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_T: tl.constexpr,
     PRECISION: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -353,8 +371,7 @@ def _quantized_kernel(
             kb = c2 + e2
         ka = ka - mua[None, :]
         kb = kb - mub[None, :]
-        s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
-        s += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
+        s = _qk(qa, ka, DOT, PRECISION) + _qk(qb, kb, DOT, PRECISION)
         if HAS_PAYLOAD:  # exact outliers: a sparse correction q . (exact - decoded) to logits
             t_first = (it % TPG) * BLOCK_T
             s += _outlier_logits(
@@ -381,6 +398,7 @@ def _quantized_kernel(
                 BF16,
                 BLOCK_T,
                 BLOCK_K,
+                DOT,
             )
         if SOFTCAP:
             s = _softcap(s, qmu[:, None], softcap)
@@ -393,7 +411,7 @@ def _quantized_kernel(
         vsbase = vscal + slot * (2 * T)
         v_scale = tl.load(vsbase + t).to(tl.float32)
         v_zero = tl.load(vsbase + T + t).to(tl.float32)
-        acc += tl.dot(p * v_scale[None, :], vc, input_precision=PRECISION)
+        acc += _pv(p * v_scale[None, :], vc, DOT, PRECISION)
         accz += tl.sum(p * v_zero[None, :], axis=1)
     base = (row * (NS + 1) + split) * M + offs_m
     tl.store(part_m + base, m_run, mask=m_ok)
@@ -430,6 +448,7 @@ def _exact_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     PRECISION: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """The exact tokens (sinks, then residual) of a row into partial slot ``NS``."""
     row = tl.program_id(0).to(tl.int64)
@@ -468,7 +487,7 @@ def _exact_kernel(
             res_k + (row * R_cap + j[:, None]) * D + offs_d[None, :], mask=ok_r[:, None], other=0.0
         ).to(tl.float32)
         k = tl.where(is_sink[:, None], ks, kr) - mu[None, :]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = _qk(q, k, DOT, PRECISION)
         if SOFTCAP:
             s = _softcap(s, qmu[:, None], softcap)
         seen = (ok_s | ok_r)[None, :] & (stream[None, :] < limit[:, None]) & m_ok[:, None]
@@ -484,7 +503,7 @@ def _exact_kernel(
             mask=ok_r[:, None],
             other=0.0,
         ).to(tl.float32)
-        acc += tl.dot(p, tl.where(is_sink[:, None], vs_, vr), input_precision=PRECISION)
+        acc += _pv(p, tl.where(is_sink[:, None], vs_, vr), DOT, PRECISION)
     base = (row * (NS + 1) + NS) * M + offs_m
     tl.store(part_m + base, m_run, mask=m_ok)
     tl.store(part_l + base, l_run, mask=m_ok)
@@ -570,6 +589,7 @@ def splitk_launcher(
     block_t: int | None = None,
     sm_count: int | None = None,
     precision: str = "ieee",
+    dot: bool = True,
     num_warps: int | None = None,
 ) -> Callable[[], Tensor]:
     """Everything before the launches, once; returns a function that only launches the three
@@ -584,8 +604,11 @@ def splitk_launcher(
         block_t: tokens per tile, a power of two >= 16 dividing ``group_tokens`` (default
             ``min(group_tokens, 64)``).
         sm_count: the device's SMs (default: queried on CUDA, 132 elsewhere).
-        precision: ``tl.dot``'s ``input_precision`` (``"ieee"``: float32 products; ``"tf32"``
-            trades 10-bit mantissas for speed, outside the reference's tolerance).
+        precision: ``tl.dot``'s ``input_precision``: ``"ieee"`` (float32 products, FMA
+            units), ``"tf32x3"`` (three TF32 tensor-core products: about float32), ``"tf32"``
+            (10-bit mantissas: outside the reference's tolerance; for timing).
+        dot: ``tl.dot`` products (query rows padded to 16) or, ``False``, broadcast products
+            reduced over an axis (rows padded to a power of two only; float32 FMAs).
         num_warps: Triton's (default 4).
 
     Raises:
@@ -609,7 +632,7 @@ def splitk_launcher(
     mu_rows = mu.to(torch.float32).reshape(rows, d).contiguous()
     counts_host = np.stack([kv.sink_lengths, kv.group_counts, kv.residual_lengths]).reshape(3, -1)
     counts = torch.from_numpy(np.ascontiguousarray(counts_host)).to(dev, non_blocking=True)
-    block_m = min(max(_pow2(m_rows), 16), 64)
+    block_m = min(max(_pow2(m_rows), 16), 64) if dot else min(_pow2(m_rows), 16)
     mblocks = math.ceil(m_rows / block_m)
     g_max = int(kv.group_counts.max(initial=0))
     tiles = g_max * (t // bt)
@@ -649,7 +672,7 @@ def splitk_launcher(
     )
     e_bytes = payload.shape[-1] if payload.numel() else 0
     n_out = e_bytes // (kv.sink_keys.element_size() + 2)
-    common = dict(CAUSAL=causal, SOFTCAP=logit_softcap is not None, PRECISION=precision)
+    common = dict(CAUSAL=causal, SOFTCAP=logit_softcap is not None, PRECISION=precision, DOT=dot)
     quant_args = (
         q,
         mu_rows,
