@@ -46,21 +46,21 @@ CODINGS = ("seed", "pn-mix", "kivi-2bit")
 #: splits "x2": twice choose_splits' count). Every cache stays on the device (a few GB).
 FIRST: list[tuple[str, dict[str, Any]]] = [
     ("sdpa_fp16", {}),
-    ("splitk", {"num_warps": 4}),
+    ("splitk", {}),
     ("old", {"dot": False, "num_warps": 4}),
 ]
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    ("splitk", {"num_warps": 4}),
     ("splitk", {"num_warps": 8}),
-    ("splitk", {"num_warps": 4, "precision": "tf32x3"}),
-    ("splitk", {"num_warps": 4, "precision": "tf32"}),
-    ("splitk", {"num_warps": 4, "dot": False, "block_t": 32}),
-    ("splitk", {"num_warps": 4, "splits": "x2"}),
-    ("splitk", {"num_warps": 4, "block_t": 32}),
+    ("splitk", {"precision": "tf32x3"}),
+    ("splitk", {"precision": "tf32"}),
+    ("splitk", {"splits": "x2"}),
+    ("splitk", {"block_t": 16}),
+    ("splitk", {"dot": False, "block_t": 16}),
     ("old", {"dot": True, "num_warps": 4}),
 ]
-#: skipped: the older kernel's dot path on pn-mix (~90 ms a call, docs/benchmarks.md), and a
-#: block_t of 32 where it is the default (groups of 32)
-SKIP = {("pn-mix", "old", True), ("pn-mix", "splitk", 32), ("kivi-2bit", "splitk", 32)}
+#: skipped: the older kernel's dot path on pn-mix (~90 ms a call, docs/benchmarks.md)
+SKIP = {("pn-mix", "old", True)}
 
 
 def peak_bandwidth(name: str, override: float | None) -> float:
@@ -81,10 +81,7 @@ def plan(shapes: list[str], codings: list[str]) -> list[tuple[str, str, str, dic
         for shape in shapes:
             for coding in codings:
                 for kernel, opts in rows:
-                    key = opts.get("dot") if kernel == "old" else opts.get("block_t")
-                    if "dot" in opts and kernel == "splitk":
-                        key = None  # the reduced-products variant runs everywhere
-                    if (coding, kernel, key) not in SKIP:
+                    if (coding, kernel, opts.get("dot")) not in SKIP:
                         out.append((shape, coding, kernel, opts))
     return out
 

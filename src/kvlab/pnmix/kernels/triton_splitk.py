@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -68,9 +68,11 @@ if TYPE_CHECKING:
     from kvlab.pnmix.attention import PackedKV
 
 __all__ = [
+    "Launch",
     "choose_splits",
     "packed_attention_splitk",
     "splitk_launcher",
+    "splitk_launches",
     "splitk_unsupported",
 ]
 
@@ -351,9 +353,7 @@ def _quantized_kernel(
         ze_b = tl.load(sbase + D + ch_b).to(tl.float32)
         ka = ze_a[None, :] + ca * sc_a[None, :]
         kb = ze_b[None, :] + cb * sc_b[None, :]
-        if (
-            MODE_FIRST == 1 or MODE_SECOND == 1
-        ):  # norm in the first slot, phase level offset + c * span / L in the second
+        if MODE_FIRST + MODE_SECOND > 0:  # Phase-Norm: norm first, level offset + c·span/L
             level = ze_b[None, :] + cb * (sc_b / levels)[None, :]
             ka2 = ka * tl.cos(level)
             kb2 = ka * tl.sin(level)
@@ -575,7 +575,7 @@ def packed_attention_splitk(
     return splitk_launcher(query, kv, decode, mu, **options)()
 
 
-def splitk_launcher(
+def splitk_launches(
     query: Tensor,
     kv: PackedKV,
     decode: KernelKeyDecode,
@@ -591,10 +591,9 @@ def splitk_launcher(
     precision: str = "ieee",
     dot: bool = True,
     num_warps: int | None = None,
-) -> Callable[[], Tensor]:
-    """Everything before the launches, once; returns a function that only launches the three
-    kernels (quantized splits, exact tokens, merge: capturable in a CUDA graph) and returns
-    float32 ``[B, H_q, Q, Dv]`` (the same buffer every call).
+) -> tuple[list[Launch], Tensor]:
+    """The launches of one split-K attention call (prepared once: buffers, tables, grids) and
+    the float32 ``[B, H_q, Q, Dv]`` output they write; :func:`splitk_launcher` runs them.
 
     Args:
         query: ``[B, H_q, Q, D]``; ``kv``, ``decode``, ``mu``: as the Triton backend's.
@@ -602,14 +601,16 @@ def splitk_launcher(
         splits: context splits per row (default :func:`choose_splits` of the longest row and
             ``sm_count``); the kernel uses ``ceil(tiles / ceil(tiles / splits))``.
         block_t: tokens per tile, a power of two >= 16 dividing ``group_tokens`` (default
-            ``min(group_tokens, 64)``).
+            ``min(group_tokens, 64)`` for plain per-channel keys; with widths, outliers or
+            pre-RoPE rotation 32, or 16 when ``D > 64``: the sm_90 builds' register budget,
+            benchmarks/splitk_compile_check.py).
         sm_count: the device's SMs (default: queried on CUDA, 132 elsewhere).
         precision: ``tl.dot``'s ``input_precision``: ``"ieee"`` (float32 products, FMA
             units), ``"tf32x3"`` (three TF32 tensor-core products: about float32), ``"tf32"``
             (10-bit mantissas: outside the reference's tolerance; for timing).
         dot: ``tl.dot`` products (query rows padded to 16) or, ``False``, broadcast products
             reduced over an axis (rows padded to a power of two only; float32 FMAs).
-        num_warps: Triton's (default 4).
+        num_warps: Triton's (default 4, 8 when ``D > 64``).
 
     Raises:
         ValueError: a configuration :func:`splitk_unsupported` rejects, or a bad ``block_t``.
@@ -625,7 +626,13 @@ def splitk_launcher(
     dev = kv.key_codes.device
     dv = kv.sink_values.shape[-1]
     t = kv.group_tokens
-    bt = min(t, 64) if block_t is None else block_t
+    plain = decode.kind == KEYS_PER_CHANNEL and not decode.payload_bytes
+    plain = plain and not decode.rotate_to_position
+    if block_t is None:  # registers without spills in sm_90 builds (splitk_compile_check.py)
+        block_t = min(t, 64 if plain else (32 if d <= 64 else 16))
+    if num_warps is None:
+        num_warps = 4 if d <= 64 else 8
+    bt = block_t
     if bt < 16 or bt & (bt - 1) or t % bt:
         raise ValueError(f"block_t must be a power of two >= 16 dividing {t}, got {bt}")
     q = (query.to(device=dev, dtype=torch.float32) * scale).reshape(rows, m_rows, d).contiguous()
@@ -654,8 +661,7 @@ def splitk_launcher(
     mask = kv.mask.to(torch.uint8).contiguous() if has_mask else counts
     cap = 0.0 if logit_softcap is None else float(logit_softcap)
     extra: dict[str, object] = {} if dev.type == "cpu" else {"enable_fp_fusion": False}
-    if num_warps is not None:
-        extra["num_warps"] = num_warps
+    extra["num_warps"] = num_warps
     from kvlab.pnmix.kernels.cpu import _extras  # the Hadamard matrix both backends read
 
     widths, payload, cos, sin, rope_base, offsets, sink_tokens, hadamard = _extras(
@@ -773,11 +779,35 @@ def splitk_launcher(
         **extra,
     )
 
+    launches = (
+        [Launch(_quantized_kernel, (rows, ns, mblocks), quant_args, quant_meta)] if ns else []
+    )
+    launches.append(Launch(_exact_kernel, (rows, mblocks), exact_args, exact_meta))
+    launches.append(Launch(_merge_kernel, (rows, mblocks), merge_args, merge_meta))
+    return launches, out.reshape(b, hq, nq, dv)
+
+
+class Launch(NamedTuple):
+    """One kernel launch of :func:`splitk_launches`: ``kernel[grid](*args, **meta)``."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    meta: dict[str, Any]
+
+
+def splitk_launcher(
+    query: Tensor, kv: PackedKV, decode: KernelKeyDecode, mu: Tensor, **options: Any
+) -> Callable[[], Tensor]:
+    """Everything before the launches, once (:func:`splitk_launches`, same arguments); returns
+    a function that only launches the three kernels (quantized splits, exact tokens, merge:
+    capturable in a CUDA graph) and returns float32 ``[B, H_q, Q, Dv]`` (the same buffer
+    every call)."""
+    launches, out = splitk_launches(query, kv, decode, mu, **options)
+
     def launch() -> Tensor:
-        if ns:
-            _quantized_kernel[(rows, ns, mblocks)](*quant_args, **quant_meta)
-        _exact_kernel[(rows, mblocks)](*exact_args, **exact_meta)
-        _merge_kernel[(rows, mblocks)](*merge_args, **merge_meta)
-        return out.reshape(b, hq, nq, dv)
+        for kernel, grid, args, meta in launches:
+            kernel[grid](*args, **meta)
+        return out
 
     return launch
