@@ -24,8 +24,7 @@ PY=${PYTHON:-python}
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export KVLAB_PNMIX_BACKEND=
-unset TRITON_INTERPRET
+unset KVLAB_PNMIX_BACKEND TRITON_INTERPRET
 mkdir -p "$OUT"
 [ $DRY = 1 ] || : > "$OUT/status.txt"
 
@@ -42,7 +41,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 step env 20 bash -c "nvidia-smi; $PY -c 'import torch, sys; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.is_available()); print(torch.cuda.get_device_name(0)); import triton; print(\"triton\", triton.__version__)'"
-step install 90 bash -c "$PY -c 'import torch, triton, pytest, hypothesis' 2>/dev/null && echo 'already installed' || $PY -m pip install -e '.[test,triton]'"
+step install 90 bash -c "$PY -c 'import torch, triton, pytest, hypothesis' 2>/dev/null && echo 'already installed' || $PY -m pip install --retries 0 --timeout 10 -e '.[test,triton]'"
 step tests_splitk 60 "$PY" -m pytest -q -m triton tests/pnmix/test_triton_splitk.py -p no:cacheprovider
 step tests_triton 100 "$PY" -m pytest -q -m triton tests/pnmix -p no:cacheprovider --ignore tests/pnmix/test_triton_splitk.py
 BW=$($PY - <<'PY' 2>/dev/null || echo 4.8e12
