@@ -121,6 +121,7 @@ def main() -> None:
     variants: list[dict[str, Any]] = [
         {},
         {"precision": "tf32x3"},
+        {"precision": "bf16x6"},
         {"dot": False, "block_t": 16},
         {"dot": False, "block_t": 16, "num_warps": 8},
     ]

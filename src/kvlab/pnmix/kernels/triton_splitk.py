@@ -606,7 +606,8 @@ def splitk_launches(
             benchmarks/splitk_compile_check.py).
         sm_count: the device's SMs (default: queried on CUDA, 132 elsewhere).
         precision: ``tl.dot``'s ``input_precision``: ``"ieee"`` (float32 products, FMA
-            units), ``"tf32x3"`` (three TF32 tensor-core products: about float32), ``"tf32"``
+            units), ``"tf32x3"`` (three TF32 tensor-core products: about float32), ``"bf16x6"``
+            (six bfloat16 products, CUDA only: about float32), ``"tf32"``
             (10-bit mantissas: outside the reference's tolerance; for timing).
         dot: ``tl.dot`` products (query rows padded to 16) or, ``False``, broadcast products
             reduced over an axis (rows padded to a power of two only; float32 FMAs).
