@@ -62,3 +62,28 @@ def test_gpu_session_dry_run(tmp_path: Path) -> None:
     if "triton missing" in proc.stdout:
         pytest.skip("triton is not installed: the dry run could not ask the kernel")
     assert proc.stdout.count("split-K: supported") == 6
+
+
+def test_results_table(tmp_path: Path) -> None:
+    sweep = sweep_module()
+    records = [
+        dict(
+            shape="smollm2-135m",
+            coding="seed",
+            kernel="splitk",
+            options={},
+            ms=0.02,
+            cold_ms=0.025,
+            gb_s=2400.0,
+            of_peak=0.5,
+            max_abs_error=1e-6,
+            tolerance=4e-5,
+        ),
+        dict(shape="smollm2-135m", coding="seed", kernel="old", options={}, status="skipped"),
+    ]
+    sweep.write_md(tmp_path, records, "NVIDIA H200", 4.8e12)
+    text = (tmp_path / "results.md").read_text()
+    assert "| 0.0200 | 0.0250 | 2400 | 50.0% | 1.0e-06 (4.0e-05) |" in text
+    assert "| skipped |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| smollm2")]
+    assert all(line.count("|") == rows[0].count("|") for line in rows)
