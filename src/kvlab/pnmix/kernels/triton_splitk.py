@@ -62,6 +62,7 @@ from kvlab.pnmix.kernels.spec import (
     KernelKeyDecode,
 )
 from kvlab.pnmix.kernels.splits import choose_splits
+from kvlab.pnmix.kernels.tables import extra_arguments  # the tables every backend reads
 from kvlab.pnmix.kernels.triton_decode import _merge_kernel, _online, _pointer, _pow2, _softcap
 
 if TYPE_CHECKING:
@@ -663,9 +664,7 @@ def splitk_launches(
     cap = 0.0 if logit_softcap is None else float(logit_softcap)
     extra: dict[str, object] = {} if dev.type == "cpu" else {"enable_fp_fusion": False}
     extra["num_warps"] = num_warps
-    from kvlab.pnmix.kernels.cpu import _extras  # the Hadamard matrix both backends read
-
-    widths, payload, cos, sin, rope_base, offsets, sink_tokens, hadamard = _extras(
+    widths, payload, cos, sin, rope_base, offsets, sink_tokens, hadamard = extra_arguments(
         decode,
         mask=kv.mask,
         payload=kv.key_payload,
