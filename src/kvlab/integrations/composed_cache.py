@@ -63,6 +63,7 @@ from kvlab.integrations.forward import (
     check_states,
     plan_decode,
 )
+from kvlab.integrations.inference_mode import InferenceModeTracker
 from kvlab.integrations.model_support import layer_rotary
 from kvlab.integrations.pnmix_cache import pnmix_config_for_model
 from kvlab.integrations.relay_cache import RelayModelCache
@@ -194,6 +195,7 @@ class ComposedLayer(CacheLayerMixin):
 
     def _clear_packed(self) -> None:
         self.pnmix: PNMixCache | None = None
+        self._inference = InferenceModeTracker()
         self.kept_positions: tuple[Tensor, np.ndarray] | None = None
 
     # ---------------------------------------------------------------- the stream's state
@@ -285,6 +287,9 @@ class ComposedLayer(CacheLayerMixin):
         """
         with self.forward_state.guard.checking(accept=False):
             check_states(key_states, value_states, self.layer_idx, self._packed_shape())
+        # filled under torch.inference_mode(), continued outside it: release the packed
+        # storage once (the eviction stage releases its own)
+        self._inference.before_update(self.pnmix)
         self.relay_layer.update(key_states, value_states, *args, **kwargs)
         view = ComposedView(self)
         return view, view

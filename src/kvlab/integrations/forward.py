@@ -95,6 +95,13 @@ class ForwardState:
         self.reconstruction: list[ReconstructionSpan | None] | None = None
         self.guard = ForwardGuard()
 
+    def reset(self) -> None:
+        """Forget the current forward's plan and reconstruction spans (``Cache.reset``: a
+        plan left by the last forward must not be taken for the next conversation's first,
+        whose layers count forwards from 0 again); the guard and the layers stay."""
+        self.plan = None
+        self.reconstruction = None
+
 
 def leading_zeros(values: list[int]) -> int:
     """How many entries of ``values`` precede its first nonzero one."""

@@ -29,6 +29,7 @@ from kvlab.integrations.forward import (
     check_states,
     plan_forward,
 )
+from kvlab.integrations.inference_mode import InferenceModeTracker
 from kvlab.relay.attention import ragged_attention
 from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.relay.evictor import Evictor
@@ -136,6 +137,7 @@ class RelayLayer(CacheLayerMixin):
 
     def _clear(self) -> None:
         self.store: RelayStore | None = None
+        self._inference = InferenceModeTracker()
         self.seen_tokens = 0
         self.padding: list[int] = []
         self.stream_lengths: list[int] = []
@@ -177,6 +179,8 @@ class RelayLayer(CacheLayerMixin):
         """
         with self.forward_state.guard.checking(accept=False):
             self._check_states(key_states, value_states)
+        # filled under torch.inference_mode(), continued outside it: release the store once
+        self._inference.before_update(self.store)
         inner = kwargs.get("kwargs") or {}
         self._pending = Pending(key_states, value_states, inner.get("position_ids"))
         view = RelayView(self)
@@ -209,7 +213,9 @@ class RelayLayer(CacheLayerMixin):
         return None
 
     def reset(self) -> None:
+        """Empty the layer as a new one (``Cache.reset``), and the forward state it shares."""
         self._clear()
+        self.forward_state.reset()
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep sequences ``rows`` (in that order; repeats allowed) of every per-row state."""

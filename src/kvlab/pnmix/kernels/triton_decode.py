@@ -42,6 +42,7 @@ from kvlab.pnmix.kernels.spec import (
     KernelKeyDecode,
 )
 from kvlab.pnmix.kernels.tables import extra_arguments  # the tables both compiled backends read
+from kvlab.pnmix.kernels.triton_common import merge_kernel, online, pointer, pow2
 
 if TYPE_CHECKING:
     from kvlab.pnmix.attention import PackedKV
@@ -151,26 +152,6 @@ def _decode_tile(
         val = tl.dot(tl.where(one_t, vals[None, :], 0).to(vals.dtype), one_d, out_dtype=tl.float32)
         k = tl.where(hit > 0.5, val, k)
     return k
-
-
-@triton.jit
-def _softcap(x, qmu, cap):
-    """``cap · tanh((x + q·mu) / cap)`` (Gemma 2), tanh as ``1 − 2 / (exp(2y) + 1)`` with ``y``
-    clamped to ±15 (tanh is 1 to float32 precision there; no overflow)."""
-    y = tl.minimum(tl.maximum((x + qmu) / cap, -15.0), 15.0)
-    return cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
-
-
-@triton.jit
-def _online(s, m_run, l_run, acc, accz):
-    """Online-softmax step: logits ``s [BM, BT]`` (``-inf`` = masked) into the running state;
-    returns the new state, the weights ``p`` and the rescale factor of the old state."""
-    m_new = tl.maximum(m_run, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_run - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_new = l_run * alpha + tl.sum(p, axis=1)
-    return m_new, l_new, acc * alpha[:, None], accz * alpha, p
 
 
 @triton.jit
@@ -289,10 +270,10 @@ def _split_kernel(
             else:
                 s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
             if SOFTCAP:
-                s = _softcap(s, qmu[:, None], softcap)
+                s = softcap(s, qmu[:, None], softcap)
             seen = (ok_s | ok_r)[None, :] & (stream[None, :] < limit[:, None]) & m_ok[:, None]
             s = tl.where(seen, s, float("-inf"))
-            m_run, l_run, acc, accz, p = _online(s, m_run, l_run, acc, accz)
+            m_run, l_run, acc, accz, p = online(s, m_run, l_run, acc, accz)
             vs_ = tl.load(
                 sink_v + (row * S_cap + i[:, None]) * DV + offs_dv[None, :],
                 mask=ok_s[:, None] & dv_ok[None, :],
@@ -435,11 +416,11 @@ def _split_kernel(
                 else:
                     s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
                 if SOFTCAP:
-                    s = _softcap(s, qmu[:, None], softcap)
+                    s = softcap(s, qmu[:, None], softcap)
                 stream = s_len + g * T + t
                 seen = t_ok[None, :] & (stream[None, :] < limit[:, None]) & m_ok[:, None]
                 s = tl.where(seen, s, float("-inf"))
-                m_run, l_run, acc, accz, p = _online(s, m_run, l_run, acc, accz)
+                m_run, l_run, acc, accz, p = online(s, m_run, l_run, acc, accz)
                 v_ok = t_ok[:, None] & dv_ok[None, :]
                 vc = _codes(vbase, t[:, None] * DV + offs_dv[None, :], v_ok, Vb, BITS)
                 v_scale = tl.load(vsbase + t, mask=t_ok, other=0.0).to(tl.float32)
@@ -458,105 +439,6 @@ def _split_kernel(
         acc + accz[:, None],
         mask=m_ok[:, None] & dv_ok[None, :],
     )
-
-
-@triton.jit
-def _merge_kernel(
-    part_m,
-    part_l,
-    part_acc,
-    q_ptr,
-    mu_ptr,
-    sinks_ptr,
-    h_ptr,
-    out_ptr,
-    M,
-    Q,
-    H,
-    rep,
-    NS,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    HADAMARD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    mblk = tl.program_id(1)
-    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < M
-    dv_ok = offs_dv < DV
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # quantized splits (coded frame)
-    acc_e = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # the exact tokens' split
-    for sp in range(0, NS + 1):
-        base = (row * (NS + 1) + sp) * M + offs_m
-        sm = tl.load(part_m + base, mask=m_ok, other=float("-inf"))
-        sl = tl.load(part_l + base, mask=m_ok, other=0.0)
-        sa = tl.load(
-            part_acc + base[:, None] * DV + offs_dv[None, :],
-            mask=m_ok[:, None] & dv_ok[None, :],
-            other=0.0,
-        )
-        top = tl.maximum(m_run, sm)
-        safe = tl.where(top == float("-inf"), 0.0, top)
-        a = tl.exp(m_run - safe)
-        b = tl.exp(sm - safe)
-        l_run = l_run * a + sl * b
-        exact = sp == NS
-        acc = acc * a[:, None] + tl.where(exact, 0.0, sa * b[:, None])
-        acc_e = acc_e * a[:, None] + tl.where(exact, sa * b[:, None], 0.0)
-        m_run = top
-    if HAS_SINKS:
-        h = row % H
-        sink = tl.load(sinks_ptr + h * rep + offs_m // Q, mask=m_ok, other=0.0)
-        if not SOFTCAP:  # into the centred logits' frame: minus q . mu
-            offs_d = tl.arange(0, BLOCK_D)
-            d_ok = offs_d < D
-            q = tl.load(
-                q_ptr + (row * M + offs_m[:, None]) * D + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            mu = tl.load(mu_ptr + row * D + offs_d, mask=d_ok, other=0.0)
-            sink = sink - tl.sum(q * mu[None, :], axis=1)
-        top = tl.maximum(m_run, sink)
-        a = tl.exp(m_run - top)
-        l_run = l_run * a + tl.exp(sink - top)
-        acc = acc * a[:, None]
-        acc_e = acc_e * a[:, None]
-    if HADAMARD:  # acc @ H (H symmetric): the value codec's output transform
-        offs_j = tl.arange(0, BLOCK_DV)
-        h = tl.load(
-            h_ptr + offs_j[:, None] * DV + offs_dv[None, :],
-            mask=(offs_j < DV)[:, None] & dv_ok[None, :],
-            other=0.0,
-        )
-        acc = tl.sum(acc[:, :, None] * h[None, :, :], axis=1)
-    out = (acc + acc_e) / tl.maximum(l_run, 1.1754943508222875e-38)[:, None]
-    tl.store(
-        out_ptr + (row * M + offs_m[:, None]) * DV + offs_dv[None, :],
-        out,
-        mask=m_ok[:, None] & dv_ok[None, :],
-    )
-
-
-def _pointer(t: Tensor, device: torch.device | None = None) -> Tensor:
-    """``t``, or a one-element tensor of its dtype on ``device`` (default: ``t``'s) when ``t``
-    is empty (a zero-size buffer, e.g. no sink slots, or an unused table: kernels never load
-    from it, but a launch needs a valid pointer on the kernel's device)."""
-    if t.numel():
-        return t
-    return torch.zeros(1, dtype=t.dtype, device=t.device if device is None else device)
-
-
-def _pow2(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 def packed_attention_triton(
@@ -606,7 +488,7 @@ def triton_launcher(
     mu_rows = mu.reshape(rows, d).contiguous()
     counts_host = np.stack([kv.sink_lengths, kv.group_counts, kv.residual_lengths]).reshape(3, -1)
     counts = torch.from_numpy(np.ascontiguousarray(counts_host)).to(dev, non_blocking=True)
-    block_m = min(_pow2(m_rows), 16) if not dot else min(max(_pow2(m_rows), 16), 64)
+    block_m = min(pow2(m_rows), 16) if not dot else min(max(pow2(m_rows), 16), 64)
     mblocks = math.ceil(m_rows / block_m)
     g_max = int(kv.group_counts.max(initial=0))
     if groups_per_split is None:
@@ -641,27 +523,27 @@ def triton_launcher(
     # tl.dot's smallest block is 16: the products' blocks under dot=True; the tokens and
     # channels of a key tile whenever the payload is written over it by one-hot products
     floor = 16 if dot or n_out > 0 else 1
-    block_d, block_dv = _pow2(d, floor), _pow2(dv, 16 if dot else 1)
+    block_d, block_dv = pow2(d, floor), pow2(dv, 16 if dot else 1)
     split_args = (
         q,
         mu_rows,
-        _pointer(kv.sink_keys),
-        _pointer(kv.sink_values),
-        _pointer(kv.residual_keys),
-        _pointer(kv.residual_values),
-        _pointer(kv.key_codes),
-        _pointer(kv.key_scalars),
-        _pointer(kv.value_codes),
-        _pointer(kv.value_scalars),
+        pointer(kv.sink_keys),
+        pointer(kv.sink_values),
+        pointer(kv.residual_keys),
+        pointer(kv.residual_values),
+        pointer(kv.key_codes),
+        pointer(kv.key_scalars),
+        pointer(kv.value_codes),
+        pointer(kv.value_scalars),
         counts,
         mask,
-        _pointer(kv.layout.first),
-        _pointer(kv.layout.second),
-        _pointer(widths, dev),
-        _pointer(payload.contiguous(), dev),
-        _pointer(cos, dev),
-        _pointer(sin, dev),
-        _pointer(offsets.to(dev, non_blocking=True), dev),
+        pointer(kv.layout.first),
+        pointer(kv.layout.second),
+        pointer(widths, dev),
+        pointer(payload.contiguous(), dev),
+        pointer(cos, dev),
+        pointer(sin, dev),
+        pointer(offsets.to(dev, non_blocking=True), dev),
         part_m,
         part_l,
         part_acc,
@@ -695,15 +577,15 @@ def triton_launcher(
         CAUSAL=causal,
         SOFTCAP=logit_softcap is not None,
         BLOCK_M=block_m,
-        BLOCK_T=max(min(_pow2(t), 32), floor),
+        BLOCK_T=max(min(pow2(t), 32), floor),
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
         BLOCK_E=32,
-        BLOCK_P=_pow2(kv.layout.num_pairs),
+        BLOCK_P=pow2(kv.layout.num_pairs),
         HAS_PAYLOAD=n_out > 0,
         ROTATE=bool(decode.rotate_to_position),
         BF16=kv.sink_keys.dtype == torch.bfloat16,
-        BLOCK_K=_pow2(n_out, 16),
+        BLOCK_K=pow2(n_out, 16),
         DOT=dot,
         **extra,
     )
@@ -719,7 +601,7 @@ def triton_launcher(
         q,
         mu_rows,
         sinks,
-        _pointer(hadamard, dev),
+        pointer(hadamard, dev),
         out,
         m_rows,
         nq,
@@ -741,7 +623,7 @@ def triton_launcher(
 
     def launch() -> Tensor:
         _split_kernel[(rows, ns + 1, mblocks)](*split_args, **split_meta)
-        _merge_kernel[(rows, mblocks)](*merge_args, **merge_meta)
+        merge_kernel[(rows, mblocks)](*merge_args, **merge_meta)
         return out.reshape(b, hq, nq, dv)
 
     return launch
