@@ -485,3 +485,31 @@ def test_float16_overflow_after_rotation_is_a_clear_error() -> None:
     keep = torch.tensor([[[True, False]]])
     with pytest.raises(ValueError, match=r"overflow torch\.float16"):
         relay(keys, keys.clone(), torch.tensor([0, 1]), keep, cfg, endpoint=5)
+
+
+def test_check_finite_false_relays_non_finite_tokens_as_they_are():
+    """``check_finite=False`` (a cache relaying the model's own NaN states): the token with a
+    NaN channel stays non-finite, every other head and token equals the relay of the same
+    cache with that token finite, bit for bit; a finite key that overflows is still refused."""
+    cfg = RotaryConfig(head_dim=8, base=10000.0)
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 2, 6, 8, generator=gen)
+    values = torch.randn(2, 2, 6, 8, generator=gen)
+    keep = torch.ones(2, 2, 6, dtype=torch.bool)
+    keep[:, :, 1] = False
+    positions = torch.arange(6)
+    clean = relay(keys, values, positions, keep, cfg, endpoint=9)
+    poisoned = keys.clone()
+    poisoned[1, 0, 3, 2] = math.nan
+    out = relay(poisoned, values, positions, keep, cfg, endpoint=9, check_finite=False)
+    bad = ~torch.isfinite(out.keys)
+    assert bad.any() and bad[1, 0].any() and not bad[0].any() and not bad[1, 1].any()
+    same = ~bad.any(-1, keepdim=True).expand_as(bad)
+    assert torch.equal(out.keys[same], clean.keys[same])
+    assert torch.equal(out.values, clean.values) and torch.equal(out.positions, clean.positions)
+    with pytest.raises(ValueError, match="keys contain non-finite"):
+        relay(poisoned, values, positions, keep, cfg, endpoint=9)
+    big = torch.full((1, 1, 2, 8), torch.finfo(torch.float16).max, dtype=torch.float16)
+    with pytest.raises(ValueError, match="overflow"):
+        relay(big, big, torch.arange(2), torch.ones(1, 1, 2, dtype=torch.bool),
+              RotaryConfig(head_dim=8, base=10000.0), endpoint=40, check_finite=False)  # fmt: skip

@@ -100,6 +100,8 @@ def relay(
     keep: Tensor,
     cfg: RotaryConfig,
     endpoint: int | None = None,
+    *,
+    check_finite: bool = True,
 ) -> RelayedCache:
     """Relay each head's kept tokens to right-aligned slots at positions ending at ``endpoint``.
 
@@ -114,6 +116,11 @@ def relay(
             (fixed-size cache: positions never exceed slots); the streaming variant passes the
             last original position. Must be ``>= max(kept count) - 1`` so no position is
             negative.
+        check_finite: refuse non-finite keys or values (default). ``False`` relays them as
+            they are (a NaN stays NaN; a finite key that overflows is still refused): a cache
+            relaying a
+            sequence whose model produced non-finite states, which transformers' own caches
+            store as they are (docs/design.md, "Cache life cycle").
 
     Returns:
         A :class:`RelayedCache`: head ``(b, h)``'s ``r`` kept tokens sit in slots
@@ -172,9 +179,9 @@ def relay(
     for name, tensor in (("values", values), ("positions", positions), ("keep", keep)):
         if tensor.device != keys.device:
             raise ValueError(f"{name} is on {tensor.device} but keys are on {keys.device}")
-    if not bool(torch.isfinite(keys).all()):
+    if check_finite and not bool(torch.isfinite(keys).all()):
         raise ValueError("keys contain non-finite values (inf or nan)")
-    if not bool(torch.isfinite(values).all()):
+    if check_finite and not bool(torch.isfinite(values).all()):
         raise ValueError("values contain non-finite values (inf or nan)")
 
     counts = keep.sum(dim=-1, dtype=torch.int64)  # [B, H]
@@ -211,7 +218,10 @@ def relay(
     moved_keys = keys.gather(2, source.unsqueeze(-1).expand_as(keys))
     moved_values = values.gather(2, source.unsqueeze(-1).expand_as(values))
     relayed_keys = rotate_by_delta(moved_keys, delta, cfg)
-    if not bool(torch.isfinite(relayed_keys).all()):
+    overflow = ~torch.isfinite(relayed_keys)
+    if not check_finite:  # a token with a non-finite channel stays so; finite ones must not
+        overflow &= torch.isfinite(moved_keys).all(-1, keepdim=True)
+    if bool(overflow.any()):
         raise ValueError(
             f"relayed keys overflow {keys.dtype}: a rotated pair exceeds the dtype's range "
             "(its norm is preserved, but one coordinate can grow by up to sqrt(2)); relay in "

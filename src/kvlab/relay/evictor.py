@@ -364,7 +364,9 @@ class Evictor:
         s = keys.shape[2]
         if cfg.relay:
             endpoint = slots - 1
-            out = relay(keys, values, rot, keep, self.rotary, endpoint=endpoint)
+            # the model's states as they are: a row whose model produced NaN/inf keeps them
+            # (its outputs are NaN, as with transformers' caches), the other rows are unaffected
+            out = relay(keys, values, rot, keep, self.rotary, endpoint=endpoint, check_finite=False)
             new_orig = orig.gather(-1, out.source_index.clamp_min(0))
             # relayed tokens are right-aligned in the padded output: slots s - k .. s - 1
             store.write_front(
