@@ -141,12 +141,14 @@ def test_relay_cache_after_its_prefill_eviction(llama):
         "next_position": 94,
         "stream_length": 94,
         "first_eviction_tokens_per_head": [[47, 47], [47, 47]],
+        "prompt_forwards": [1],
     }
     assert list(cache_details(cache)) == [  # the artifact's key order
         "evictions",
         "next_position",
         "stream_length",
         "first_eviction_tokens_per_head",
+        "prompt_forwards",
     ]
     kwargs = _position_kwargs(cache, 2)
     assert list(kwargs) == ["position_ids"] and kwargs["position_ids"].tolist() == [[94, 95]]
@@ -186,6 +188,7 @@ def test_composed_cache_reports_eviction_and_packed_storage(llama):
         "next_position",
         "stream_length",
         "first_eviction_tokens_per_head",
+        "prompt_forwards",
         "packed_attention_calls",
     ]
     assert details["evictions"] == LAYERS and details["packed_attention_calls"] == LAYERS

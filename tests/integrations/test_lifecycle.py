@@ -7,6 +7,7 @@ independent reference (a fresh cache of the same kind, a row run alone, transfor
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -68,7 +69,7 @@ def _run(model: Any, cache: Any, chunks: list[torch.Tensor], mask: torch.Tensor 
         for chunk in chunks:
             seen += chunk.shape[1]
             m = None if mask is None else mask[:, :seen]
-            out.append(model(chunk, attention_mask=m, past_key_values=cache).logits)
+            out.append(model(chunk, attention_mask=m, cache=cache).logits)
     return torch.cat(out, 1)
 
 
@@ -119,7 +120,7 @@ def test_reset_after_a_refused_forward(kind):
     _run(model, cache, [ids[:, :PROMPT]])
     with pytest.raises(ValueError), torch.no_grad():
         bad = torch.ones(1, PROMPT + 2, dtype=torch.long)  # two new columns for one token
-        model(ids[:, PROMPT : PROMPT + 1], attention_mask=bad, past_key_values=cache)
+        model(ids[:, PROMPT : PROMPT + 1], attention_mask=bad, cache=cache)
     cache.reset()
     fresh = make_cache(name, kind)
     assert torch.equal(_run(model, cache, _decode(ids)), _run(model, fresh, _decode(ids)))
@@ -142,8 +143,8 @@ def test_a_mask_with_a_hole_in_a_past_position_is_refused_and_changes_nothing(na
     with torch.no_grad():  # the independent reference: the hole matters
         ref = DynamicCache(config=model.config)
         model.set_attn_implementation("sdpa" if type(model)._supports_sdpa else "eager")
-        model(ids[:, :PROMPT], past_key_values=ref)
-        holed = model(ids[:, PROMPT : PROMPT + 1], attention_mask=hole, past_key_values=ref).logits
+        model(ids[:, :PROMPT], cache=ref)
+        holed = model(ids[:, PROMPT : PROMPT + 1], attention_mask=hole, cache=ref).logits
         enable_kvlab_attention(model)
     ref_plain = DynamicCache(config=model.config)
     plain = _run(model, ref_plain, [ids[:, :PROMPT], ids[:, PROMPT : PROMPT + 1]])
@@ -153,7 +154,7 @@ def test_a_mask_with_a_hole_in_a_past_position_is_refused_and_changes_nothing(na
     _run(model, cache, [ids[:, :PROMPT]])
     _run(model, twin, [ids[:, :PROMPT]])
     with pytest.raises(ValueError, match="mask"), torch.no_grad():
-        model(ids[:, PROMPT : PROMPT + 1], attention_mask=hole, past_key_values=cache)
+        model(ids[:, PROMPT : PROMPT + 1], attention_mask=hole, cache=cache)
     rest = [ids[:, t : t + 1] for t in range(PROMPT, PROMPT + 2)]
     assert torch.equal(_run(model, cache, rest), _run(model, twin, rest))
     assert _stored(cache) == _stored(twin)
@@ -202,7 +203,7 @@ def test_a_cache_filled_in_inference_mode_continues_outside_it(name, kind):
     chunks = _decode(ids)
     cache, reference = make_cache(name, kind), make_cache(name, kind)
     with torch.inference_mode():
-        first = [model(c, past_key_values=cache).logits for c in chunks[:6]]
+        first = [model(c, cache=cache).logits for c in chunks[:6]]
     later = _run(model, cache, chunks[6:])
     expected = _run(model, reference, chunks)
     assert torch.equal(torch.cat([*first, later], 1), expected)
@@ -211,22 +212,42 @@ def test_a_cache_filled_in_inference_mode_continues_outside_it(name, kind):
 # ------------------------------------------------------------------ split prompts
 
 
-@pytest.mark.parametrize("kind", ["ratio", "composed"])
 @pytest.mark.parametrize("split", [[1, 79], [40, 40], [20, 20, 40]])
-def test_a_ratio_budget_holds_however_the_prompt_arrives(kind, split):
+def test_a_ratio_budget_holds_however_the_prompt_arrives(split):
     """A prompt fed in several forwards (chunked prefill, a first token then the rest) keeps
     what the same prompt fed in one forward keeps per layer (``round((1 - ratio) * n)`` tokens
-    per kv head on average), and the eviction events say how the prompt arrived."""
+    per kv head on average) and reaches the same next RoPE position; ``details()`` counts the
+    forwards it arrived in (it kept 80 of 80 tokens for [1, 79], 61 for [40, 41])."""
     name = "llama"
     model = _model(name)
     ids = _ids(1, 81, seed=9)
-    whole = make_cache(name, kind)
+    whole = make_cache(name, "ratio")
     _run(model, whole, [ids[:, :80], ids[:, 80:]])
-    cache, chunks, start = make_cache(name, kind), [], 0
+    cache, chunks, start = make_cache(name, "ratio"), [], 0
     for n in split:
         chunks.append(ids[:, start : start + n])
         start += n
     _run(model, cache, [*chunks, ids[:, 80:]])
     for mine, theirs in zip(cache.layers, whole.layers, strict=True):
         assert sum(mine.tokens_per_head(0)) == sum(theirs.tokens_per_head(0))
+    assert sum(whole.layers[0].tokens_per_head(0)) == 2 * 40 + 2  # 2 kv heads, + the decode
+    assert cache.next_positions == whole.next_positions
     assert cache.details()["prompt_forwards"] == [len(split)]
+    assert whole.details()["prompt_forwards"] == [1]
+
+
+def test_a_composed_cache_says_when_a_prompt_arrives_after_its_eviction():
+    """The composed cache packs after its first forward: a later chunk of the prompt is stored
+    whole, with a warning that says so and ``details()['prompt_forwards']``; a decode step
+    after the prompt warns nothing."""
+    name = "llama"
+    model = _model(name)
+    ids = _ids(1, 82, seed=9)
+    cache = make_cache(name, "composed")
+    _run(model, cache, [ids[:, :40]])
+    with pytest.warns(UserWarning, match="evicts a prompt once"):
+        _run(model, cache, [ids[:, 40:80]])
+    assert cache.details()["prompt_forwards"] == [2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _run(model, cache, [ids[:, 80:81], ids[:, 81:82]])

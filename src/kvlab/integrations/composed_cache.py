@@ -45,6 +45,7 @@ kept (positions are ``offset + stream index``, host ints), so :meth:`index_bytes
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -186,6 +187,8 @@ class ComposedLayer(CacheLayerMixin):
         self.relay_layer = RelayLayer(
             config, rotary, layer_idx, forward_state, uses_rope=uses_rope, planner=self
         )
+        # the kept tokens are packed after the first forward: a prompt is evicted once
+        self.relay_layer.reevict_prompt = False
         super().__init__()
         self.pnmix_config = pnmix_config
         self.pnmix_rotary = pnmix_rotary
@@ -353,9 +356,7 @@ class ComposedLayer(CacheLayerMixin):
             relay.select_rows(rows)
             return
         self.pnmix.select_batch(torch.tensor(rows, dtype=torch.int64))
-        relay.padding = [relay.padding[b] for b in rows]
-        relay.stream_lengths = [relay.stream_lengths[b] for b in rows]
-        relay.next_positions = [relay.next_positions[b] for b in rows]
+        relay.select_rows(rows)  # its per-row state (its store, if any, is empty by now)
         if self.kept_positions is not None:
             positions, counts = self.kept_positions
             index = torch.tensor(rows, dtype=torch.int64, device=positions.device)
@@ -397,6 +398,19 @@ class ComposedLayer(CacheLayerMixin):
         if self.pnmix is not None:
             state.check()
         plan = relay.check_forward(pending, attention_mask, kwargs, reconstruction=reconstruction)
+        late = []
+        if self.pnmix is not None:
+            late = [b for b, r in enumerate(plan.real) if r > 1 and relay.prompt_open[b]]
+        if late:
+            warnings.warn(
+                f"ComposedModelCache: rows {late} receive more of their prompt after the "
+                "forward it was evicted in; a composed cache evicts a prompt once, after the "
+                "cache's first forward, and stores later tokens whole (details()['"
+                "prompt_forwards']); feed the prompt in one forward, or use RelayModelCache, "
+                "which evicts every chunk of a prompt to its budget",
+                UserWarning,
+                stacklevel=2,
+            )
         if self.pnmix is None:
             empty = [b for b, r in enumerate(plan.real) if r == 0]
             if empty:

@@ -333,16 +333,19 @@ class RelayModelCache(Cache):
         return self.next_position
 
     def details(self) -> dict[str, Any]:
-        """``evictions`` (events over all layers), ``next_position``, ``stream_length`` and
+        """``evictions`` (events over all layers), ``next_position``, ``stream_length``,
         ``first_eviction_tokens_per_head`` (the ``tokens_after`` of the first ``len(layers)``
-        events)."""
+        events) and ``prompt_forwards`` (per sequence, the forwards its prompt arrived in:
+        docs/design.md, "Cache life cycle")."""
         events = self.events()
         per_head = [e.tokens_after for e in events[: len(self.layers)]]
+        layers = self._relay_layers()
         return {
             "evictions": len(events),
             "next_position": self.next_position,
             "stream_length": self.stream_length,
             "first_eviction_tokens_per_head": per_head,
+            "prompt_forwards": list(layers[0].prompt_forwards) if layers else [],
         }
 
     def storage(self) -> CacheStorage:

@@ -98,6 +98,9 @@ class RelayLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     is_sliding = False
+    #: ratio mode: evict again after each later multi-token forward of an open prompt (False
+    #: for the composed cache's eviction stage, which packs after the first forward)
+    reevict_prompt = True
 
     def __init__(
         self,
@@ -148,6 +151,10 @@ class RelayLayer(CacheLayerMixin):
         # per row: the prefill's observation-window attention (KVzipScorer(prefill_queries=w))
         self.observation_scores: list[Tensor | None] = []
         self.evicted: list[bool] = []
+        # per row: its prompt is still arriving (no single-token forward after its first
+        # tokens yet): ratio mode evicts after each of its multi-token forwards
+        self.prompt_open: list[bool] = []
+        self.prompt_forwards: list[int] = []  # per row: forwards its prompt arrived in
         self._pending: Pending | None = None
         self.is_initialized = False
 
@@ -166,6 +173,8 @@ class RelayLayer(CacheLayerMixin):
         self.reconstruction_scores = [None] * batch
         self.observation_scores = [None] * batch
         self.evicted = [False] * batch
+        self.prompt_open = [True] * batch
+        self.prompt_forwards = [0] * batch
         self.is_initialized = True
 
     def update(
@@ -218,16 +227,21 @@ class RelayLayer(CacheLayerMixin):
         self.forward_state.reset()
 
     def select_rows(self, rows: list[int]) -> None:
-        """Keep sequences ``rows`` (in that order; repeats allowed) of every per-row state."""
-        if self.store is None:
+        """Keep sequences ``rows`` (in that order; repeats allowed) of every per-row state, and
+        of the store when it has one (the composed cache's eviction stage hands its tokens to
+        PN-Mix and keeps only the per-row state)."""
+        if not self.stream_lengths:
             return
-        self.store.select_rows(rows)
+        if self.store is not None:
+            self.store.select_rows(rows)
         self.padding = [self.padding[b] for b in rows]
         self.stream_lengths = [self.stream_lengths[b] for b in rows]
         self.next_positions = [self.next_positions[b] for b in rows]
         self.reconstruction_scores = [self.reconstruction_scores[b] for b in rows]
         self.observation_scores = [self.observation_scores[b] for b in rows]
         self.evicted = [self.evicted[b] for b in rows]
+        self.prompt_open = [self.prompt_open[b] for b in rows]
+        self.prompt_forwards = [self.prompt_forwards[b] for b in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row-select the storage by ``beam_idx`` (beam search; reads the indices to the host)."""
@@ -329,9 +343,17 @@ class RelayLayer(CacheLayerMixin):
             reconstruction=reconstruction,
         )
         if self.eviction.ratio is not None and not self.deferred and not reconstruction:
-            first = [b for b in range(batch) if stream[b] == 0 and plan.real[b] > 1]
+            # a prompt may arrive in several forwards (chunked prefill, a first token then the
+            # rest): every multi-token forward of an open prompt evicts, to the budget of the
+            # prompt's tokens so far (docs/design.md, "Cache life cycle")
+            opened = self.prompt_open or [True] * batch
+            first = [
+                b
+                for b in range(batch)
+                if plan.real[b] > 1 and (stream[b] == 0 or (self.reevict_prompt and opened[b]))
+            ]
             for b in first:
-                self.evictor.check_first_eviction(plan.real[b], heads, b)
+                self.evictor.check_first_eviction(stream[b] + plan.real[b], heads, b)
             plan.first_eviction = first
         return plan
 
@@ -526,6 +548,10 @@ class RelayLayer(CacheLayerMixin):
     def advance(self, plan: ForwardPlan) -> None:
         """Count the forward's tokens: padding, stream lengths, RoPE positions, columns seen."""
         for b, r in enumerate(plan.real):
+            if r == 1 and self.stream_lengths[b] > 0:
+                self.prompt_open[b] = False  # a decode step: the prompt is complete
+            elif r and self.prompt_open[b]:
+                self.prompt_forwards[b] += 1
             self.padding[b] += plan.num_new - r
             self.stream_lengths[b] += r
             self.next_positions[b] += r

@@ -163,14 +163,17 @@ class Evictor:
         budgets = self.layer_budgets(tokens, slots)
         return budgets[self.layer_idx] if len(budgets) > 1 else budgets[0]
 
-    def layer_budget(self, before: list[int]) -> tuple[int, int]:
+    def layer_budget(self, before: list[int], tokens: int | None = None) -> tuple[int, int]:
         """``(tokens each kv head keeps on average, per-head cap)`` for an eviction of heads
         holding ``before`` tokens (see :class:`EvictionConfig`; with ``ratio``, this layer's
-        share of the model's budget, :meth:`layer_tokens_per_head`)."""
+        share of the model's budget, :meth:`layer_tokens_per_head`, of ``tokens`` — the
+        sequence's prompt tokens so far, default ``max(before)``: equal at a prompt's first
+        eviction, larger when a prompt arriving in several forwards is evicted again)."""
         cfg = self.config
-        slots = cfg.head_slots(max(before))
+        n = max(before) if tokens is None else max(tokens, max(before))
+        slots = cfg.head_slots(n)
         if cfg.ratio is not None:
-            return self.layer_tokens_per_head(max(before), slots), slots
+            return self.layer_tokens_per_head(n, slots), slots
         assert cfg.capacity is not None
         return cfg.capacity, slots
 
@@ -306,7 +309,7 @@ class Evictor:
         before = store.counts(row)
         heads = len(before)
         # the budget and the protected window first: the observation window follows them
-        per_head, slots = self.layer_budget(before)
+        per_head, slots = self.layer_budget(before, stream_length)
         # layer_total replaces the budget, not the protected window (that of the uniform split,
         # which the split over layers protected: docs/design.md, "RoPE-Relay: Reconstruction
         # scoring")
