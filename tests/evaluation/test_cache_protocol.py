@@ -5,6 +5,8 @@ caches of known shape: tiny Llama, 2 layers, 2 kv heads, head_dim 16, float32.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tiny_models import FAMILIES, tiny_llama_config
@@ -64,14 +66,21 @@ def test_every_cache_kind_satisfies_the_protocol():
     assert MetricsCacheStorage is CacheStorage  # its old import path still works
 
 
+def used(storage: CacheStorage) -> CacheStorage:
+    """``storage`` without its held bytes (the used counts the byte model pins)."""
+    return dataclasses.replace(storage, held_bytes=None)
+
+
 def test_dynamic_cache_of_known_shape():
     cache = DynamicCache(config=tiny_llama_config())
-    assert cache_storage(cache) == CacheStorage(0, 0, 0)
+    assert used(cache_storage(cache)) == CacheStorage(0, 0, 0)
     k = torch.randn(1, KV_HEADS, 10, HEAD_DIM)
     for layer in range(LAYERS):
         cache.update(k, k.clone(), layer)
     # 2 (K, V) * layers * heads * tokens * head_dim * 4 bytes
-    assert cache_storage(cache) == CacheStorage(2 * 2 * 2 * 10 * 16 * 4, 2 * 2 * 2 * 10 * 16 * 2, 0)
+    assert used(cache_storage(cache)) == CacheStorage(
+        2 * 2 * 2 * 10 * 16 * 4, 2 * 2 * 2 * 10 * 16 * 2, 0
+    )
     assert cache_details(cache) == {}
     assert _position_kwargs(cache, 3) == {}
     assert _rope_position(cache) == 10
@@ -93,10 +102,12 @@ def test_quantized_layers_count_codes_and_the_exact_residual(llama):
     _feed(llama, cache, "sdpa", [40])
     # the prefill is quantized (int8, 1 byte an element, counted as stored); no residual yet
     codes = LAYERS * KV_HEADS * 40 * TOKEN_KV
-    assert cache_storage(cache) == CacheStorage(codes, codes, 0)
+    assert used(cache_storage(cache)) == CacheStorage(codes, codes, 0)
     _feed(llama, cache, "sdpa", [1, 1])
     residual = LAYERS * KV_HEADS * 2 * TOKEN_KV  # 2 exact float32 tokens per layer and head
-    assert cache_storage(cache) == CacheStorage(codes + residual * F32, codes + residual * 2, 0)
+    assert used(cache_storage(cache)) == CacheStorage(
+        codes + residual * F32, codes + residual * 2, 0
+    )
     assert cache_details(cache) == {} and _rope_position(cache) == 42
 
 
@@ -114,11 +125,12 @@ def test_a_foreign_layer_of_another_kind_is_refused():
 
 def test_pnmix_cache_before_its_first_group(llama):
     cache = parse_method("pn-mix").make_cache(llama.config)
-    assert cache_storage(cache) == CacheStorage(0, 0, 0)
+    assert used(cache_storage(cache)) == CacheStorage(0, 0, 0)
     _feed(llama, cache, "kvlab", [20, 1])
     # 21 tokens < 32 sinks: all exact, float16: tokens * (K + V) * head_dim * 2 bytes, in both
     exact = LAYERS * KV_HEADS * 21 * TOKEN_KV * 2
-    assert cache.storage() == cache_storage(cache) == CacheStorage(exact, exact, 0)
+    assert cache.storage() == cache_storage(cache)
+    assert used(cache.storage()) == CacheStorage(exact, exact, 0)
     assert exact == cache.nbytes()
     # the prefill attends exactly; the decode step reads the packed storage once per layer
     assert cache_details(cache) == {"packed_attention_calls": LAYERS}
@@ -133,9 +145,11 @@ def test_relay_cache_after_its_prefill_eviction(llama):
     cache = parse_method("streaming-llm@0.5").make_cache(llama.config)
     _feed(llama, cache, "kvlab", [94])
     stored = LAYERS * KV_HEADS * 47
-    # used elements only (headroom excluded), index: two int64 per stored token
-    expected = CacheStorage(stored * TOKEN_KV * F32, stored * TOKEN_KV * 2, stored * 16)
-    assert cache_storage(cache) == cache.storage() == expected == CacheStorage(24064, 12032, 3008)
+    # used elements only (headroom excluded), index: two int64 positions and a float32
+    # key_bias element per stored token
+    expected = CacheStorage(stored * TOKEN_KV * F32, stored * TOKEN_KV * 2, stored * (16 + F32))
+    assert cache_storage(cache) == cache.storage()
+    assert used(cache.storage()) == expected == CacheStorage(24064, 12032, 3760)
     assert cache_details(cache) == {
         "evictions": 2,
         "next_position": 94,
@@ -168,8 +182,8 @@ def test_relay_stream_positions_are_the_caches_own(llama):
     positions = _position_kwargs(cache, 1)["position_ids"]
     assert positions.tolist() == [[_rope_position(cache)]]
     stored = sum(sum(layer.tokens_per_head(0)) for layer in cache.layers)
-    assert cache_storage(cache) == CacheStorage(
-        stored * TOKEN_KV * F32, stored * TOKEN_KV * 2, stored * 16
+    assert used(cache_storage(cache)) == CacheStorage(
+        stored * TOKEN_KV * F32, stored * TOKEN_KV * 2, stored * (16 + F32)
     )
 
 
@@ -181,7 +195,8 @@ def test_composed_cache_reports_eviction_and_packed_storage(llama):
     stored = sum(sum(layer.tokens_per_head(0)) for layer in cache.layers)
     assert 0 < stored < LAYERS * KV_HEADS * 25
     exact = stored * TOKEN_KV * 2
-    assert cache_storage(cache) == cache.storage() == CacheStorage(exact, exact, 0)
+    assert cache_storage(cache) == cache.storage()
+    assert used(cache.storage()) == CacheStorage(exact, exact, 0)
     details = cache_details(cache)
     assert list(details) == [
         "evictions",
@@ -204,11 +219,39 @@ def test_window_layers_count_as_held():
     _feed(model, cache, "kvlab", [94])
     stored = sum(cache.layers[1].tokens_per_head(0))
     window = 2 * KV_HEADS * 5 * TOKEN_KV  # elements of the two window layers
-    assert cache_storage(cache) == CacheStorage(
-        stored * TOKEN_KV * F32 + window * F32, stored * TOKEN_KV * 2 + window * 2, stored * 16
+    assert used(cache_storage(cache)) == CacheStorage(
+        stored * TOKEN_KV * F32 + window * F32,
+        stored * TOKEN_KV * 2 + window * 2,
+        stored * (16 + F32),
     )
     pnmix = parse_method("pn-mix").make_cache(model.config)
     _feed(model, pnmix, "kvlab", [20])
     # the PN-Mix layer: 20 exact float16 tokens; the window layers as held (float32)
     exact = KV_HEADS * 20 * TOKEN_KV * 2
-    assert cache_storage(pnmix) == CacheStorage(exact + window * F32, exact + window * 2, 0)
+    assert used(cache_storage(pnmix)) == CacheStorage(exact + window * F32, exact + window * 2, 0)
+
+
+def test_held_bytes_count_every_buffer_the_process_holds(llama):
+    """``held_bytes``: a DynamicCache holds exactly its tensors; a relay cache every buffer of
+    its stores (keys, values, positions, key_bias, headroom included), more than it uses; a
+    PN-Mix cache its stores' allocation, spare slots included."""
+    dynamic = DynamicCache(config=tiny_llama_config())
+    k = torch.randn(1, KV_HEADS, 10, HEAD_DIM)
+    for layer in range(LAYERS):
+        dynamic.update(k, k.clone(), layer)
+    assert cache_storage(dynamic).held_bytes == cache_storage(dynamic).kv_bytes
+    relay = parse_method("streaming-llm@0.5").make_cache(llama.config)
+    _feed(llama, relay, "kvlab", [94])
+    buffers = [
+        t
+        for layer in relay.layers
+        for t in (layer.store.keys, layer.store.values, layer.store.original_positions,
+                  layer.store.rotary_positions, layer.store.key_bias)
+    ]  # fmt: skip
+    storage = relay.storage()
+    assert storage.held_bytes == sum(t.numel() * t.element_size() for t in buffers)
+    assert storage.held_bytes > storage.kv_bytes + storage.index_bytes
+    pnmix = parse_method("pn-mix").make_cache(llama.config)
+    _feed(llama, pnmix, "kvlab", [70, 1])
+    reserved = sum(sum(layer.store.reserved_bytes().values()) for layer in pnmix.layers)
+    assert pnmix.storage().held_bytes == reserved >= pnmix.storage().kv_bytes

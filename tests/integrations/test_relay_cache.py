@@ -183,7 +183,8 @@ def test_bytes_shrink_by_the_evicted_fraction(ratio, prefill, scorer):
     assert kept * 4 == (1 - ratio) * prefill * 4  # these sizes evict an exact fraction
     assert cache.nbytes() * prefill == full_bytes * kept
     used = sum(sum(layer.tokens_per_head(row)) for layer in cache.layers for row in range(2))
-    assert cache.index_bytes() == used * 16  # stream index + rotary position, int64 each
+    # stream index + rotary position, int64 each, and the float32 key_bias element
+    assert cache.index_bytes() == used * (16 + 4)
     assert cache.nbytes() <= cache.reserved_bytes()  # headroom is reported, not counted
     for layer in cache.layers:
         for row in range(2):  # each sequence of the batch has its own per-head counts

@@ -72,8 +72,10 @@ def test_append_keeps_every_segment_exact_and_counts_used_bytes(batch, heads, st
     size = torch.empty(0, dtype=dtype).element_size()
     assert store.nbytes() == used * (6 + 5) * size  # used elements exactly
     assert store.numel() == used * 11
-    assert store.index_bytes() == used * 16
+    assert store.index_bytes() == used * (16 + size)  # two int64 positions, one key_bias
     assert store.reserved_bytes() >= store.nbytes()
+    held = store.reserved_bytes() + store.rows_allocated * (16 + size)
+    assert store.held_bytes() == held == store.reserved_bytes() + store.reserved_index_bytes()
     assert store.reserved_bytes() == store.rows_allocated * 11 * size
     # segments are contiguous, in order, and within the allocation
     for s in range(store.num_segments - 1):

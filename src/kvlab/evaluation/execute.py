@@ -48,6 +48,7 @@ def _storage(storage: Any) -> dict[str, int]:
         "kv_bytes": storage.kv_bytes,
         "kv_bytes_16bit": storage.kv_bytes_16bit,
         "index_bytes": storage.index_bytes,
+        "held_bytes": storage.held_bytes,
     }
 
 

@@ -150,10 +150,18 @@ def summarize_prefill_score(
         "prefill_kv_bytes": statistics.mean(s.storage_prefill.kv_bytes for s in scores),
         "prefill_kv_bytes_16bit": statistics.mean(s.storage_prefill.kv_bytes_16bit for s in scores),
         "index_bytes": statistics.mean(s.storage_final.index_bytes for s in scores),
+        "held_bytes": statistics.mean(_held(s.storage_final) for s in scores),
         "model_seconds": seconds,
         "tokens_per_second": nll.numel() / seconds if seconds > 0 else 0.0,
         "details": [s.details for s in scores],
     }
+
+
+def _held(storage: CacheStorage) -> int:
+    """Bytes held (``kv_bytes + index_bytes`` where a cache did not say)."""
+    if storage.held_bytes is None:
+        return storage.kv_bytes + storage.index_bytes
+    return storage.held_bytes
 
 
 def _window_metrics(score: WindowScore, reference: WindowScore) -> dict[str, float]:

@@ -53,6 +53,7 @@ def prefill_score_table(summaries: Sequence[Mapping[str, Any]]) -> str:
     headers = [
         "method",
         "KV bytes (stored)",
+        "KV held",
         "KV bytes (16-bit)",
         "vs full",
         "prefill KV (16-bit)",
@@ -67,6 +68,7 @@ def prefill_score_table(summaries: Sequence[Mapping[str, Any]]) -> str:
         [
             s["method"],
             format_bytes(s["kv_bytes"]),
+            format_bytes(s.get("held_bytes", s["kv_bytes"] + s.get("index_bytes", 0))),
             format_bytes(s["kv_bytes_16bit"]),
             f"{s['kv_fraction_of_full']:.3f}",
             format_bytes(s["prefill_kv_bytes_16bit"]),

@@ -41,12 +41,18 @@ class CacheStorage:
         kv_bytes: bytes of every stored key/value tensor as held (``numel * element_size``).
         kv_bytes_16bit: the same with each floating-point element counted at 2 bytes (integer
             codes counted as stored).
-        index_bytes: bookkeeping (per-token positions of eviction caches).
+        index_bytes: bookkeeping of the stored tokens (per-token positions and key-padding
+            bias of eviction caches).
+        held_bytes: bytes the process holds for the cache: every allocated buffer (keys,
+            values, their headroom, position and bias buffers, PN-Mix's spare group and
+            residual slots), ``>= kv_bytes + index_bytes``; ``None`` where a cache cannot say
+            (then taken as ``kv_bytes + index_bytes`` when summed).
     """
 
     kv_bytes: int
     kv_bytes_16bit: int
     index_bytes: int = 0
+    held_bytes: int | None = None
 
 
 @runtime_checkable
@@ -99,7 +105,7 @@ def tensor_storage(tensors: Iterable[Tensor]) -> CacheStorage:
         size = t.numel() * t.element_size()
         actual += size
         normalized += t.numel() * 2 if t.is_floating_point() else size
-    return CacheStorage(kv_bytes=actual, kv_bytes_16bit=normalized)
+    return CacheStorage(kv_bytes=actual, kv_bytes_16bit=normalized, held_bytes=actual)
 
 
 def dense_layer_storage(layer: Any) -> CacheStorage:
@@ -108,14 +114,18 @@ def dense_layer_storage(layer: Any) -> CacheStorage:
     both, zero before the layer is initialized."""
     if layer.is_initialized and layer.keys is not None:
         return tensor_storage([layer.keys, layer.values])
-    return CacheStorage(0, 0)
+    return CacheStorage(0, 0, held_bytes=0)
 
 
 def sum_storage(parts: Iterable[CacheStorage]) -> CacheStorage:
-    """The field-wise sum of ``parts`` (``CacheStorage(0, 0, 0)`` for none)."""
-    actual = normalized = index = 0
+    """The field-wise sum of ``parts`` (``CacheStorage(0, 0, 0, 0)`` for none; a part's
+    ``held_bytes`` of ``None`` counts as its ``kv_bytes + index_bytes``)."""
+    actual = normalized = index = held = 0
     for part in parts:
         actual += part.kv_bytes
         normalized += part.kv_bytes_16bit
         index += part.index_bytes
-    return CacheStorage(kv_bytes=actual, kv_bytes_16bit=normalized, index_bytes=index)
+        held += part.kv_bytes + part.index_bytes if part.held_bytes is None else part.held_bytes
+    return CacheStorage(
+        kv_bytes=actual, kv_bytes_16bit=normalized, index_bytes=index, held_bytes=held
+    )

@@ -594,6 +594,12 @@ class ComposedLayer(CacheLayerMixin):
         """0 once packed: positions are ``offset + stream index`` (host ints)."""
         return self.relay_layer.index_bytes() if self.pnmix is None else 0
 
+    def held_bytes(self) -> int:
+        """Bytes of every buffer held: the PN-Mix storage's allocation (spare slots included)
+        and the eviction stage's store while it has one."""
+        packed = 0 if self.pnmix is None else sum(self.pnmix.reserved_bytes().values())
+        return packed + self.relay_layer.held_bytes()
+
 
 class ComposedModelCache(RelayModelCache):
     """A ``transformers`` cache that evicts per (layer, sequence, kv head) after the prefill —
@@ -736,10 +742,11 @@ class ComposedModelCache(RelayModelCache):
     def storage(self) -> CacheStorage:
         """Composed layers at their used bytes (:meth:`ComposedLayer.nbytes`: the PN-Mix
         storage once packed) in both counts (its exact parts and scales are stored in 2
-        bytes), no index bytes (positions are ``offset + stream index``); window layers as
-        held (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`)."""
+        bytes), no index bytes (positions are ``offset + stream index``), and the bytes held
+        (:meth:`ComposedLayer.held_bytes`); window layers as held
+        (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`)."""
         return sum_storage(
-            CacheStorage(layer.nbytes(), layer.nbytes())
+            CacheStorage(layer.nbytes(), layer.nbytes(), 0, layer.held_bytes())
             if isinstance(layer, ComposedLayer)
             else dense_layer_storage(layer)
             for layer in self.layers

@@ -505,6 +505,12 @@ class PNMixLayer(CacheLayerMixin):
         """Persistent bytes of this layer's storage (0 before the first token)."""
         return 0 if self.store is None else self.store.persistent_bytes
 
+    def held_bytes(self) -> int:
+        """Bytes of every buffer the layer's store has allocated (spare group and residual
+        slots included); 0 before the first token."""
+        store = self._store
+        return 0 if store is None else sum(store.reserved_bytes().values())
+
 
 class PNMixModelCache(Cache):
     """A ``transformers`` cache holding every decoder layer in PN-Mix form.
@@ -631,9 +637,10 @@ class PNMixModelCache(Cache):
         """PN-Mix layers at their persistent bytes (:meth:`PNMixLayer.nbytes`) in both counts
         (every stored float is already 2 bytes, docs/design.md, PN-Mix "Byte accounting");
         window layers as held (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`).
-        No index bytes."""
+        No index bytes. Held: each store's allocation, spare group and residual slots
+        included (:meth:`PNMixCache.reserved_bytes`)."""
         return sum_storage(
-            CacheStorage(layer.nbytes(), layer.nbytes())
+            CacheStorage(layer.nbytes(), layer.nbytes(), 0, layer.held_bytes())
             if isinstance(layer, PNMixLayer)
             else dense_layer_storage(layer)
             for layer in self.layers

@@ -350,13 +350,12 @@ class RelayModelCache(Cache):
 
     def storage(self) -> CacheStorage:
         """Relay layers: the used key/value bytes (:meth:`RelayLayer.nbytes`; headroom is not
-        stored data), their elements at 2 bytes, the used position bookkeeping
-        (docs/design.md, RoPE-Relay "Byte accounting"); window layers as held
-        (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`). The store's
-        ``key_bias`` buffer and reserved headroom are not counted; bytes a later accounting
-        adds go here."""
+        stored data), their elements at 2 bytes, the used bookkeeping (positions and
+        ``key_bias``), and every buffer held, headroom included (:meth:`RelayLayer.held_bytes`;
+        docs/design.md, RoPE-Relay "Byte accounting"); window layers as held
+        (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`)."""
         return sum_storage(
-            CacheStorage(layer.nbytes(), layer.numel() * 2, layer.index_bytes())
+            CacheStorage(layer.nbytes(), layer.numel() * 2, layer.index_bytes(), layer.held_bytes())
             if isinstance(layer, RelayLayer)
             else dense_layer_storage(layer)
             for layer in self.layers

@@ -297,8 +297,14 @@ class RelayLayer(CacheLayerMixin):
         return 0 if self.store is None else self.store.reserved_bytes()
 
     def index_bytes(self) -> int:
-        """Bytes of the used position bookkeeping (two int64 per stored token)."""
+        """Bytes of the used bookkeeping (two int64 positions and a ``key_bias`` element per
+        stored token)."""
         return 0 if self.store is None else self.store.index_bytes()
+
+    def held_bytes(self) -> int:
+        """Bytes of every buffer the layer's store holds, headroom included
+        (:meth:`kvlab.relay.storage.RelayStore.held_bytes`)."""
+        return 0 if self.store is None else self.store.held_bytes()
 
     # ---------------------------------------------------------------- checks (no state change)
     def _stored_shape(self) -> StoredShape | None:

@@ -631,10 +631,25 @@ class RelayStore:
         )
 
     def index_bytes(self) -> int:
-        """Bytes of the used position bookkeeping: two int64 (stream index, rotary position)
-        per stored token (the host-side segment table, ``3 * B * H`` ints, is not counted)."""
-        return sum(self.lengths) * 2 * 8
+        """Bytes of the used bookkeeping: per stored token two int64 (stream index, rotary
+        position) and its ``key_bias`` element (cache dtype) — the host-side segment table,
+        ``3 * B * H`` ints, is not counted."""
+        return sum(self.lengths) * (2 * 8 + self.key_bias.element_size())
+
+    def held_bytes(self) -> int:
+        """Bytes of every device buffer the store holds (used rows and headroom): keys, values,
+        both position buffers and ``key_bias``."""
+        buffers = (
+            self.keys,
+            self.values,
+            self.original_positions,
+            self.rotary_positions,
+            self.key_bias,
+        )
+        return sum(t.numel() * t.element_size() for t in buffers)
 
     def reserved_index_bytes(self) -> int:
-        """Bytes allocated for the position buffers."""
-        return (self.original_positions.numel() + self.rotary_positions.numel()) * 8
+        """Bytes allocated for the position buffers and ``key_bias``."""
+        return (
+            self.original_positions.numel() + self.rotary_positions.numel()
+        ) * 8 + self.key_bias.numel() * self.key_bias.element_size()
