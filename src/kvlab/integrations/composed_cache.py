@@ -29,7 +29,7 @@ PN-Mix". Per layer:
    their channels.
 3. **Later forwards** append to the PN-Mix cache and attend with
    :func:`kvlab.pnmix.pnmix_attention` over the packed codes; a single-token forward (decode:
-   deferred checks, no host sync) does both with :func:`kvlab.pnmix.pnmix_decode_step`, one
+   deferred value checks) does both with :func:`kvlab.pnmix.pnmix_decode_step`, one
    compiled call on the CPU backend, as :class:`kvlab.integrations.pnmix_cache.PNMixView`.
    With relay the new token of a sequence sits at the synchronized ``next_position`` in every
    head and layer (keys and queries re-rotated from the model's positions, as in
@@ -40,13 +40,18 @@ evict tokens already packed into groups, which breaks groups; it is refused at c
 Bytes (:meth:`ComposedModelCache.nbytes`): the PN-Mix stores' used bytes — codes, scalars,
 payloads, tables and the exact sinks/residual of the kept streams; no per-token positions are
 kept (positions are ``offset + stream index``, host ints), so :meth:`index_bytes` is 0.
+
+A single-token forward with a mask reads the mask once (refusing a hole; docs/design.md,
+"Cache life cycle"), without one nothing. Size (~730 lines): the layer (its forward plan,
+packing, attention and row bookkeeping) and the thin model cache stay together because the
+layer is the planner of its own eviction stage and the cache only chooses it; splitting them
+would put one protocol's two halves in two files.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -54,11 +59,11 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from kvlab.integrations.attention import CacheView
 from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
 from kvlab.integrations.forward import (
     ForwardPlan,
     ForwardState,
+    LayerView,
     Pending,
     StoredShape,
     check_states,
@@ -108,36 +113,9 @@ class _ComposedState(ForwardState):
                     raise ValueError(f"layer {layer.layer_idx}: {err}") from err
 
 
-class ComposedView(CacheView):
+class ComposedView(LayerView):
     """Returned by :meth:`ComposedLayer.update`: attends through the composed layer
-    (:meth:`ComposedLayer.attend`). Handles left-padded batches (``supports_padding``)."""
-
-    supports_padding = True
-    # model-matrix: Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
-    supported_features = frozenset({"softcap", "s_aux"})
-
-    def __init__(self, layer: ComposedLayer) -> None:
-        self.layer = layer
-
-    def attend(
-        self,
-        module: torch.nn.Module,
-        query: Tensor,
-        *,
-        scaling: float,
-        attention_mask: Tensor | None,
-        kwargs: dict[str, Any],
-    ) -> Tensor:
-        """See :meth:`ComposedLayer.attend`."""
-        return self.layer.attend(
-            query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs
-        )
-
-    def refusal_guard(self) -> AbstractContextManager[None]:
-        """A refusal drops the layer's stash and puts back the window layers stored before the
-        forward's first full-attention layer (:class:`~kvlab.integrations.model_support.
-        ForwardGuard`)."""
-        return self.layer.forward_state.guard.checking(self.layer.relay_layer.drop_stash)
+    (:meth:`ComposedLayer.attend`)."""
 
 
 class ComposedLayer(CacheLayerMixin):
@@ -296,6 +274,10 @@ class ComposedLayer(CacheLayerMixin):
         self.relay_layer.update(key_states, value_states, *args, **kwargs)
         view = ComposedView(self)
         return view, view
+
+    def drop_stash(self) -> None:
+        """Forget the eviction stage's stash (a refused forward)."""
+        self.relay_layer.drop_stash()
 
     def _packed_shape(self) -> StoredShape | None:
         pnmix = self.pnmix

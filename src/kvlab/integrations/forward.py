@@ -11,12 +11,14 @@ layers of a refused forward is :class:`kvlab.integrations.model_support.ForwardG
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from kvlab.integrations.attention import CacheView
 from kvlab.integrations.model_support import ForwardGuard
 from kvlab.relay.reconstruction import ReconstructionSpan
 
@@ -101,6 +103,40 @@ class ForwardState:
         whose layers count forwards from 0 again); the guard and the layers stay."""
         self.plan = None
         self.reconstruction = None
+
+
+class LayerView(CacheView):
+    """What an evicting layer's ``update`` returns (the relay and composed layers): its
+    ``attend`` is the layer's, and a refusal drops the layer's stash and puts back the window
+    layers stored before the forward's first full-attention layer
+    (:class:`~kvlab.integrations.model_support.ForwardGuard`). Handles left-padded batches
+    (``supports_padding``). The layer provides ``attend(query, *, scaling, attention_mask,
+    kwargs)``, ``drop_stash()`` and ``forward_state``."""
+
+    supports_padding = True
+    # model-matrix: Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
+    supported_features = frozenset({"softcap", "s_aux"})
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: Tensor,
+        *,
+        scaling: float,
+        attention_mask: Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        """The layer's ``attend`` (its docstring says what a forward does)."""
+        return self.layer.attend(
+            query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs
+        )
+
+    def refusal_guard(self) -> AbstractContextManager[None]:
+        """Drop the stash and put back the window layers on a refusal."""
+        return self.layer.forward_state.guard.checking(self.layer.drop_stash)
 
 
 def leading_zeros(values: list[int]) -> int:

@@ -12,17 +12,16 @@ instead (:mod:`kvlab.relay.reconstruction`).
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from kvlab.integrations.attention import CacheView
 from kvlab.integrations.forward import (
     ForwardPlan,
     ForwardState,
+    LayerView,
     Pending,
     Planner,
     StoredShape,
@@ -41,37 +40,9 @@ from kvlab.rope import RotaryConfig, rotate_by_delta
 __all__ = ["RelayLayer", "RelayView"]
 
 
-class RelayView(CacheView):
+class RelayView(LayerView):
     """Returned by :meth:`RelayLayer.update`: commits the stashed tokens, attends over the
-    layer's ragged storage in one call, and evicts when due (:meth:`RelayLayer.attend`).
-    Handles left-padded batches (``supports_padding``)."""
-
-    supports_padding = True
-    # model-matrix: Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
-    supported_features = frozenset({"softcap", "s_aux"})
-
-    def __init__(self, layer: RelayLayer) -> None:
-        self.layer = layer
-
-    def attend(
-        self,
-        module: torch.nn.Module,
-        query: Tensor,
-        *,
-        scaling: float,
-        attention_mask: Tensor | None,
-        kwargs: dict[str, Any],
-    ) -> Tensor:
-        """See :meth:`RelayLayer.attend`."""
-        return self.layer.attend(
-            query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs
-        )
-
-    def refusal_guard(self) -> AbstractContextManager[None]:
-        """A refusal drops the layer's stash and puts back the window layers stored before the
-        forward's first full-attention layer (:class:`~kvlab.integrations.model_support.
-        ForwardGuard`)."""
-        return self.layer.forward_state.guard.checking(self.layer.drop_stash)
+    layer's ragged storage in one call, and evicts when due (:meth:`RelayLayer.attend`)."""
 
 
 class RelayLayer(CacheLayerMixin):
