@@ -80,7 +80,10 @@ def compile_module(
 
     errors = []
     announced = False
-    hashed = "\0".join([source, *header_sources()])  # an edited header is another build
+    # an edited header is another build, and so is another checkout: the include path is a
+    # flag of the build, so two checkouts sharing TORCH_EXTENSIONS_DIR under one name would
+    # rebuild each other's binary in turn (and wait on each other's build lock)
+    hashed = "\0".join([source, *header_sources(), str(INCLUDE_DIR)])
     for openmp in (["-fopenmp"], []):
         flags = [*FLAGS, *openmp]
         name = module_name(prefix, hashed, flags)

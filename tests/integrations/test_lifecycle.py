@@ -209,15 +209,40 @@ def test_a_cache_filled_in_inference_mode_continues_outside_it(name, kind):
     assert torch.equal(torch.cat([*first, later], 1), expected)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_masked_forward_inside_inference_mode(kind):
+    """A forward with an attention mask made inside ``torch.inference_mode()`` (inference
+    tensors carry no version counter: the PN-Mix mask check read it and raised), then decode
+    outside it, equals a run under ``no_grad``."""
+    model = _model("llama")
+    ids = _ids(2, PROMPT + 3, seed=12)
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[0, :5] = 0
+    cache, reference = make_cache("llama", kind), make_cache("llama", kind)
+    with torch.inference_mode():
+        first = model(ids[:, :PROMPT], attention_mask=mask.clone(), cache=cache).logits
+    steps = [ids[:, t : t + 1] for t in range(PROMPT, PROMPT + 3)]
+    full = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1)
+    with torch.no_grad():
+        expected = model(ids[:, :PROMPT], attention_mask=mask, cache=reference).logits
+        outs, refs = [], []
+        for t, step in enumerate(steps):
+            m = full[:, : PROMPT + t + 1]
+            outs.append(model(step, attention_mask=m, cache=cache).logits)
+            refs.append(model(step, attention_mask=m, cache=reference).logits)
+    assert torch.equal(first, expected) and torch.equal(torch.cat(outs, 1), torch.cat(refs, 1))
+
+
 # ------------------------------------------------------------------ split prompts
 
 
-@pytest.mark.parametrize("split", [[1, 79], [40, 40], [20, 20, 40]])
+@pytest.mark.parametrize("split", [[1, 79], [40, 40], [20, 20, 40], [1, 1, 78]])
 def test_a_ratio_budget_holds_however_the_prompt_arrives(split):
     """A prompt fed in several forwards (chunked prefill, a first token then the rest) keeps
     what the same prompt fed in one forward keeps per layer (``round((1 - ratio) * n)`` tokens
     per kv head on average) and reaches the same next RoPE position; ``details()`` counts the
-    forwards it arrived in (it kept 80 of 80 tokens for [1, 79], 61 for [40, 41])."""
+    forwards it arrived in (it kept 80 of 80 tokens for [1, 79], 61 for [40, 41]). The budget
+    holds per layer; which tokens each head keeps depends on what each eviction saw."""
     name = "llama"
     model = _model(name)
     ids = _ids(1, 81, seed=9)

@@ -133,7 +133,9 @@ class _ForwardState:
                 f"attention_mask has {mask.shape[1]} columns; the cache has seen {columns} "
                 f"token columns and this forward adds {queries}: it needs {columns + queries}"
             )
-        key = (id(mask), mask._version, tuple(mask.shape), columns, queries)
+        # an inference tensor has no version counter (it cannot change outside inference mode)
+        version = None if mask.is_inference() else mask._version
+        key = (id(mask), version, tuple(mask.shape), columns, queries)
         if key != self._key:
             self._lengths = self._read(mask, queries, columns, stored)
             if queries == 1 and not self._lengths.all():

@@ -525,8 +525,8 @@ class RelayLayer(CacheLayerMixin):
     def advance(self, plan: ForwardPlan) -> None:
         """Count the forward's tokens: padding, stream lengths, RoPE positions, columns seen."""
         for b, r in enumerate(plan.real):
-            if r == 1 and self.stream_lengths[b] > 0:
-                self.prompt_open[b] = False  # a decode step: the prompt is complete
+            if r == 1 and self.evicted[b]:
+                self.prompt_open[b] = False  # a decode step after the prompt's eviction
             elif r and self.prompt_open[b]:
                 self.prompt_forwards[b] += 1
             self.padding[b] += plan.num_new - r
