@@ -28,9 +28,9 @@ def _interpreter():
     if DEVICE.type == "cpu":
         from triton.runtime.interpreter import InterpretedFunction
 
-        from kvlab.pnmix.kernels import triton_splitk
+        from kvlab.pnmix.kernels import triton_splitk_kernels
 
-        if not isinstance(triton_splitk._quantized_kernel, InterpretedFunction):
+        if not isinstance(triton_splitk_kernels.quantized_kernel, InterpretedFunction):
             pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
     yield
 

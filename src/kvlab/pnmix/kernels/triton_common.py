@@ -16,11 +16,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["merge_kernel", "online", "pointer", "pow2", "softcap"]
+__all__ = ["merge_kernel", "merge_launch", "online", "pointer", "pow2", "softcap_tile"]
 
 
 @triton.jit
-def softcap(x, qmu, cap):
+def softcap_tile(x, qmu, cap):
     """``cap · tanh((x + q·mu) / cap)`` (Gemma 2), tanh as ``1 − 2 / (exp(2y) + 1)`` with ``y``
     clamped to ±15 (tanh is 1 to float32 precision there; no overflow)."""
     y = tl.minimum(tl.maximum((x + qmu) / cap, -15.0), 15.0)
@@ -136,3 +136,46 @@ def pointer(t: Tensor, device: torch.device | None = None) -> Tensor:
 
 def pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def merge_launch(
+    parts: tuple[Tensor, Tensor, Tensor],
+    q: Tensor,
+    mu_rows: Tensor,
+    sink_logits: Tensor | None,
+    hadamard: Tensor,
+    out: Tensor,
+    shape: tuple[int, int, int, int, int],
+    *,
+    d: int,
+    dv: int,
+    block_m: int,
+    block_d: int,
+    block_dv: int,
+    softcap: bool,
+    value_hadamard: bool,
+    extra: dict[str, object],
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """The arguments and meta-parameters of :func:`merge_kernel` shared by both decode
+    launchers: ``parts`` the split partials ``(m, l, acc)``, ``shape`` ``(m_rows, nq, hkv, rep,
+    ns)``; ``sink_logits`` ``[H_q]`` or ``None`` (then ``out`` stands in as an unread
+    pointer)."""
+    dev = out.device
+    sinks = (
+        sink_logits.detach().to(device=dev, dtype=torch.float32).contiguous()
+        if sink_logits is not None
+        else out
+    )
+    args = (*parts, q, mu_rows, sinks, pointer(hadamard, dev), out, *shape)
+    meta = dict(
+        D=d,
+        DV=dv,
+        HAS_SINKS=sink_logits is not None,
+        SOFTCAP=softcap,
+        HADAMARD=value_hadamard,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        **extra,
+    )
+    return args, meta

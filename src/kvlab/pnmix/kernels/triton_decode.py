@@ -42,7 +42,14 @@ from kvlab.pnmix.kernels.spec import (
     KernelKeyDecode,
 )
 from kvlab.pnmix.kernels.tables import extra_arguments  # the tables both compiled backends read
-from kvlab.pnmix.kernels.triton_common import merge_kernel, online, pointer, pow2
+from kvlab.pnmix.kernels.triton_common import (
+    merge_kernel,
+    merge_launch,
+    online,
+    pointer,
+    pow2,
+    softcap_tile,
+)
 
 if TYPE_CHECKING:
     from kvlab.pnmix.attention import PackedKV
@@ -270,7 +277,7 @@ def _split_kernel(
             else:
                 s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
             if SOFTCAP:
-                s = softcap(s, qmu[:, None], softcap)
+                s = softcap_tile(s, qmu[:, None], softcap)
             seen = (ok_s | ok_r)[None, :] & (stream[None, :] < limit[:, None]) & m_ok[:, None]
             s = tl.where(seen, s, float("-inf"))
             m_run, l_run, acc, accz, p = online(s, m_run, l_run, acc, accz)
@@ -416,7 +423,7 @@ def _split_kernel(
                 else:
                     s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
                 if SOFTCAP:
-                    s = softcap(s, qmu[:, None], softcap)
+                    s = softcap_tile(s, qmu[:, None], softcap)
                 stream = s_len + g * T + t
                 seen = t_ok[None, :] & (stream[None, :] < limit[:, None]) & m_ok[:, None]
                 s = tl.where(seen, s, float("-inf"))
@@ -589,36 +596,22 @@ def triton_launcher(
         DOT=dot,
         **extra,
     )
-    sinks = (
-        sink_logits.detach().to(device=dev, dtype=torch.float32).contiguous()
-        if sink_logits is not None
-        else out
-    )
-    merge_args = (
-        part_m,
-        part_l,
-        part_acc,
+    merge_args, merge_meta = merge_launch(
+        (part_m, part_l, part_acc),
         q,
         mu_rows,
-        sinks,
-        pointer(hadamard, dev),
+        sink_logits,
+        hadamard,
         out,
-        m_rows,
-        nq,
-        hkv,
-        rep,
-        ns,
-    )
-    merge_meta = dict(
-        D=d,
-        DV=dv,
-        HAS_SINKS=sink_logits is not None,
-        SOFTCAP=logit_softcap is not None,
-        HADAMARD=bool(decode.value_hadamard),
-        BLOCK_M=block_m,
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
-        **extra,
+        (m_rows, nq, hkv, rep, ns),
+        d=d,
+        dv=dv,
+        block_m=block_m,
+        block_d=block_d,
+        block_dv=block_dv,
+        softcap=logit_softcap is not None,
+        value_hadamard=bool(decode.value_hadamard),
+        extra=extra,
     )
 
     def launch() -> Tensor:

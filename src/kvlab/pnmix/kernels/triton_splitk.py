@@ -61,7 +61,7 @@ from kvlab.pnmix.kernels.spec import (
 )
 from kvlab.pnmix.kernels.splits import choose_splits
 from kvlab.pnmix.kernels.tables import extra_arguments  # the tables every backend reads
-from kvlab.pnmix.kernels.triton_common import merge_kernel, pointer, pow2
+from kvlab.pnmix.kernels.triton_common import merge_kernel, merge_launch, pointer, pow2
 from kvlab.pnmix.kernels.triton_splitk_kernels import exact_kernel, quantized_kernel
 
 if TYPE_CHECKING:
@@ -313,36 +313,22 @@ def splitk_launches(
         cap,
     )
     exact_meta = dict(D=d, DV=dv, T=t, BLOCK_M=block_m, BLOCK_E=16, **common, **extra)
-    sinks = (
-        sink_logits.detach().to(device=dev, dtype=torch.float32).contiguous()
-        if sink_logits is not None
-        else out
-    )
-    merge_args = (
-        part_m,
-        part_l,
-        part_acc,
+    merge_args, merge_meta = merge_launch(
+        (part_m, part_l, part_acc),
         q,
         mu_rows,
-        sinks,
-        pointer(hadamard, dev),
+        sink_logits,
+        hadamard,
         out,
-        m_rows,
-        nq,
-        hkv,
-        rep,
-        ns,
-    )
-    merge_meta = dict(
-        D=d,
-        DV=dv,
-        HAS_SINKS=sink_logits is not None,
-        SOFTCAP=logit_softcap is not None,
-        HADAMARD=bool(decode.value_hadamard),
-        BLOCK_M=block_m,
-        BLOCK_D=d,
-        BLOCK_DV=dv,
-        **extra,
+        (m_rows, nq, hkv, rep, ns),
+        d=d,
+        dv=dv,
+        block_m=block_m,
+        block_d=d,
+        block_dv=dv,
+        softcap=logit_softcap is not None,
+        value_hadamard=bool(decode.value_hadamard),
+        extra=extra,
     )
 
     launches = [Launch(quantized_kernel, (rows, ns, mblocks), quant_args, quant_meta)] if ns else []

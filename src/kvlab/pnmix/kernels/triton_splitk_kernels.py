@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.pnmix.kernels.triton_common import online
+from kvlab.pnmix.kernels.triton_common import online, softcap_tile
 
 
 @triton.jit
@@ -340,7 +340,7 @@ def quantized_kernel(
                 DOT,
             )
         if SOFTCAP:
-            s = softcap(s, qmu[:, None], softcap)
+            s = softcap_tile(s, qmu[:, None], softcap)
         stream = s_len + g * T + t
         seen = (stream[None, :] < limit[:, None]) & m_ok[:, None]
         s = tl.where(seen, s, float("-inf"))
@@ -428,7 +428,7 @@ def exact_kernel(
         k = tl.where(is_sink[:, None], ks, kr) - mu[None, :]
         s = _qk(q, k, DOT, PRECISION)
         if SOFTCAP:
-            s = softcap(s, qmu[:, None], softcap)
+            s = softcap_tile(s, qmu[:, None], softcap)
         seen = (ok_s | ok_r)[None, :] & (stream[None, :] < limit[:, None]) & m_ok[:, None]
         s = tl.where(seen, s, float("-inf"))
         m_run, l_run, acc, accz, p = online(s, m_run, l_run, acc, accz)
