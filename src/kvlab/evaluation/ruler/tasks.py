@@ -32,7 +32,10 @@ Differences from RULER, all deliberate:
   ``max_len // 32`` words). The count is the tokens of the split prompt as fed:
   ``len(context_ids) + len(question_ids) + tokens_to_generate <= length``.
 * Collisions RULER leaves to chance are redrawn: a distractor needle with a real key or value,
-  two needles with one value, an in-context vt variable equal to a real one or to ``VAR``.
+  two needles with one value, an in-context vt variable equal to a real one or to ``VAR``, an
+  answer (vt variable, fwe coded word) that is a piece of the template's own words; ``cwe``
+  leaves out the list words found in its template ("are", "list", "most", ...), since RULER's
+  substring scoring would credit them from the question.
 * Sentences: a regex splitter instead of nltk's punkt (:mod:`.haystack`). ``cwe``'s words:
   wonderwords's nouns, adjectives and verbs (no whitespace in a word); where a list needs more
   words than those, RULER draws from ``english_words.json``, kvlab from its adjective-noun keys.
@@ -44,6 +47,7 @@ QA tasks (``qa_1`` SQuAD, ``qa_2`` HotpotQA) are left out: they need the dataset
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
@@ -250,13 +254,21 @@ def _niah_min_size(cfg: TaskConfig) -> int:
 _VAR = re.compile(r"\b[A-Z]+\b")
 
 
+def _prompt_words(kind: str) -> str:
+    """The task's template and answer prefix, lower case: an answer found in it would be in the
+    question (or matched by the answer prefix), so generated answers avoid it."""
+    return (TEMPLATES[kind] + ANSWER_PREFIXES[kind]).lower()
+
+
 def _chain_vars(rng: random.Random, count: int, letters: int, avoid: set[str]) -> list[str]:
-    """``count`` distinct upper-case names of ``letters`` letters, none in ``avoid`` nor
-    ``VAR`` (RULER ``generate_chains``: ``random.choices(string.ascii_uppercase, k=k)``)."""
+    """``count`` distinct upper-case names of ``letters`` letters, none in ``avoid``, nor
+    ``VAR``, nor a piece of the template's words (RULER ``generate_chains``:
+    ``random.choices(string.ascii_uppercase, k=k)``)."""
     out: list[str] = []
+    words = _prompt_words("variable_tracking")
     while len(out) < count:
         name = "".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=letters))
-        if name != "VAR" and name not in avoid and name not in out:
+        if name != "VAR" and name not in avoid and name not in out and name.lower() not in words:
             out.append(name)
     return out
 
@@ -337,7 +349,7 @@ def _cwe_example(
 ) -> tuple[str, list[str]]:
     """RULER ``get_example``: ``num_words`` distinct words, the first ``num_cw`` repeated
     ``common`` times and the rest ``uncommon`` times, shuffled, numbered ``"1. w 2. w ..."``."""
-    pool = cwe_words()
+    pool = _cwe_pool()
     if num_words <= len(pool):
         full = rng.sample(pool, num_words)
     elif num_words <= key_count():
@@ -348,6 +360,15 @@ def _cwe_example(
     items = common_words * common + rest * uncommon
     rng.shuffle(items)
     return " ".join(f"{i + 1}. {w}" for i, w in enumerate(items)), common_words
+
+
+@functools.lru_cache(maxsize=1)
+def _cwe_pool() -> tuple[str, ...]:
+    """:func:`~.haystack.cwe_words` less the words found (as a lower-case substring) in the
+    template or answer prefix ("are", "list", "most", ...): RULER's substring scoring would
+    credit them from the question's own words."""
+    words = _prompt_words("common_words_extraction")
+    return tuple(w for w in cwe_words() if w.lower() not in words)
 
 
 def _cwe_draft(cfg: TaskConfig, rng: random.Random, size: int, length: int) -> Draft:
@@ -396,9 +417,10 @@ def _fwe_draft(cfg: TaskConfig, rng: random.Random, size: int, length: int) -> D
     vocab_size = _fwe_vocab_size(length)
     vocab: list[str] = []
     seen: set[str] = set()
+    avoid = _prompt_words("freq_words_extraction")
     while len(vocab) < vocab_size:  # RULER: 6 random lower-case letters, distinct
         word = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=6))
-        if word not in seen:
+        if word not in seen and word not in avoid:
             seen.add(word)
             vocab.append(word)
     vocab.sort()
