@@ -9,7 +9,7 @@ compression). The 11 synthetic tasks: ``niah_single_1..3``, ``niah_multikey_1..3
 ``niah_multivalue``, ``niah_multiquery``, ``vt``, ``cwe``, ``fwe``. RULER's QA tasks
 (``qa_1`` SQuAD, ``qa_2`` HotpotQA) are left out: they need those datasets downloaded.
 The essay haystack is a public-domain text (the KJV Bible by default) instead of Paul Graham's
-essays. docs/evaluation.md ("RULER tasks") describes the tasks and every difference from RULER.
+essays. docs/ruler.md describes the tasks and every difference from RULER.
 
 * :mod:`.templates` — RULER's templates, answer prefixes, tokens to generate; the chat split.
 * :mod:`.haystack` — noise/essay haystacks, RULER's depths, wonderwords lists.

@@ -108,8 +108,8 @@ def wonderwords_list(name: str) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=1)
 def key_parts() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(adjectives, nouns): wonderwords's lists, each sorted and without duplicates or empty
-    entries. RULER ``niah.py``'s keys are ``sorted(set(f"{adj}-{noun}"))``, 6.2 million strings
-    (about 20 s to build); kvlab draws an adjective and a noun instead (:func:`key_word`),
+    entries. RULER ``niah.py``'s keys are ``sorted(set(f"{adj}-{noun}"))``, over 6 million
+    strings (slow to build); kvlab draws an adjective and a noun instead (:func:`key_word`),
     uniform over the same pairs."""
     adjs = tuple(sorted({w for w in wonderwords_list("adjectivelist.txt") if w}))
     nouns = tuple(sorted({w for w in wonderwords_list("nounlist.txt") if w}))
