@@ -74,6 +74,11 @@ def essay_words(text: str | None = None) -> tuple[str, ...]:
     """
     if text is None:
         return _default_words()
+    return _words_of(text)
+
+
+@functools.lru_cache(maxsize=4)
+def _words_of(text: str) -> tuple[str, ...]:
     words = tuple(w for w in re.sub(r"\s+", " ", text).strip().split(" ") if w)
     if not words:
         raise ValueError("the RULER essay haystack text has no words")
