@@ -520,7 +520,9 @@ def _fit_size(total: Callable[[int], int], lo: int, budget: int, *, what: str) -
     probe = lo + 16
     fits(probe)
     per_unit = max((cache[probe] - cache[lo]) / 16, 1e-3)
-    guess = max(lo, lo + int((budget - cache[lo]) / per_unit))
+    room = budget - cache[lo]
+    # every unit adds about a token or more: never guess past two units per free token
+    guess = max(lo, lo + min(int(room / per_unit), 2 * room + 16))
     step = max(4, guess // 64)
     if fits(guess):
         best = guess
