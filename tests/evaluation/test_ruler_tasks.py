@@ -355,3 +355,27 @@ def test_qwen_tokenizer_samples_at_4k_to_16k() -> None:
                 == tok(sample.question, add_special_tokens=False)["input_ids"]
             )
             _check_content(sample)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    base=st.integers(0, 200),
+    per=st.integers(1, 40),
+    every=st.integers(1, 50),
+    lo=st.integers(1, 30),
+    budget=st.integers(0, 5000),
+)
+def test_fit_size_finds_the_largest_fitting_size(base, per, every, lo, budget) -> None:
+    """Exact for a non-decreasing count (steps of ``per`` tokens every ``every`` units, so a
+    probe of 16 units may add nothing); refused when the smallest size does not fit."""
+    from kvlab.evaluation.ruler.tasks import _fit_size
+
+    def total(size: int) -> int:
+        return base + per * (size // every)
+
+    if total(lo) > budget:
+        with pytest.raises(ValueError, match="does not fit"):
+            _fit_size(total, lo, budget, what="x")
+        return
+    size = _fit_size(total, lo, budget, what="x")
+    assert total(size) <= budget < total(size + 1)
