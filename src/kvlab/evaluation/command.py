@@ -75,6 +75,13 @@ def parse_counts(text: str, option: str, *, allow_float: bool = False) -> list[f
     return values
 
 
+def _chat(value: str) -> bool | None:
+    choices = {"auto": None, "yes": True, "no": False}
+    if value.lower() not in choices:
+        raise ValueError(f"--ruler-chat must be auto, yes or no, got {value!r}")
+    return choices[value.lower()]
+
+
 def _calibration(value: str | None) -> tuple[Path | None, bool]:
     if value is None:
         return None, True
@@ -102,7 +109,8 @@ def eval_command(
         str,
         typer.Option(
             help="prefill-score (prefill P, score S one token at a time), stream (chunks "
-            "through a bounded cache) or needle (passkey retrieval at lengths x depths)."
+            "through a bounded cache), needle (passkey retrieval at lengths x depths) or ruler "
+            "(RULER's synthetic tasks: compress the context, answer the question)."
         ),
     ] = "prefill-score",
     windows: Annotated[int, typer.Option(help="prefill-score: number of token windows.")] = 4,
@@ -126,6 +134,25 @@ def eval_command(
     ] = "0,25,50,75,100",
     needle_trials: Annotated[int, typer.Option(help="needle: trials per cell.")] = 3,
     needle_seed: Annotated[int, typer.Option(help="needle: seed of passkeys and filler.")] = 0,
+    ruler_tasks: Annotated[
+        str, typer.Option(help="ruler: comma-separated RULER task names (default: all).")
+    ] = "",
+    ruler_lengths: Annotated[
+        str, typer.Option(help="ruler: total token budgets per sample (K = 1024).")
+    ] = "4K",
+    ruler_samples: Annotated[int, typer.Option(help="ruler: samples per task and length.")] = 10,
+    ruler_seed: Annotated[int, typer.Option(help="ruler: seed of the samples.")] = 0,
+    ruler_chat: Annotated[
+        str,
+        typer.Option(help="ruler: auto (the chat template when the tokenizer has one), yes, no."),
+    ] = "auto",
+    ruler_shared_prefill: Annotated[
+        bool,
+        typer.Option(
+            help="ruler: capture each context's prefill once and replay it into every method's "
+            "cache (--no-ruler-shared-prefill: each method runs its own prefill)."
+        ),
+    ] = True,
     device: DeviceOption = "auto",
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16 weights.")] = "float32",
     cpu_threads: CpuThreadsOption = None,
@@ -174,6 +201,12 @@ def eval_command(
             needle_depths=parse_counts(needle_depths, "--needle-depths", allow_float=True),
             needle_trials=needle_trials,
             needle_seed=needle_seed,
+            ruler_tasks=[t.strip() for t in ruler_tasks.split(",") if t.strip()],
+            ruler_lengths=[int(v) for v in parse_counts(ruler_lengths, "--ruler-lengths")],
+            ruler_samples=ruler_samples,
+            ruler_seed=ruler_seed,
+            ruler_chat=_chat(ruler_chat),
+            ruler_shared_prefill=ruler_shared_prefill,
             executor=executor,
             workers=workers,
             ray_address=ray_address,

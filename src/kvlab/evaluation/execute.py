@@ -69,6 +69,7 @@ class Runtime:
         self._loaded: Any = None
         self.load_seconds: float | None = None
         self._prepared: dict[str, dict[str, Any]] = {}
+        self._capture: tuple[tuple[Any, ...], Any] | None = None
         if context.cpu_threads is not None:
             import torch
 
@@ -121,6 +122,26 @@ class Runtime:
                 progress=progress,
             )
         return self._prepared[prep.key]
+
+    def capture(self, ref: ModelRef, context: Any) -> tuple[Any, float]:
+        """The prefill capture of ``context`` (int64 ``[1, T]``) on ``ref``'s model, and the
+        seconds it took now (0 when reused): one capture is kept, the last one, so the
+        methods of one sample (consecutive in a plan) share it
+        (:func:`kvlab.integrations.prefill_replay.capture_prefill`)."""
+        import time
+
+        from kvlab.evaluation.ruler_protocol import CAPTURE_ATTENTION
+        from kvlab.integrations.prefill_replay import capture_prefill
+
+        key = (ref.spec, ref.dtype, ref.device, tuple(context.view(-1).tolist()))
+        if self._capture is not None and self._capture[0] == key:
+            return self._capture[1], 0.0
+        self._capture = None  # free the previous one first
+        model = self.loaded(ref).model
+        start = time.perf_counter()
+        captured = capture_prefill(model, context, attention=CAPTURE_ATTENTION)
+        self._capture = (key, captured)
+        return captured, time.perf_counter() - start
 
     def run(
         self,
@@ -194,6 +215,25 @@ class Runtime:
                 "model_seconds": stream.model_seconds,
                 "details": stream.details,
             }
+        elif task.protocol == "ruler":
+            from kvlab.evaluation.ruler_protocol import run_ruler_task
+
+            capture, capture_seconds = None, 0.0
+            if task.unit["shared_prefill"]:
+                context = tokens[: task.unit["context_tokens"]].view(1, -1)
+                capture, capture_seconds = self.capture(task.model, context)
+            result = run_ruler_task(
+                model,
+                loaded.tokenizer,
+                tokens,
+                task.method,
+                task.unit,
+                prepared=prepared,
+                capture=capture,
+            )
+            result["capture_seconds"] = capture_seconds
+            if on_tokens is not None:
+                on_tokens(len(task.tokens))
         elif task.protocol == "needle":
             result = run_needle(
                 model,

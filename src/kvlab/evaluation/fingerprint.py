@@ -10,7 +10,7 @@ from typing import Any
 
 from kvlab.artifacts.provenance import file_sha256, manifest_digest, sha256_bytes
 
-__all__ = ["canonical_json", "code_digest", "content_hash", "module_file"]
+__all__ = ["canonical_json", "code_digest", "content_hash", "module_file", "package_modules"]
 
 
 def canonical_json(obj: Any) -> str:
@@ -33,6 +33,30 @@ def module_file(name: str) -> Path:
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(f"module {name!r} not found")
     return Path(spec.origin)
+
+
+def package_modules(name: str) -> tuple[str, ...]:
+    """``name`` and, when it is a package, every module below it (sorted), found from its
+    files without importing them: a package's module list cannot drift from its files.
+
+    Raises:
+        ModuleNotFoundError: no such module.
+    """
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"module {name!r} not found")
+    if not spec.submodule_search_locations:
+        return (name,)
+    found = {name}
+    for folder in spec.submodule_search_locations:
+        root = Path(folder)
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if parts:
+                found.add(".".join((name, *parts)))
+    return tuple(sorted(found))
 
 
 _DIGESTS: dict[tuple[str, ...], str] = {}

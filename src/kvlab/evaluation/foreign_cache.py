@@ -94,6 +94,9 @@ class ForeignCache:
         """``{}``: a foreign cache reports no method-specific facts."""
         return {}
 
+    def end_prompt(self) -> None:
+        """A no-op: a foreign cache has no prompt rule."""
+
     def storage(self) -> CacheStorage:
         """Every layer's key/value tensors as held (``QuantizedLayer``: quantized and residual
         parts; ``DynamicLayer`` and subclasses: keys and values); no index bytes.

@@ -104,7 +104,9 @@ def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
     text_ref = TextRef(id=text.id, sha256=text.sha256, path=text.path, source_url=text.source_url)
     tokenizer = load_tokenizer(config.model)
     tokens = tokenize(tokenizer, text.data)
-    plan = plan_eval(config, methods, model, text_ref, tokens, tokenizer)
+    plan = plan_eval(
+        config, methods, model, text_ref, tokens, tokenizer, text_data=text.data.decode("utf-8")
+    )
     return EvalInputs(
         config=config,
         paths=paths,

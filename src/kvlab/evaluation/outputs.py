@@ -14,6 +14,7 @@ _PLOTS = {
     "prefill-score": "kl-vs-bytes.png",
     "stream": "stream-ppl.png",
     "needle": "needle-heatmap.png",
+    "ruler": "ruler-heatmap.png",
 }
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.evaluation.fingerprint import code_digest, content_hash
+from kvlab.evaluation.fingerprint import code_digest, content_hash, package_modules
 from kvlab.evaluation.methods import MODULES as METHOD_MODULES
 from kvlab.evaluation.methods import Method, method_backends
 
@@ -47,7 +47,7 @@ __all__ = [
     "window_starts",
 ]
 
-PROTOCOLS = ("prefill-score", "stream", "needle")
+PROTOCOLS = ("prefill-score", "stream", "needle", "ruler")
 DTYPES = ("float32", "bfloat16", "float16")
 
 #: The kvlab modules that implement the compressed caches and the model they run in (the
@@ -112,6 +112,7 @@ IMPLEMENTATION_MODULES = (
     "kvlab.integrations.relay_calibration",
     "kvlab.integrations.composed_cache",
     "kvlab.integrations.kvzip",
+    "kvlab.integrations.prefill_replay",
 )
 
 #: Modules whose source decides a task's result; their code hash is part of every task key.
@@ -122,6 +123,9 @@ RESULT_MODULES = (
     "kvlab.evaluation.foreign_cache",
     "kvlab.evaluation.protocols",
     "kvlab.evaluation.needle",
+    "kvlab.evaluation.questions",
+    "kvlab.evaluation.ruler_protocol",
+    *package_modules("kvlab.evaluation.ruler"),
     "kvlab.evaluation.execute",
     *METHOD_MODULES,
 )
@@ -152,6 +156,12 @@ class EvalConfig:
     needle_trials: int = 3
     needle_seed: int = 0
     needle_digits: int = 5
+    ruler_tasks: Sequence[str] = ()
+    ruler_lengths: Sequence[int] = (4096,)
+    ruler_samples: int = 10
+    ruler_seed: int = 0
+    ruler_chat: bool | None = None
+    ruler_shared_prefill: bool = True
     executor: str = "local"
     workers: int = 2
     ray_address: str | None = None
@@ -171,7 +181,7 @@ class EvalConfig:
         for name in ("windows", "prefill", "score", "cache_slots", "chunk", "segment"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("workers", "needle_trials", "needle_digits"):
+        for name in ("workers", "needle_trials", "needle_digits", "ruler_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -182,6 +192,8 @@ class EvalConfig:
             raise ValueError("--needle-lengths must be positive token counts")
         if not self.needle_depths or any(not 0 <= d <= 100 for d in self.needle_depths):
             raise ValueError("--needle-depths must lie in 0..100 (percent)")
+        if not self.ruler_lengths or any(n < 1 for n in self.ruler_lengths):
+            raise ValueError("--ruler-lengths must be positive token counts")
 
 
 @dataclass(frozen=True)
@@ -296,7 +308,11 @@ class Task:
 
     @property
     def label(self) -> str:
-        parts = [f"{k} {v}" for k, v in self.where.items() if k in ("window", "length", "depth")]
+        parts = [
+            f"{k} {v}"
+            for k, v in self.where.items()
+            if k in ("window", "task", "length", "depth", "index")
+        ]
         return f"{self.method.name} ({', '.join(parts)})" if parts else self.method.name
 
     def record(self) -> dict[str, Any]:
@@ -346,6 +362,17 @@ def window_starts(n_tokens: int, length: int, windows: int) -> list[int]:
 
 _STREAM_DEFAULT = ("full", "relay:snapkv@0.5", "evict-no-relay:snapkv@0.5", "streaming-llm@0.5")
 _NEEDLE_DEFAULT = ("full", "relay:snapkv@0.5", "evict-no-relay:snapkv@0.5")
+_RULER_DEFAULT = (
+    "full",
+    "pn-mix",
+    "kivi-2bit",
+    "relay:snapkv@0.5",
+    "evict-no-relay:snapkv@0.5",
+    "evict-no-relay:snapkv@0.5+pn-mix-lean",
+)
+#: The method context of each protocol: the ruler protocol compresses a prefill once, as
+#: prefill-score does (ratio-mode eviction, calibrations, composition).
+_METHOD_PROTOCOL = {"ruler": "prefill-score"}
 
 
 def select_methods(config: EvalConfig) -> list[Method]:
@@ -368,16 +395,18 @@ def select_methods(config: EvalConfig) -> list[Method]:
                 if hf_quantized_backend_available(backend):
                     names.append(f"hf-{backend}-2bit")
         else:
-            names = list(_STREAM_DEFAULT if config.protocol == "stream" else _NEEDLE_DEFAULT)
+            defaults = {"stream": _STREAM_DEFAULT, "needle": _NEEDLE_DEFAULT}
+            names = list(defaults.get(config.protocol, _RULER_DEFAULT))
     seen: set[str] = set()
     methods = []
+    protocol = _METHOD_PROTOCOL.get(config.protocol, config.protocol)
     for name in names:
-        method = parse_method(name, protocol=config.protocol, cache_slots=config.cache_slots)
+        method = parse_method(name, protocol=protocol, cache_slots=config.cache_slots)
         if method.name in seen:
             raise ValueError(f"method {method.name!r} given twice")
         seen.add(method.name)
         methods.append(method)
-    if config.protocol == "prefill-score" and "full" not in seen:
+    if config.protocol in ("prefill-score", "ruler") and "full" not in seen:
         methods.insert(0, parse_method("full"))
     methods.sort(key=lambda m: m.name != "full")  # the reference runs first
     return methods
@@ -414,12 +443,14 @@ def plan_eval(
     text: TextRef,
     tokens: Sequence[int],
     tokenizer: Any = None,
+    text_data: str | None = None,
 ) -> Plan:
     """The plan of one ``kvlab eval`` run (module docstring).
 
     Args:
         tokens: the text's token ids.
-        tokenizer: the model's tokenizer (needed by the needle protocol's prompts).
+        tokenizer: the model's tokenizer (needed by the needle and ruler protocols' prompts).
+        text_data: the text itself (the ruler protocol's essay haystack).
 
     Raises:
         ValueError: a text shorter than one window, a stream shorter than 2 tokens, or a
@@ -459,6 +490,20 @@ def plan_eval(
             full = task(methods[0], unit, where, window)
             tasks.append(full)
             tasks.extend(task(m, unit, where, window, full.key) for m in methods[1:])
+    elif config.protocol == "ruler":
+        from kvlab.evaluation.ruler_protocol import ruler_units
+
+        for unit, where, ids in ruler_units(
+            tokenizer,
+            tasks=config.ruler_tasks,
+            lengths=config.ruler_lengths,
+            samples=config.ruler_samples,
+            seed=config.ruler_seed,
+            haystack_text=text_data,
+            chat=config.ruler_chat,
+            shared_prefill=config.ruler_shared_prefill,
+        ):
+            tasks.extend(task(m, unit, where, ids) for m in methods)
     elif config.protocol == "stream":
         stream = tokens[: config.stream_length]
         if len(stream) < 2:

@@ -58,6 +58,9 @@ RUNNER_MODULES = (
     "kvlab.evaluation.report",
     "kvlab.evaluation.protocols",
     "kvlab.evaluation.needle",
+    "kvlab.evaluation.ruler_protocol",
+    "kvlab.evaluation.ruler_report",
+    "kvlab.evaluation.questions",
     "kvlab.evaluation.methods",
     *METHOD_MODULES,
     "kvlab.evaluation.calibration",
@@ -75,6 +78,11 @@ _CLAIM_POLICY = (
     "next-token perplexity and KL(full || method) on a public text with one small pretrained "
     "checkpoint (GGUF de-quantized); KV-cache bytes measured from stored tensors; no downstream "
     "task capability claims"
+)
+_RULER_CLAIM_POLICY = (
+    "RULER synthetic tasks generated offline (string-match accuracy of greedy answers after "
+    "query-agnostic context compression) on one small instruction model; a capability "
+    "measurement of the cache methods on these tasks only, at these lengths and sample counts"
 )
 _NEEDLE_CLAIM_POLICY = (
     "synthetic passkey retrieval (exact match of greedy decoding) in filler from a public "
@@ -347,6 +355,11 @@ def write_eval_report(
         table, configuration, summaries, per_seed, seeds, raw_results, plot = _stream(
             config, methods, by_method, task_results, settings, common, context
         )
+    elif config.protocol == "ruler":
+        table, configuration, summaries, per_seed, seeds, raw_results, plot = _ruler(
+            config, methods, by_method, task_results, common
+        )
+        claim_policy = _RULER_CLAIM_POLICY
     else:
         table, configuration, summaries, per_seed, seeds, raw_results, plot = _needle(
             config, methods, by_method, task_results, settings, common, context
@@ -594,4 +607,86 @@ def _needle(
         lambda path: plot_needle_heatmap(
             summaries, list(config.needle_lengths), list(config.needle_depths), path, title
         ),
+    )
+
+
+def _ruler(
+    config: EvalConfig,
+    methods: Sequence[Method],
+    by_method: _ByMethod,
+    task_results: _Results,
+    common: dict[str, Any],
+) -> _Parts:
+    from kvlab.evaluation.ruler_report import (
+        plot_accuracy_vs_bytes,
+        plot_ruler_heatmap,
+        ruler_table,
+        summarize_ruler,
+    )
+
+    def wheres(name: str) -> list[Mapping[str, Any]]:
+        return [t.where for t in by_method[name]]
+
+    full = summarize_ruler("full", wheres("full"), task_results["full"], None, None)
+    reference = {tuple(k.split("/")): v for k, v in full["scores"].items()}
+    reference = {(k[0], int(k[1]), int(k[2])): v for k, v in reference.items()}
+    summaries = [
+        summarize_ruler(m.name, wheres(m.name), task_results[m.name], reference, full["kv_bytes"])
+        for m in methods
+    ]
+    first = by_method["full"][0]
+    configuration = {
+        **common,
+        "tasks": sorted({t.where["task"] for t in by_method["full"]}),
+        "lengths": list(config.ruler_lengths),
+        "samples_per_task": config.ruler_samples,
+        "seed": config.ruler_seed,
+        "chat_template": bool(first.unit["chat"]),
+        "shared_prefill": config.ruler_shared_prefill,
+        "scoring": "RULER string_match_all / string_match_part of the greedy answer",
+        "compression": "query-agnostic: the context is compressed before the question is fed",
+        "seeds_are": "sample indices",
+    }
+    per_seed = []
+    indices = sorted({t.where["index"] for t in by_method["full"]})
+    for index in indices:
+        row: dict[str, float] = {}
+        for m in methods:
+            hits = [
+                (t, r)
+                for t, r in zip(by_method[m.name], task_results[m.name], strict=True)
+                if t.where["index"] == index
+            ]
+            row[f"{m.name}/accuracy"] = sum(float(r["score"]) for _, r in hits) / len(hits)
+            for t, r in hits:
+                row[f"{m.name}/score_{t.where['task']}_L{t.where['length']}"] = float(r["score"])
+        per_seed.append(row)
+    raw_results = {
+        m.name: [
+            {
+                **dict(t.where),
+                "outputs": t.unit["outputs"],
+                "context_tokens": t.unit["context_tokens"],
+                "question_tokens": len(t.tokens) - t.unit["context_tokens"],
+                **{k: v for k, v in r.items() if k not in ("prepared", "worker_pid")},
+            }
+            for t, r in zip(by_method[m.name], task_results[m.name], strict=True)
+        ]
+        for m in methods
+    }
+    lengths = ", ".join(str(n) for n in config.ruler_lengths)
+    title = f"{config.model}: RULER, {lengths} tokens, {config.ruler_samples} samples per task"
+
+    def plot(path: Path) -> Path:
+        plot_accuracy_vs_bytes(summaries, path.with_name("ruler-accuracy-vs-bytes.png"), title)
+        return plot_ruler_heatmap(summaries, path, title)
+
+    return (
+        ruler_table(summaries),
+        configuration,
+        summaries,
+        per_seed,
+        indices,
+        raw_results,
+        plot,
     )

@@ -88,6 +88,13 @@ class KVLabCache(Protocol):
         calls, positions); ``{}`` when the cache has none."""
         ...
 
+    def end_prompt(self) -> None:
+        """Close every sequence's prompt: later multi-token forwards (a question after a
+        compressed context) are continuations, never part of the prompt an eviction cache
+        evicts to its budget (docs/design.md, "Cache life cycle"). A no-op for caches without
+        a prompt rule."""
+        ...
+
     def storage(self) -> CacheStorage:
         """What the cache holds now, in bytes (module docstring)."""
         ...

@@ -635,6 +635,9 @@ class PNMixModelCache(Cache):
         """``{"packed_attention_calls": ...}`` (:meth:`attention_calls`)."""
         return {"packed_attention_calls": self.attention_calls()}
 
+    def end_prompt(self) -> None:
+        """A no-op: PN-Mix stores every forward's tokens alike (no prompt rule)."""
+
     def storage(self) -> CacheStorage:
         """PN-Mix layers at their persistent bytes (:meth:`PNMixLayer.nbytes`) in both counts
         (every stored float is already 2 bytes, docs/design.md, PN-Mix "Byte accounting");

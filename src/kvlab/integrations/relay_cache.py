@@ -348,6 +348,14 @@ class RelayModelCache(Cache):
             "prompt_forwards": list(layers[0].prompt_forwards) if layers else [],
         }
 
+    def end_prompt(self) -> None:
+        """Close every sequence's prompt in every relay layer: a later multi-token forward is
+        a continuation (stored whole, evicted by the decode rule: capacity mode only), not a
+        chunk of the prompt that ratio mode evicts to its budget (docs/design.md, "Cache life
+        cycle")."""
+        for layer in self._relay_layers():
+            layer.prompt_open = [False] * len(layer.prompt_open)
+
     def storage(self) -> CacheStorage:
         """Relay layers: the used key/value bytes (:meth:`RelayLayer.nbytes`; headroom is not
         stored data), their elements at 2 bytes, the used bookkeeping (positions and

@@ -23,6 +23,7 @@ from __future__ import annotations
 from kvlab.evaluation.ruler.samples import RulerSample, read_jsonl, samples_digest, write_jsonl
 from kvlab.evaluation.ruler.scoring import (
     postprocess_prediction,
+    score_answer,
     score_prediction,
     string_match_all,
     string_match_part,
@@ -37,6 +38,7 @@ __all__ = [
     "postprocess_prediction",
     "read_jsonl",
     "samples_digest",
+    "score_answer",
     "score_prediction",
     "string_match_all",
     "string_match_part",

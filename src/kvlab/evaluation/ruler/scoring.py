@@ -25,6 +25,7 @@ __all__ = [
     "match_all",
     "match_part",
     "postprocess_prediction",
+    "score_answer",
     "score_prediction",
     "string_match_all",
     "string_match_part",
@@ -65,17 +66,27 @@ def match_part(prediction: str, references: Sequence[str]) -> float:
     return max(1.0 if r.lower() in pred else 0.0 for r in references)
 
 
-def score_prediction(prediction: str, sample: RulerSample) -> float:
-    """The sample's RULER score in [0, 1]: its metric (``sample.metric``) on the postprocessed
-    prediction against ``sample.outputs``.
+def score_answer(prediction: str, outputs: Sequence[str], metric: str) -> float:
+    """A prediction's RULER score in [0, 1]: ``metric`` (``"all"``: the fraction of
+    ``outputs`` found; ``"part"``: whether any is) on the postprocessed prediction.
 
     Raises:
         ValueError: an unknown metric or no reference.
     """
-    if sample.metric not in METRICS:
-        raise ValueError(f"unknown RULER metric {sample.metric!r}; known: {METRICS}")
-    fn = match_all if sample.metric == "all" else match_part
-    return fn(postprocess_prediction(prediction), sample.outputs)
+    if metric not in METRICS:
+        raise ValueError(f"unknown RULER metric {metric!r}; known: {METRICS}")
+    fn = match_all if metric == "all" else match_part
+    return fn(postprocess_prediction(prediction), outputs)
+
+
+def score_prediction(prediction: str, sample: RulerSample) -> float:
+    """The sample's RULER score in [0, 1]: :func:`score_answer` with the sample's metric and
+    references.
+
+    Raises:
+        ValueError: an unknown metric or no reference.
+    """
+    return score_answer(prediction, sample.outputs, sample.metric)
 
 
 def _task_score(fn, preds: Sequence[str], refs: Sequence[Sequence[str]]) -> float:  # type: ignore[no-untyped-def]

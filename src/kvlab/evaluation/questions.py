@@ -1,0 +1,212 @@
+"""Compress a context once, answer questions on it: the shape of kvpress's pipeline
+(``KVPressTextGenerationPipeline``: the press compresses the context, then each question is fed
+on a copy of the compressed cache and its answer decoded greedily). The compression never sees
+a question (query-agnostic, as kvpress's RULER leaderboard).
+
+    compressed = compress_context(model, context_ids, method)          # one compressed cache
+    for q in questions:
+        reply = answer(model, compressed, q, max_new_tokens=32, stop_token_ids=eos_ids)
+
+:func:`compress_context` builds the method's cache either by its own prefill forward over the
+context, or — given a :class:`~kvlab.integrations.prefill_replay.PrefillCapture` of the same
+context — by replaying the captured prefill into the method's cache
+(:func:`~kvlab.integrations.prefill_replay.replay_prefill`: the attention modules only, no
+second full forward; equivalence: that module's docstring). A KVzip method then runs its own
+reconstruction pass (:func:`kvlab.integrations.kvzip.compress`) either way. After compression
+the cache's prompt is closed (:meth:`~kvlab.integrations.cache_protocol.KVLabCache.end_prompt`):
+a question is a continuation, never part of the prompt an eviction cache evicts.
+
+:func:`answer` feeds the question's tokens in one forward (at the cache's own RoPE positions
+where it keeps them), then decodes greedily one token at a time until a stop token or
+``max_new_tokens``; each answer runs on a deep copy of the compressed cache unless told
+otherwise, so several questions see the same compressed context.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvlab.evaluation.foreign_cache import describe
+from kvlab.evaluation.methods import Method
+from kvlab.evaluation.metrics import CacheStorage, cache_storage
+from kvlab.integrations.attention import use_attention
+from kvlab.integrations.prefill_replay import PrefillCapture, replay_prefill
+
+__all__ = ["Answer", "CompressedContext", "answer", "compress_context"]
+
+
+@dataclass
+class CompressedContext:
+    """A context compressed by one method.
+
+    Attributes:
+        cache: the method's cache holding the compressed context.
+        method: the method.
+        context_tokens: tokens of the context.
+        storage: the cache's storage after compression (bytes).
+        seconds: wall time of the compression (own prefill or replay, plus any extra pass).
+        replayed: whether the cache was filled from a captured prefill.
+        details: the cache's method-specific facts after compression.
+    """
+
+    cache: Any
+    method: Method
+    context_tokens: int
+    storage: CacheStorage
+    seconds: float
+    replayed: bool
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Answer:
+    """One question's greedy answer.
+
+    Attributes:
+        tokens: the generated token ids (the stop token, when one ended it, included).
+        stopped: whether a stop token ended it (``False``: ``max_new_tokens`` reached).
+        seconds: wall time of the question forward and the decode steps.
+        storage: the cache's storage after the last step (bytes).
+    """
+
+    tokens: list[int]
+    stopped: bool
+    seconds: float
+    storage: CacheStorage
+
+
+def _cache_keyword(model: Any) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _position_kwargs(cache: Any, num_new: int) -> dict[str, Tensor]:
+    view = describe(cache)
+    return {"position_ids": view.position_ids(num_new)} if view.explicit_positions else {}
+
+
+def _check_ids(name: str, ids: Tensor) -> None:
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.dtype != torch.int64 or ids.shape[1] < 1:
+        raise ValueError(
+            f"{name} must be int64 [1, T] with T >= 1, got {ids.dtype} {tuple(ids.shape)}"
+        )
+
+
+@torch.no_grad()
+def compress_context(
+    model: Any,
+    context_ids: Tensor,
+    method: Method,
+    *,
+    prepared: Mapping[str, Any] | None = None,
+    capture: PrefillCapture | None = None,
+) -> CompressedContext:
+    """Compress ``context_ids`` (int64 ``[1, T]``) with ``method`` (module docstring).
+
+    Args:
+        model: a ``transformers`` causal LM in eval mode.
+        prepared: the method's prepared state, if it has a preparation.
+        capture: a capture of this context's prefill to replay instead of a forward; for
+            ``full`` its own ``DynamicCache`` is used as is (deep-copied).
+
+    Raises:
+        ValueError: ``context_ids`` not ``[1, T]`` int64, or a capture of other tokens; what the
+            method's cache raises for the prompt (e.g. too short for its budget).
+    """
+    _check_ids("context_ids", context_ids)
+    if capture is not None and not torch.equal(capture.input_ids, context_ids):
+        raise ValueError("the capture was made on other tokens than context_ids")
+    start = time.perf_counter()
+    if capture is not None and method.family == "full":
+        cache = copy.deepcopy(capture.cache)
+    else:
+        cache = method.make_cache(model.config, prepared)
+        if capture is not None:
+            replay_prefill(model, capture, cache, attention=method.attention)
+        else:
+            with use_attention(model, method.attention):
+                model(
+                    context_ids,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{_cache_keyword(model): cache},
+                    **_position_kwargs(cache, context_ids.shape[1]),
+                )
+        if getattr(cache, "needs_reconstruction", False):
+            from kvlab.integrations.kvzip import compress
+
+            compress(model, cache, context_ids)
+    describe(cache).end_prompt()
+    seconds = time.perf_counter() - start
+    return CompressedContext(
+        cache=cache,
+        method=method,
+        context_tokens=int(context_ids.shape[1]),
+        storage=cache_storage(cache),
+        seconds=seconds,
+        replayed=capture is not None,
+        details=describe(cache).details(),
+    )
+
+
+@torch.no_grad()
+def answer(
+    model: Any,
+    compressed: CompressedContext,
+    question_ids: Tensor,
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    copy_cache: bool = True,
+) -> Answer:
+    """Feed ``question_ids`` (int64 ``[1, Q]``) after the compressed context and decode
+    greedily (module docstring).
+
+    Args:
+        max_new_tokens: the most tokens to generate (``>= 1``).
+        stop_token_ids: token ids that end the answer (e.g. the tokenizer's EOS and the chat
+            template's end-of-turn).
+        copy_cache: answer on a deep copy of the compressed cache (``False``: consume it).
+
+    Raises:
+        ValueError: ``question_ids`` not ``[1, Q]`` int64, or ``max_new_tokens < 1``.
+    """
+    _check_ids("question_ids", question_ids)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    cache = copy.deepcopy(compressed.cache) if copy_cache else compressed.cache
+    key = _cache_keyword(model)
+    stops = {int(t) for t in stop_token_ids}
+    tokens: list[int] = []
+    stopped = False
+    start = time.perf_counter()
+    with use_attention(model, compressed.method.attention):
+        ids = question_ids
+        for _ in range(max_new_tokens):
+            out = model(
+                ids,
+                use_cache=True,
+                logits_to_keep=1,
+                **{key: cache},
+                **_position_kwargs(cache, ids.shape[1]),
+            )
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            if token in stops:
+                stopped = True
+                break
+            ids = torch.tensor([[token]], dtype=torch.int64, device=question_ids.device)
+    return Answer(
+        tokens=tokens,
+        stopped=stopped,
+        seconds=time.perf_counter() - start,
+        storage=cache_storage(cache),
+    )

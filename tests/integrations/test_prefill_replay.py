@@ -1,0 +1,155 @@
+"""A replayed prefill (kvlab.integrations.prefill_replay) builds the cache the method's own
+prefill builds: layer 0 bit-identical, every later layer within the rounding of another
+attention kernel, and the same greedy answer (kvlab.evaluation.questions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import FAMILIES
+
+from kvlab.evaluation.methods import parse_method
+from kvlab.evaluation.questions import answer, compress_context
+from kvlab.integrations.prefill_replay import attention_modules, capture_prefill
+
+CONTEXT = 160
+METHODS = (
+    "full",
+    "pn-mix",
+    "kivi-2bit",
+    "int2",
+    "relay:snapkv@0.5",
+    "evict-no-relay:snapkv@0.5",
+    "relay:keynorm@0.5",
+    "streaming-llm@0.5",
+    "evict-no-relay:expected-attention@0.5",
+    "evict-no-relay:kvzip@0.5",
+    "evict-no-relay:snapkv@0.5+pn-mix-lean",
+)
+
+
+def _prepared(method, layers: int):
+    """Stand-ins for the preparations: uneven per-layer budgets, a short KVzip request."""
+    if method.preparation is None:
+        return None
+    prepared = {}
+    if method.params.get("calibrated"):
+        prepared["layer_fractions"] = [0.7 if i % 2 else 0.3 for i in range(layers)]
+    if method.params.get("reconstruction"):
+        prepared["kvzip_prompt"] = {"first_ids": [5, 6, 7], "next_ids": [8, 9], "suffix_ids": [10]}
+    return prepared
+
+
+def _inputs(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    context = torch.randint(3, 96, (1, CONTEXT), generator=gen)
+    question = torch.randint(3, 96, (1, 9), generator=gen)
+    return context, question
+
+
+def _layer0(cache) -> list[torch.Tensor]:
+    """Every tensor of layer 0's state, flattened (any cache kind)."""
+    out: list[torch.Tensor] = []
+
+    def walk(obj, depth: int = 0) -> None:
+        if depth > 4:
+            return
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item, depth + 1)
+        elif hasattr(obj, "__dict__"):
+            for value in vars(obj).values():
+                walk(value, depth + 1)
+
+    walk(cache.layers[0])
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("name", METHODS)
+def test_replay_matches_own_prefill(family: str, name: str) -> None:
+    if family not in FAMILIES:
+        pytest.skip(f"no {family} in the model matrix")
+    model = FAMILIES[family].build(seed=5)
+    method = parse_method(name)
+    layers = len(attention_modules(model))
+    prepared = _prepared(method, layers)
+    context, question = _inputs(1)
+    capture = capture_prefill(model, context)
+    try:
+        own = compress_context(model, context, method, prepared=prepared)
+    except ValueError as error:  # a method refused on this family refuses the replay too
+        with pytest.raises(
+            ValueError, match=str(error)[:40].replace("(", r"\(").replace("[", r"\[")
+        ):
+            compress_context(model, context, method, prepared=prepared, capture=capture)
+        return
+    replayed = compress_context(model, context, method, prepared=prepared, capture=capture)
+    assert replayed.replayed and not own.replayed
+    assert replayed.storage == own.storage
+    # layer 0 saw identical inputs: identical state
+    for a, b in zip(_layer0(own.cache), _layer0(replayed.cache), strict=True):
+        assert torch.equal(a, b)
+    first_own = answer(model, own, question, max_new_tokens=1)
+    first_replay = answer(model, replayed, question, max_new_tokens=1)
+    assert first_own.tokens == first_replay.tokens
+    a = answer(model, own, question, max_new_tokens=10)
+    b = answer(model, replayed, question, max_new_tokens=10)
+    assert a.tokens == b.tokens
+    assert a.storage == b.storage
+
+
+def test_full_replay_is_the_capture_and_answers_match_generate() -> None:
+    """``full`` on a capture is the capture's DynamicCache; its greedy answer equals
+    ``generate`` on context + question."""
+    model = FAMILIES["llama"].build(seed=2)
+    context, question = _inputs(4)
+    capture = capture_prefill(model, context)
+    compressed = compress_context(model, context, parse_method("full"), capture=capture)
+    reply = answer(model, compressed, question, max_new_tokens=8)
+    ids = torch.cat([context, question], dim=1)
+    reference = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert reply.tokens == reference[0, ids.shape[1] :].tolist()
+    # the copy: a second answer sees the same compressed context
+    assert answer(model, compressed, question, max_new_tokens=8).tokens == reply.tokens
+
+
+def test_question_is_not_part_of_the_prompt() -> None:
+    """After compression a question forward does not re-evict a ratio-mode relay cache: the
+    stored tokens are the compressed context plus the question, every head."""
+    model = FAMILIES["llama"].build(seed=2)
+    context, question = _inputs(6)
+    compressed = compress_context(model, context, parse_method("relay:keynorm@0.5"))
+    kept = compressed.cache.layers[0].tokens_per_head()
+    reply = answer(model, compressed, question, max_new_tokens=1, copy_cache=False)
+    after = compressed.cache.layers[0].tokens_per_head()
+    assert after == [k + question.shape[1] for k in kept]
+    assert reply.tokens and compressed.cache.details()["evictions"] == layers_of(model)
+
+
+def layers_of(model) -> int:
+    return len(attention_modules(model))
+
+
+def test_stop_tokens_and_bad_input() -> None:
+    model = FAMILIES["llama"].build(seed=2)
+    context, question = _inputs(7)
+    compressed = compress_context(model, context, parse_method("full"))
+    free = answer(model, compressed, question, max_new_tokens=6)
+    stopped = answer(model, compressed, question, max_new_tokens=6, stop_token_ids=[free.tokens[2]])
+    assert (
+        stopped.stopped and stopped.tokens == free.tokens[: free.tokens.index(free.tokens[2]) + 1]
+    )
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        answer(model, compressed, question, max_new_tokens=0)
+    with pytest.raises(ValueError, match="question_ids"):
+        answer(model, compressed, question[0], max_new_tokens=2)
+    with pytest.raises(ValueError, match="context_ids"):
+        compress_context(model, context.float(), parse_method("full"))
+    other, _ = _inputs(8)
+    with pytest.raises(ValueError, match="other tokens"):
+        compress_context(
+            model, other, parse_method("full"), capture=capture_prefill(model, context)
+        )
