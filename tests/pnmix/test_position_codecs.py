@@ -877,3 +877,25 @@ def test_bad_configurations_and_calls_are_refused_and_change_nothing() -> None:
     assert digest(cache) == before
     with pytest.raises(ValueError, match="no per-pair table"):
         make_cache(config("prerope_cartesian", r), r).set_pair_table(torch.zeros(2, 2, p))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.01])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_shared_table_independent_coding_gives_the_same_codes(fraction, seed) -> None:
+    """compute_table reuses one set of outliers and min-max codes for every candidate table:
+    encode_groups with them equals encode_groups computing them, byte for byte."""
+    gen = torch.Generator().manual_seed(seed)
+    codec = BitAllocCodec(2, outlier_fraction=fraction)
+    layout = KeyLayout.for_rotary(16, 12)
+    keys = (torch.randn(6, 32, 16, generator=gen) * 3).to(torch.float16).float()
+    shared = codec._shared(keys, torch.float16)
+    tables = [torch.full((6, 6), w, dtype=torch.uint8) for w in codec.widths]
+    tables.append(
+        torch.tensor(codec.widths, dtype=torch.uint8)[torch.randint(0, 4, (6, 6), generator=gen)]
+    )
+    for table in tables:
+        a = codec.encode_groups(keys, torch.float16, layout, table)
+        b = codec.encode_groups(keys, torch.float16, layout, table, shared=shared)
+        assert torch.equal(a.codes, b.codes)
+        assert torch.equal(a.scalars.view(torch.int16), b.scalars.view(torch.int16))
+        assert torch.equal(a.payload, b.payload)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,6 +45,17 @@ __all__ = ["BitAllocCodec", "channel_bit_offsets"]
 
 _INDEX_BYTES = 2  # int16 outlier indices
 _MAX_GROUP_ELEMENTS = 1 << 15
+
+
+@dataclass(frozen=True)
+class _SharedCoding:
+    """The table-independent part of encoding one set of groups (:meth:`BitAllocCodec._shared`):
+    flat outlier indices ``[N, K]`` and mask ``[N, T, D]`` (``None`` without outliers), and
+    each nonzero width's :class:`~kvlab.pnmix.quantizers.MinMaxCodes`."""
+
+    index: Tensor | None
+    exclude: Tensor | None
+    minmax: dict[int, Any]
 
 
 def channel_bit_offsets(widths: Tensor) -> Tensor:
@@ -221,9 +233,12 @@ class BitAllocCodec(KeyCodec):
         keys, lay, dt = stats.keys, stats.layout, stats.storage_dtype
         g = keys.shape[0]
         dist = []
+        # the outliers and each width's min-max codes do not depend on the table: once for
+        # every candidate (the same tensors encode_groups computes for each)
+        shared = self._shared(keys, dt)
         for w in self.widths:
             table = torch.full((g, lay.num_pairs), w, dtype=torch.uint8, device=keys.device)
-            coded = self.encode_groups(keys, dt, lay, table)
+            coded = self.encode_groups(keys, dt, lay, table, shared=shared)
             decoded = self.decode(coded.codes, coded.scalars, lay, table)
             decoded = self.apply_payload(decoded, coded.payload, dt)
             error = decoded.double() - keys.double()
@@ -242,10 +257,29 @@ class BitAllocCodec(KeyCodec):
         mask = torch.zeros_like(x, dtype=torch.bool).flatten(-2).scatter_(-1, index, True)
         return index, mask.view_as(x)
 
+    def _shared(self, x: Tensor, storage_dtype: torch.dtype) -> _SharedCoding:
+        """What encoding ``x [N, T, D]`` computes whatever the width table: the outliers and
+        each nonzero width's min-max codes of every channel."""
+        index, exclude = self._outliers(x)
+        x64 = x.double()
+        no = torch.zeros_like(x64, dtype=torch.bool) if exclude is None else exclude
+        minmax = {
+            b: minmax_excluding(x64, no, b, storage_dtype)
+            for b in sorted(set(self.widths) | {self.bits})
+            if b != 0
+        }
+        return _SharedCoding(index, exclude, minmax)
+
     def _dense(
-        self, x: Tensor, exclude: Tensor | None, widths: Tensor, storage_dtype: torch.dtype
+        self,
+        x: Tensor,
+        exclude: Tensor | None,
+        widths: Tensor,
+        storage_dtype: torch.dtype,
+        minmax: dict[int, Any] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Codes, scale, zero of ``x [N, T, D]`` with channel ``widths [N|1, D]``."""
+        """Codes, scale, zero of ``x [N, T, D]`` with channel ``widths [N|1, D]``
+        (``minmax``: each width's codes of ``x``, :meth:`_shared`, else computed here)."""
         x64 = x.double()
         no = torch.zeros_like(x64, dtype=torch.bool) if exclude is None else exclude
         codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
@@ -260,7 +294,7 @@ class BitAllocCodec(KeyCodec):
             if b == 0:
                 continue
             sel = widths == b
-            q = minmax_excluding(x64, no, b, storage_dtype)
+            q = minmax[b] if minmax is not None else minmax_excluding(x64, no, b, storage_dtype)
             codes = torch.where(sel.unsqueeze(-2), q.codes, codes)
             scale = torch.where(sel, q.scale, scale)
             zero = torch.where(sel, q.zero, zero)
@@ -272,15 +306,24 @@ class BitAllocCodec(KeyCodec):
         storage_dtype: torch.dtype,
         layout: KeyLayout,
         table: Tensor | None = None,
+        *,
+        shared: _SharedCoding | None = None,
     ) -> KeyCodes:
         """Codes ``[N, T, D]``, scalars ``[N, 2D]`` (``[scale | zero]``) and the payload
         ``[N, K * (es + 2)]`` (outlier values, then int16 indices, little-endian bytes) of
-        ``N`` groups with width tables ``table [N, P]``. No device read."""
+        ``N`` groups with width tables ``table [N, P]`` (``shared``: :meth:`_shared` of
+        ``keys``, reused across tables; the same codes). No device read."""
         if self.table_bits and table is None:
             raise ValueError("BitAllocCodec.encode needs the per-pair width table [N, P]")
         widths = self.channel_widths(table if self.table_bits else None, layout)
-        index, exclude = self._outliers(keys)
-        codes, scale, zero = self._dense(keys, exclude, widths, storage_dtype)
+        if shared is None:
+            index, exclude = self._outliers(keys)
+            codes, scale, zero = self._dense(keys, exclude, widths, storage_dtype)
+        else:
+            index, exclude = shared.index, shared.exclude
+            codes, scale, zero = self._dense(
+                keys, exclude, widths, storage_dtype, minmax=shared.minmax
+            )
         scalars = torch.cat([scale, zero], dim=-1)
         n = keys.shape[0]
         if index is None:
