@@ -93,10 +93,14 @@ class _Cursor:
                 return count
             return [self.value(item) for _ in range(count)]
         if item == _STRING:
-            if count > MAX_ARRAY:
-                for _ in range(count):
-                    length = self.unpack("<Q")
-                    self.pos += length
+            if count > MAX_ARRAY:  # walk the lengths only: the hot loop of a vocabulary
+                blob, pos, unpack = self.blob, self.pos, struct.unpack_from
+                try:
+                    for _ in range(count):
+                        pos += 8 + unpack("<Q", blob, pos)[0]
+                except struct.error:
+                    raise ValueError(f"{self.path} is not a GGUF file: truncated header") from None
+                self.pos = pos
                 return count
             return [self.string() for _ in range(count)]
         if count > MAX_ARRAY:

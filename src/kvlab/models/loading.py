@@ -110,9 +110,10 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def assembled_gguf_path(entry: AssembledModel) -> Path:
+def assembled_gguf_path(entry: AssembledModel, verify: bool = True) -> Path:
     """The GGUF file ``kvlab models install`` assembled for ``entry``, checked against the
-    registered byte size and sha256 (the digest is memoized per file, size and mtime).
+    registered byte size and (``verify``) sha256 (the digest is memoized per file, size and
+    mtime: a process hashes a file once, ~1-3 s per GB).
 
     Raises:
         ModelNotAvailableError: not installed, or a file that does not match (one line with
@@ -126,7 +127,7 @@ def assembled_gguf_path(entry: AssembledModel) -> Path:
             f"model {entry.name!r} is not installed; install it (offline afterwards) with: "
             f"{entry.install_command}"
         ) from None
-    if size != entry.size or _sha256(path) != entry.sha256:
+    if size != entry.size or (verify and _sha256(path) != entry.sha256):
         raise ModelNotAvailableError(
             f"model {entry.name!r}: {path} is not the registered file ({entry.size:,} bytes, "
             f"sha256 {entry.sha256[:12]}...); delete it and rerun: {entry.install_command}"
@@ -149,8 +150,9 @@ def _sha256(path: Path) -> str:
     return _SHA256[memo]
 
 
-def _resolve(spec: str) -> tuple[str, Path]:
-    """``("gguf" | "folder", path)`` of a model spec.
+def _resolve(spec: str, verify: bool = True) -> tuple[str, Path]:
+    """``("gguf" | "folder", path)`` of a model spec (``verify``: a registered assembled
+    file's sha256 is checked, not only its size).
 
     Raises:
         ModelNotAvailableError: the package or path does not exist.
@@ -160,7 +162,7 @@ def _resolve(spec: str) -> tuple[str, Path]:
         return "gguf", smollm2_gguf_path()
     entry = get_model(spec)
     if isinstance(entry, AssembledModel):
-        return "gguf", assembled_gguf_path(entry)
+        return "gguf", assembled_gguf_path(entry, verify)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelNotAvailableError(
@@ -215,7 +217,8 @@ def model_config(spec: str) -> Any:
     For a GGUF file the config is rebuilt from the header alone
     (:func:`kvlab.models.gguf_meta.config_dict`, the mapping ``transformers`` applies; tens of
     milliseconds, where ``AutoConfig.from_pretrained(..., gguf_file=...)`` parses the whole
-    vocabulary in ~10 s); a model folder's ``config.json`` is read by ``AutoConfig``.
+    vocabulary in ~10 s); a model folder's ``config.json`` is read by ``AutoConfig``. A
+    registered assembled file is checked by size only here (its sha256 is checked on load).
     Use it to refuse a method before loading, e.g. by ``config.layer_types`` (Gemma 3:
     ``"sliding_attention"`` / ``"full_attention"`` per layer; ``None`` for models without).
 
@@ -228,7 +231,7 @@ def model_config(spec: str) -> Any:
     """
     from transformers import AutoConfig
 
-    kind, path = _resolve(spec)
+    kind, path = _resolve(spec, verify=False)  # the header only: size is enough
     if kind == "folder":
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
