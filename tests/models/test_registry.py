@@ -121,3 +121,31 @@ def test_a_damaged_installed_file_is_refused(installed_fake):
     with pytest.raises(loading.ModelNotAvailableError) as info:
         loading.checkpoint_label("fake-tiny")
     assert "delete it and rerun: kvlab models install fake-tiny" in str(info.value)
+
+
+def test_eval_help_lists_every_registered_name():
+    import typing
+
+    from kvlab.evaluation.command import eval_command
+
+    option = typing.get_type_hints(eval_command, include_extras=True)["model"].__metadata__[0]
+    assert all(name in option.help for name in registry.model_names())
+
+
+def test_models_help_imports_no_heavy_module():
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from kvlab.cli import app\n"
+        "for args in (['models', '--help'], ['models', 'install', '--help']):\n"
+        "    try:\n"
+        "        app(args)\n"
+        "    except SystemExit as exit:\n"
+        "        assert exit.code in (0, None), (args, exit.code)\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stdout and "--uninstall-parts" in done.stdout
