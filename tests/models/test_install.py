@@ -189,3 +189,14 @@ def test_cli_install_and_list(setup, monkeypatch, capsys):
     assert line.split()[1] == "installed" and line.endswith(str(entry.path()))
     unknown = runner.invoke(app, ["models", "install", "no-such-model"])
     assert unknown.exit_code == 2 and "unknown model 'no-such-model'" in unknown.output
+
+
+def test_an_interpreter_that_fails_is_one_line(setup, monkeypatch, tmp_path):
+    entry, _data, _site, _cache, _calls = setup
+    monkeypatch.undo()
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'line one' >&2\necho 'the reason' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    with pytest.raises(ModelInstallError) as info:
+        locate_parts(entry, python=str(broken))
+    assert str(info.value) == f"{broken} could not look up the part packages: the reason"

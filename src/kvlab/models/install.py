@@ -127,7 +127,8 @@ def _module_folders(modules: Sequence[str], python: str) -> list[str | None]:
         check=False,
     )
     if done.returncode != 0:
-        raise ModelInstallError(f"{python} could not look up the part packages: {done.stderr}")
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ModelInstallError(f"{python} could not look up the part packages: {last}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
