@@ -130,6 +130,21 @@ class RelayModelCache(Cache):
             layer.num_layers = layers
         state.guard = ForwardGuard(self.layers)  # atomic failure with leading window layers
 
+    def activate_past_recording(self) -> None:
+        """Refused: relay and composed caches cannot be cropped yet, so speculative decoding
+        (``generate(assistant_model=...)``, ``prompt_lookup_num_tokens``; ``transformers``
+        calls this first, before any forward) stops here with nothing stored
+        (docs/design.md, "Cache life cycle").
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot be cropped, so speculative decoding "
+            "(generate(assistant_model=...), prompt_lookup_num_tokens) is not supported; use "
+            "PNMixModelCache, or plain generate (nothing was stored)"
+        )
+
     def _forward_state(self) -> ForwardState:
         """The forward state the full-attention layers share (a subclass may extend it)."""
         return ForwardState()

@@ -1,0 +1,276 @@
+"""Speculative decoding with kvlab caches (docs/design.md, "Cache life cycle": crop).
+
+``generate(assistant_model=...)`` and prompt-lookup decoding verify a draft in one multi-token
+forward and ``crop`` the rejected tokens. A recording ``PNMixModelCache`` appends a forward's
+decode-phase tokens as one-token decode steps (bit-identical to one-token forwards given the
+same keys, values and queries) and crops them back byte for byte, so greedy tokens equal plain
+generation's; relay and composed caches refuse up front.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from tiny_models import FAMILIES
+
+from kvlab.integrations import (
+    ComposedModelCache,
+    EvictionConfig,
+    PNMixModelCache,
+    RelayModelCache,
+    enable_kvlab_attention,
+)
+from kvlab.integrations.pnmix_cache import PNMixLayer, PNMixView
+from kvlab.pnmix import PNMixCache, PNMixConfig
+
+# groups of 4 after 2 sinks and a 4-token residual: a group flushes every 4 tokens, in the
+# prompt and inside every draft of more than 3 tokens
+SMALL = PNMixConfig(sink_tokens=2, residual_tokens=4, group_tokens=4)
+PROMPT = 30
+NEW_TOKENS = 40
+# llama: every layer full attention; qwen2: layer 0 full, layers 1-2 sliding (window layers
+# recorded by transformers' own DynamicSlidingWindowLayer); gemma3: a window layer in front
+FAMILY_NAMES = ("llama", "qwen2", "gemma3")
+
+
+@functools.cache
+def _model(name: str, seed: int = 7) -> Any:
+    model = FAMILIES[name].build(seed=seed)
+    enable_kvlab_attention(model)
+    return model
+
+
+def _prompt() -> torch.Tensor:
+    """A prompt that repeats itself (prompt lookup finds drafts in it)."""
+    ids = torch.randint(3, 96, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    return torch.cat([ids, ids[:, :12]], 1)
+
+
+def _generate(name: str, cache: Any, ids: torch.Tensor, **extra: Any) -> torch.Tensor:
+    model = _model(name)
+    with torch.no_grad():
+        out = model.generate(ids, cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False, **extra)
+    return out[0, ids.shape[1] :]
+
+
+class _Rollbacks:
+    """Counts PNMixCache.rollback calls: all, and those that un-flushed a group."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        self.unflushed = 0
+        original = PNMixCache.rollback
+
+        def spy(cache: PNMixCache, points: list[Any]) -> None:
+            self.calls += 1
+            before = int(cache.group_counts.sum())
+            original(cache, points)
+            self.unflushed += int(cache.group_counts.sum()) < before
+
+        monkeypatch.setattr(PNMixCache, "rollback", spy)
+
+
+@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_speculative_generate_equals_plain(name, mode, monkeypatch):
+    ids = _prompt()
+    plain = _generate(name, PNMixModelCache(_model(name).config, SMALL), ids)
+    rollbacks = _Rollbacks(monkeypatch)
+    cache = PNMixModelCache(_model(name).config, SMALL)
+    cache.expect_prompt(ids.shape[1])
+    if mode == "assistant":
+        extra: dict[str, Any] = {"assistant_model": FAMILIES[name].build(seed=8)}
+    else:
+        extra = {"prompt_lookup_num_tokens": 5}
+    got = _generate(name, cache, ids, **extra)
+    assert got.tolist() == plain.tolist()
+    # the mechanism ran: rejected draft tokens were cropped, some of them past a group flush
+    assert rollbacks.calls > 0
+    assert rollbacks.unflushed > 0
+    assert cache.get_seq_length() == ids.shape[1] + NEW_TOKENS - 1
+
+
+def test_multi_token_forward_logits_equal_one_token_steps():
+    """Model level: a recording cache's 10-token forward after a 30-token prefill gives the
+    logits of 10 one-token forwards to float32 rounding (the model's own matmuls over 10 rows
+    vs 1: max 1.8e-6 measured on the tiny Llama); the plain multi-token path (store, then
+    attend) differs by quantization (1.8e-2)."""
+    model = _model("llama")
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        steps = PNMixModelCache(model.config, SMALL)
+        want = [model(ids[:, :PROMPT], cache=steps).logits]
+        want += [model(ids[:, j : j + 1], cache=steps).logits for j in range(PROMPT, 40)]
+        want_t = torch.cat(want, 1)
+        for split in (True, False):  # prompt and draft in one forward, or after a prefill
+            rec = PNMixModelCache(model.config, SMALL)
+            rec.activate_past_recording()
+            rec.expect_prompt(PROMPT)
+            if split:
+                got = model(ids, cache=rec).logits
+            else:
+                first = model(ids[:, :PROMPT], cache=rec).logits
+                got = torch.cat([first, model(ids[:, PROMPT:], cache=rec).logits], 1)
+            torch.testing.assert_close(got, want_t, atol=1e-4, rtol=0)
+        plain = PNMixModelCache(model.config, SMALL)
+        first = model(ids[:, :PROMPT], cache=plain).logits
+        old = torch.cat([first, model(ids[:, PROMPT:], cache=plain).logits], 1)
+    assert (old - want_t).abs().max() > 1e-3  # the test can tell the two paths apart
+
+
+# ---------------------------------------------------------------- layer level: bit identity
+
+
+def _layer_cache() -> PNMixModelCache:
+    return PNMixModelCache(_model("llama").config, SMALL)
+
+
+def _tensors(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, 2, tokens, 16, generator=gen)
+    values = torch.randn(1, 2, tokens, 16, generator=gen)
+    query = torch.randn(1, 4, tokens, 16, generator=gen)
+    return keys, values, query
+
+
+def _forward(layer: PNMixLayer, keys, values, query) -> torch.Tensor:
+    view, _ = layer.update(keys, values)
+    assert isinstance(view, PNMixView)
+    return view.attend(None, query, scaling=0.25, attention_mask=None, kwargs={})
+
+
+def _state(layer: PNMixLayer) -> tuple[Any, ...]:
+    store = layer.store
+    assert store is not None
+    keys, values = store.dequantize()
+    return (layer.columns, store._store.counts.tolist(), keys, values)
+
+
+def _assert_same(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
+    assert a[:2] == b[:2]
+    assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+
+
+DRAFT = 11  # crosses two group flushes after the 13-token prefix
+
+
+def _prefilled(prompt: int = 13) -> tuple[PNMixModelCache, PNMixLayer]:
+    cache = _layer_cache()
+    layer = cache.layers[0]
+    _forward(layer, *_tensors(prompt, 0))
+    return cache, layer
+
+
+def test_recorded_forward_is_bit_identical_to_one_token_forwards():
+    keys, values, query = _tensors(DRAFT, 1)
+    cache, layer = _prefilled()
+    cache.activate_past_recording()
+    got = _forward(layer, keys, values, query)
+    _, ref = _prefilled()
+    want = torch.cat(
+        [
+            _forward(ref, keys[:, :, j : j + 1], values[:, :, j : j + 1], query[:, :, j : j + 1])
+            for j in range(DRAFT)
+        ],
+        2,
+    )
+    assert torch.equal(got, want)
+    _assert_same(_state(layer), _state(ref))
+
+
+@pytest.mark.parametrize("remove", range(1, DRAFT + 1))
+def test_crop_restores_the_state_before_the_removed_tokens(remove):
+    keys, values, query = _tensors(DRAFT, 1)
+    cache, layer = _prefilled()
+    cache.activate_past_recording()
+    _forward(layer, keys, values, query)
+    layer.crop(-remove)  # only layer 0 was fed (the model cache crops every layer alike)
+    _, ref = _prefilled()
+    kept = DRAFT - remove
+    for j in range(kept):
+        _forward(ref, keys[:, :, j : j + 1], values[:, :, j : j + 1], query[:, :, j : j + 1])
+    _assert_same(_state(layer), _state(ref))
+    # and the next token sees the same cache
+    nxt = _tensors(1, 2)
+    assert torch.equal(_forward(layer, *nxt), _forward(ref, *nxt))
+    assert cache.get_seq_length() == 13 + kept + 1
+
+
+def test_crop_beyond_the_last_draft_is_refused_and_changes_nothing():
+    cache, layer = _prefilled()
+    cache.activate_past_recording()
+    _forward(layer, *_tensors(DRAFT, 1))
+    before = _state(layer)
+    with pytest.raises(ValueError, match=f"only the {DRAFT} decode-step tokens"):
+        layer.crop(-(DRAFT + 1))  # a prompt token
+    _assert_same(_state(layer), before)
+    with pytest.raises(ValueError, match="minus the number of tokens"):
+        layer.crop(3)
+    # the model cache checks every layer first: layer 1 (never fed) can remove nothing
+    with pytest.raises(ValueError, match="only the 0 decode-step tokens"):
+        cache.crop(-1)
+    _assert_same(_state(layer), before)
+    layer.crop(-2)
+    with pytest.raises(ValueError, match=f"only the {DRAFT - 2} decode-step"):
+        layer.crop(-DRAFT)
+    # a new forward accepts the last one: its tokens can no longer be removed
+    _forward(layer, *_tensors(1, 3))
+    with pytest.raises(ValueError, match="only the 1 decode-step"):
+        layer.crop(-2)
+
+
+def test_crop_without_recording_is_refused():
+    cache, layer = _prefilled()
+    _forward(layer, *_tensors(3, 1))
+    before = _state(layer)
+    assert not cache.is_croppable
+    cache.crop(0)
+    with pytest.raises(NotImplementedError, match="only while it records"):
+        cache.crop(-1)
+    with pytest.raises(NotImplementedError, match="only while it records"):
+        layer.crop(-1)
+    _assert_same(_state(layer), before)
+
+
+def test_recording_first_forward_needs_the_prompt_end():
+    """transformers' first speculative forward feeds prompt and draft together: without
+    expect_prompt the cache refuses it before storing anything."""
+    name = "qwen2"  # window layers after the full layer: they are put back too
+    cache = PNMixModelCache(_model(name).config, SMALL)
+    with pytest.raises(ValueError, match="expect_prompt"):
+        _generate(name, cache, _prompt(), prompt_lookup_num_tokens=5)
+    assert cache.get_seq_length() == 0
+    assert all(not layer.is_initialized or layer.get_seq_length() == 0 for layer in cache.layers)
+
+
+def test_reset_stops_recording():
+    cache, layer = _prefilled()
+    cache.activate_past_recording()
+    cache.expect_prompt(13)
+    assert cache.is_croppable
+    cache.reset()
+    assert not cache.is_croppable
+    fresh = _layer_cache()
+    out = _forward(layer, *_tensors(13, 0))
+    assert torch.equal(out, _forward(fresh.layers[0], *_tensors(13, 0)))
+
+
+@pytest.mark.parametrize("kind", ["ratio", "capacity", "composed"])
+def test_evicting_caches_refuse_speculative_decoding_up_front(kind):
+    model = _model("llama")
+    eviction = EvictionConfig(
+        **({"capacity": 12} if kind == "capacity" else {"ratio": 0.5}),
+        scorer="snapkv",
+        sink_tokens=2,
+        window_tokens=4,
+    )
+    if kind == "composed":
+        cache: Any = ComposedModelCache(model.config, eviction, SMALL)
+    else:
+        cache = RelayModelCache(model.config, eviction)
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        _generate("llama", cache, _prompt(), prompt_lookup_num_tokens=5)
+    assert cache.get_seq_length() == 0
