@@ -29,8 +29,14 @@ the device: its value checks and mask check are recorded on the device and raise
 
 Beam search: ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``
 row-select every buffer and count with :meth:`PNMixCache.select_batch`; nothing is
-re-quantized, so a reorder is bit-exact. ``crop`` (assisted decoding) is not supported: codes
-already written are never rewritten.
+re-quantized, so a reorder is bit-exact.
+
+Speculative decoding (``generate(assistant_model=...)``, prompt lookup; docs/design.md "Cache
+life cycle"): after :meth:`PNMixModelCache.activate_past_recording` (``transformers`` calls it)
+and :meth:`PNMixModelCache.expect_prompt`, every token after the prompt is appended as a
+one-token decode step with an undo point, and ``crop(-r)`` removes the last forward's last
+``r`` such tokens byte for byte (groups they flushed are un-flushed); codes already written are
+never rewritten.
 
 Per-layer group sizes: ``layer_group_tokens`` gives each decoder layer its own
 ``group_tokens`` (everything else as ``config``), e.g. an allocation from
