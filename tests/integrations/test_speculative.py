@@ -24,6 +24,7 @@ from kvlab.integrations import (
     enable_kvlab_attention,
 )
 from kvlab.integrations.pnmix_cache import PNMixLayer, PNMixView
+from kvlab.integrations.relay_layer import RelayLayer
 from kvlab.pnmix import PNMixCache, PNMixConfig
 
 # groups of 4 after 2 sinks and a 4-token residual: a group flushes every 4 tokens, in the
@@ -258,8 +259,104 @@ def test_reset_stops_recording():
     assert torch.equal(out, _forward(fresh.layers[0], *_tensors(13, 0)))
 
 
-@pytest.mark.parametrize("kind", ["ratio", "capacity", "composed"])
-def test_evicting_caches_refuse_speculative_decoding_up_front(kind):
+RATIO = EvictionConfig(ratio=0.5, scorer="snapkv", sink_tokens=2, window_tokens=4)
+
+
+def _relay(name: str) -> RelayModelCache:
+    return RelayModelCache(_model(name).config, RATIO)
+
+
+@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
+@pytest.mark.parametrize("name", ("llama", "qwen2"))
+def test_relay_speculative_generate_equals_plain(name, mode, monkeypatch):
+    """Ratio mode: the prompt evicts once at its end (not with the first draft), drafts are
+    appended after it and cropped off the segments' ends."""
+    ids = _prompt()
+    plain_cache = _relay(name)
+    plain = _generate(name, plain_cache, ids)
+    crops: list[int] = []
+    original = RelayLayer.crop
+
+    def spy(layer: RelayLayer, tokens: int) -> None:
+        crops.append(-tokens)
+        original(layer, tokens)
+
+    monkeypatch.setattr(RelayLayer, "crop", spy)
+    cache = _relay(name)
+    cache.expect_prompt(ids.shape[1])
+    if mode == "assistant":
+        extra: dict[str, Any] = {"assistant_model": FAMILIES[name].build(seed=8)}
+    else:
+        extra = {"prompt_lookup_num_tokens": 5}
+    got = _generate(name, cache, ids, **extra)
+    assert got.tolist() == plain.tolist()
+    assert max(crops) > 0  # rejected draft tokens were cropped
+    # the same eviction schedule: one prompt eviction per layer, the same tokens kept
+    assert len(cache.events()) == len(plain_cache.events())
+    for a, b in zip(cache._relay_layers(), plain_cache._relay_layers(), strict=True):
+        assert a.tokens_per_head() == b.tokens_per_head()
+        assert a.next_positions == b.next_positions
+
+
+def test_relay_multi_token_forward_logits_equal_one_token_steps():
+    """A recording relay cache's 10-token forward after the prompt (ratio mode: no eviction
+    during decoding) gives the logits of 10 one-token forwards to float32 rounding; the
+    prompt and the draft in one forward too (the prompt evicts at its end first)."""
+    model = _model("llama")
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        steps = _relay("llama")
+        want = [model(ids[:, :PROMPT], cache=steps).logits]
+        want += [model(ids[:, j : j + 1], cache=steps).logits for j in range(PROMPT, 40)]
+        want_t = torch.cat(want, 1)
+        for split in (True, False):
+            rec = _relay("llama")
+            rec.activate_past_recording()
+            rec.expect_prompt(PROMPT)
+            if split:
+                got = model(ids, cache=rec).logits
+            else:
+                first = model(ids[:, :PROMPT], cache=rec).logits
+                got = torch.cat([first, model(ids[:, PROMPT:], cache=rec).logits], 1)
+            torch.testing.assert_close(got, want_t, atol=1e-5, rtol=0)
+            assert len(rec.events()) == len(steps.events())
+
+
+def test_relay_crop_beyond_the_draft_is_refused_and_changes_nothing():
+    model = _model("llama")
+    ids = _prompt()
+    cache = _relay("llama")
+    cache.activate_past_recording()
+    cache.expect_prompt(PROMPT)
+    with torch.no_grad():
+        model(ids[:, : PROMPT + 5], cache=cache)
+    layers = cache._relay_layers()
+    before = [
+        (layer.tokens_per_head(), layer.seen_tokens, layer.next_positions) for layer in layers
+    ]
+    with pytest.raises(ValueError, match="only the 5 decode-phase tokens"):
+        cache.crop(-6)
+    with pytest.raises(ValueError, match="minus the number of tokens"):
+        cache.crop(2)
+    after = [(layer.tokens_per_head(), layer.seen_tokens, layer.next_positions) for layer in layers]
+    assert after == before
+    cache.crop(-5)
+    assert cache.get_seq_length() == PROMPT
+    with pytest.raises(ValueError, match="only the 0 decode-phase"):
+        cache.crop(-1)
+
+
+def test_relay_crop_without_recording_is_refused():
+    cache = _relay("llama")
+    with torch.no_grad():
+        _model("llama")(_prompt(), cache=cache)
+    assert not cache.is_croppable
+    with pytest.raises(NotImplementedError, match="only while it records"):
+        cache.crop(-1)
+
+
+@pytest.mark.parametrize("kind", ["capacity", "composed"])
+def test_other_evicting_caches_refuse_speculative_decoding_up_front(kind):
     model = _model("llama")
     eviction = EvictionConfig(
         **({"capacity": 12} if kind == "capacity" else {"ratio": 0.5}),
@@ -271,6 +368,8 @@ def test_evicting_caches_refuse_speculative_decoding_up_front(kind):
         cache: Any = ComposedModelCache(model.config, eviction, SMALL)
     else:
         cache = RelayModelCache(model.config, eviction)
+    cache.expect_prompt(PROMPT + 12)
     with pytest.raises(NotImplementedError, match="cannot be cropped"):
         _generate("llama", cache, _prompt(), prompt_lookup_num_tokens=5)
     assert cache.get_seq_length() == 0
+    assert not cache.is_croppable

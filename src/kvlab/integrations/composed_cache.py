@@ -605,6 +605,10 @@ class ComposedModelCache(RelayModelCache):
             RoPE, a value codec that cannot code the heads, ...).
     """
 
+    _speculative_refusal = (
+        "a composed cache packs its decode-phase tokens into PN-Mix (its crop is not built)"
+    )
+
     def __init__(
         self,
         model_config: Any,

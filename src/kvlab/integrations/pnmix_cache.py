@@ -64,7 +64,12 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView, dense_causal_attention
-from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
+from kvlab.integrations.cache_protocol import (
+    CacheStorage,
+    crop_count,
+    dense_layer_storage,
+    sum_storage,
+)
 from kvlab.integrations.inference_mode import InferenceModeTracker
 from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
@@ -211,22 +216,6 @@ class _ForwardState:
                     layer._store.check_values(assume_valid=ok)
                 except ValueError as err:
                     raise ValueError(f"layer {i}: {err}") from err
-
-
-def _tokens_to_remove(tokens_to_remove: int) -> int:
-    """``crop``'s argument as a count of tokens to remove (``transformers`` passes minus it).
-
-    Raises:
-        ValueError: not an int, or positive (the legacy "crop to this length" form).
-    """
-    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
-        raise ValueError(f"crop takes an int, got {tokens_to_remove!r}")
-    if tokens_to_remove > 0:
-        raise ValueError(
-            f"crop({tokens_to_remove}): pass minus the number of tokens to remove, as "
-            "transformers' generate does"
-        )
-    return -int(tokens_to_remove)
 
 
 class PNMixView(CacheView):
@@ -658,7 +647,7 @@ class PNMixLayer(CacheLayerMixin):
             ValueError: a positive count, or more tokens than :meth:`croppable_tokens`;
                 nothing changes.
         """
-        remove = _tokens_to_remove(tokens_to_remove)
+        remove = crop_count(tokens_to_remove)
         if remove == 0:
             return
         if not self._shared.recording:
@@ -800,7 +789,7 @@ class PNMixModelCache(Cache):
             ValueError: a positive count, or more tokens than the last forward's decode steps;
                 nothing changes.
         """
-        remove = _tokens_to_remove(tokens_to_remove)
+        remove = crop_count(tokens_to_remove)
         pnmix = [layer for layer in self.layers if isinstance(layer, PNMixLayer)]
         if remove and pnmix:
             if not self._shared.recording:
