@@ -260,29 +260,36 @@ def test_reset_stops_recording():
 
 
 RATIO = EvictionConfig(ratio=0.5, scorer="snapkv", sink_tokens=2, window_tokens=4)
+CAPACITY = EvictionConfig(capacity=12, scorer="snapkv", sink_tokens=2, window_tokens=4)
 
 
-def _relay(name: str) -> RelayModelCache:
-    return RelayModelCache(_model(name).config, RATIO)
+def _relay(name: str, eviction: EvictionConfig = RATIO) -> RelayModelCache:
+    return RelayModelCache(_model(name).config, eviction)
 
 
 @pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
+@pytest.mark.parametrize("kind", ["ratio", "capacity"])
 @pytest.mark.parametrize("name", ("llama", "qwen2"))
-def test_relay_speculative_generate_equals_plain(name, mode, monkeypatch):
+def test_relay_speculative_generate_equals_plain(name, kind, mode, monkeypatch):
     """Ratio mode: the prompt evicts once at its end (not with the first draft), drafts are
-    appended after it and cropped off the segments' ends."""
+    appended after it and cropped off the segments' ends. Capacity mode: every decode step
+    evicts (12 tokens per head), a crop goes back past evictions."""
+    eviction = RATIO if kind == "ratio" else CAPACITY
     ids = _prompt()
-    plain_cache = _relay(name)
+    plain_cache = _relay(name, eviction)
     plain = _generate(name, plain_cache, ids)
     crops: list[int] = []
+    uneviction = []
     original = RelayLayer.crop
 
     def spy(layer: RelayLayer, tokens: int) -> None:
         crops.append(-tokens)
+        events = len(layer.events)
         original(layer, tokens)
+        uneviction.append(len(layer.events) < events)
 
     monkeypatch.setattr(RelayLayer, "crop", spy)
-    cache = _relay(name)
+    cache = _relay(name, eviction)
     cache.expect_prompt(ids.shape[1])
     if mode == "assistant":
         extra: dict[str, Any] = {"assistant_model": FAMILIES[name].build(seed=8)}
@@ -291,6 +298,7 @@ def test_relay_speculative_generate_equals_plain(name, mode, monkeypatch):
     got = _generate(name, cache, ids, **extra)
     assert got.tolist() == plain.tolist()
     assert max(crops) > 0  # rejected draft tokens were cropped
+    assert any(uneviction) == (kind == "capacity")  # capacity: crops went past evictions
     # the same eviction schedule: one prompt eviction per layer, the same tokens kept
     assert len(cache.events()) == len(plain_cache.events())
     for a, b in zip(cache._relay_layers(), plain_cache._relay_layers(), strict=True):
@@ -298,19 +306,22 @@ def test_relay_speculative_generate_equals_plain(name, mode, monkeypatch):
         assert a.next_positions == b.next_positions
 
 
-def test_relay_multi_token_forward_logits_equal_one_token_steps():
-    """A recording relay cache's 10-token forward after the prompt (ratio mode: no eviction
-    during decoding) gives the logits of 10 one-token forwards to float32 rounding; the
-    prompt and the draft in one forward too (the prompt evicts at its end first)."""
+@pytest.mark.parametrize("kind", ["ratio", "capacity"])
+def test_relay_multi_token_forward_logits_equal_one_token_steps(kind):
+    """A recording relay cache's 10-token forward after the prompt gives the logits of 10
+    one-token forwards to float32 rounding, with the same evictions (ratio mode: none during
+    decoding; capacity mode: one per step); the prompt and the draft in one forward too (the
+    prompt evicts at its end first)."""
+    eviction = RATIO if kind == "ratio" else CAPACITY
     model = _model("llama")
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        steps = _relay("llama")
+        steps = _relay("llama", eviction)
         want = [model(ids[:, :PROMPT], cache=steps).logits]
         want += [model(ids[:, j : j + 1], cache=steps).logits for j in range(PROMPT, 40)]
         want_t = torch.cat(want, 1)
         for split in (True, False):
-            rec = _relay("llama")
+            rec = _relay("llama", eviction)
             rec.activate_past_recording()
             rec.expect_prompt(PROMPT)
             if split:
@@ -320,12 +331,15 @@ def test_relay_multi_token_forward_logits_equal_one_token_steps():
                 got = torch.cat([first, model(ids[:, PROMPT:], cache=rec).logits], 1)
             torch.testing.assert_close(got, want_t, atol=1e-5, rtol=0)
             assert len(rec.events()) == len(steps.events())
+            for a, b in zip(rec._relay_layers(), steps._relay_layers(), strict=True):
+                assert a.tokens_per_head() == b.tokens_per_head()
 
 
-def test_relay_crop_beyond_the_draft_is_refused_and_changes_nothing():
+@pytest.mark.parametrize("kind", ["ratio", "capacity"])
+def test_relay_crop_beyond_the_draft_is_refused_and_changes_nothing(kind):
     model = _model("llama")
     ids = _prompt()
-    cache = _relay("llama")
+    cache = _relay("llama", RATIO if kind == "ratio" else CAPACITY)
     cache.activate_past_recording()
     cache.expect_prompt(PROMPT)
     with torch.no_grad():
@@ -355,21 +369,41 @@ def test_relay_crop_without_recording_is_refused():
         cache.crop(-1)
 
 
-@pytest.mark.parametrize("kind", ["capacity", "composed"])
-def test_other_evicting_caches_refuse_speculative_decoding_up_front(kind):
-    model = _model("llama")
-    eviction = EvictionConfig(
-        **({"capacity": 12} if kind == "capacity" else {"ratio": 0.5}),
-        scorer="snapkv",
-        sink_tokens=2,
-        window_tokens=4,
-    )
-    if kind == "composed":
-        cache: Any = ComposedModelCache(model.config, eviction, SMALL)
-    else:
-        cache = RelayModelCache(model.config, eviction)
+def test_composed_cache_refuses_speculative_decoding_up_front():
+    cache = ComposedModelCache(_model("llama").config, RATIO, SMALL)
     cache.expect_prompt(PROMPT + 12)
     with pytest.raises(NotImplementedError, match="cannot be cropped"):
         _generate("llama", cache, _prompt(), prompt_lookup_num_tokens=5)
     assert cache.get_seq_length() == 0
     assert not cache.is_croppable
+
+
+@pytest.mark.parametrize("remove", [1, 4, 9])
+@pytest.mark.parametrize("kind", ["ratio", "capacity"])
+def test_relay_crop_restores_the_state_before_the_removed_tokens(kind, remove):
+    """After a 10-token recorded forward and crop(-remove): what a cache fed the prompt and
+    the kept tokens one at a time holds (tokens per head, positions, evictions), and the next
+    token's logits to float32 rounding."""
+    eviction = RATIO if kind == "ratio" else CAPACITY
+    model = _model("llama")
+    ids = torch.randint(3, 96, (1, 41), generator=torch.Generator().manual_seed(2))
+    kept = 10 - remove
+    with torch.no_grad():
+        rec = _relay("llama", eviction)
+        rec.activate_past_recording()
+        rec.expect_prompt(PROMPT)
+        model(ids[:, : PROMPT + 10], cache=rec)
+        rec.crop(-remove)
+        ref = _relay("llama", eviction)
+        model(ids[:, :PROMPT], cache=ref)
+        for j in range(PROMPT, PROMPT + kept):
+            model(ids[:, j : j + 1], cache=ref)
+        assert rec.get_seq_length() == ref.get_seq_length() == PROMPT + kept
+        assert len(rec.events()) == len(ref.events())
+        for a, b in zip(rec._relay_layers(), ref._relay_layers(), strict=True):
+            assert a.tokens_per_head() == b.tokens_per_head()
+            assert (a.next_positions, a.stream_lengths) == (b.next_positions, b.stream_lengths)
+        nxt = ids[:, PROMPT + kept : PROMPT + kept + 1]
+        torch.testing.assert_close(
+            model(nxt, cache=rec).logits, model(nxt, cache=ref).logits, atol=1e-5, rtol=0
+        )

@@ -145,17 +145,15 @@ class RelayModelCache(Cache):
         after the prompt's end (:meth:`expect_prompt`) are appended after the prompt's
         eviction and attend as one-token forwards would, and :meth:`crop` can remove them;
         window layers keep their states until the next ``crop`` (``transformers``' own
-        recording). Ratio mode only.
+        recording). Capacity mode runs decode-phase tokens one step at a time (each may evict)
+        and copies a layer's state before each, so a crop may go past an eviction.
 
         Raises:
-            NotImplementedError: capacity mode (it evicts during decoding: a crop would go
-                past an eviction), a scorer fed by a reconstruction pass, or a composed cache;
+            NotImplementedError: a scorer fed by a reconstruction pass, or a composed cache;
                 nothing changes.
         """
         reason = None
-        if self.eviction.capacity is not None:
-            reason = "capacity mode evicts during decoding (a crop would go past an eviction)"
-        elif self.eviction.resolved_scorer.needs_reconstruction:
+        if self.eviction.resolved_scorer.needs_reconstruction:
             reason = f"scorer {self.eviction.resolved_scorer.name!r} needs a reconstruction pass"
         elif self._speculative_refusal is not None:
             reason = self._speculative_refusal
@@ -205,7 +203,7 @@ class RelayModelCache(Cache):
             if remove > can:
                 raise ValueError(
                     f"a relay cache can crop only the {can} decode-phase tokens of its last "
-                    f"forward (never past the prompt's eviction); asked to remove {remove}"
+                    f"forward (never into the prompt); asked to remove {remove}"
                 )
         super().crop(tokens_to_remove)
 

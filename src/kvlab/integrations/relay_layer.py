@@ -12,6 +12,7 @@ instead (:mod:`kvlab.relay.reconstruction`).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -133,8 +134,10 @@ class RelayLayer(CacheLayerMixin):
         self.prompt_open: list[bool] = []
         self.prompt_forwards: list[int] = []  # per row: forwards its prompt arrived in
         self._pending: Pending | None = None
-        # while recording: decode-phase tokens the last forward appended (croppable)
+        # while recording: decode-phase tokens the last forward appended (croppable), and per
+        # token the layer's state before it when that step may evict (capacity mode)
         self.undo_tokens = 0
+        self._undo: list[dict[str, Any] | None] = []
         self.is_initialized = False
 
     # ---------------------------------------------------------------- transformers API
@@ -254,14 +257,25 @@ class RelayLayer(CacheLayerMixin):
         if remove > self.undo_tokens:
             raise ValueError(
                 f"a relay layer can crop only the {self.undo_tokens} decode-phase tokens of its "
-                f"last forward (never past the prompt's eviction); asked to remove {remove}"
+                f"last forward (never into the prompt); asked to remove {remove}"
             )
+        points = self._undo[-remove:]
+        first = next((i for i, p in enumerate(points) if p is not None), None)
+        if first is not None:  # an evicting step among the removed ones: its copy, then cut
+            state = points[first]
+            assert state is not None
+            for name in self._SNAPSHOT:
+                setattr(self, name, state[name])
+            self.store = state["store"]
+            del self.events[state["events"] :]
+            remove = first
         assert self.store is not None
         self.store.truncate(remove)
         self.stream_lengths = [n - remove for n in self.stream_lengths]
         self.next_positions = [n - remove for n in self.next_positions]
         self.seen_tokens -= remove
-        self.undo_tokens -= remove
+        del self._undo[-len(points) :]
+        self.undo_tokens = len(self._undo)
 
     # ---------------------------------------------------------------- sizes
     def tokens_per_head(self, row: int = 0) -> list[int]:
@@ -424,6 +438,7 @@ class RelayLayer(CacheLayerMixin):
         spans = self.forward_state.reconstruction
         if spans is None:
             self.undo_tokens = 0  # a new forward: the last one was accepted
+            self._undo = []
         prompt = plan.decode_from
         if spans is None and prompt is not None and prompt < plan.num_new:
             return self._attend_recording(query, pending, plan, prompt, scaling, kwargs)
@@ -473,20 +488,63 @@ class RelayLayer(CacheLayerMixin):
             delta = torch.tensor(moved, dtype=torch.int64, device=keys.device).view(-1, 1, 1)
             shift = delta if shift is None else shift + delta
         self.prompt_open = [False] * len(self.prompt_open)
-        tail = ForwardPlan(plan.forward_index, batch, t - prompt, [t - prompt] * batch, shift)
-        outs.append(
-            self._attend_part(
-                query[:, :, prompt:],
-                keys[:, :, prompt:],
-                values[:, :, prompt:],
-                tail,
-                scaling,
-                kwargs,
+        if self.eviction.capacity is None:  # ratio mode: decoding never evicts
+            tail = ForwardPlan(plan.forward_index, batch, t - prompt, [t - prompt] * batch, shift)
+            outs.append(
+                self._attend_part(
+                    query[:, :, prompt:],
+                    keys[:, :, prompt:],
+                    values[:, :, prompt:],
+                    tail,
+                    scaling,
+                    kwargs,
+                )
             )
-        )
+            self._undo = [None] * (t - prompt)
+        else:  # capacity mode: one step per token, each may evict (a copy before it)
+            undo: list[dict[str, Any] | None] = []
+            for j in range(prompt, t):
+                undo.append(self._snapshot())
+                moved = [n - b - j for n, b in zip(self.next_positions, before, strict=True)]
+                shift = plan.shift
+                if any(moved):
+                    delta = torch.tensor(moved, dtype=torch.int64, device=keys.device)
+                    delta = delta.view(-1, 1, 1)
+                    shift = delta if shift is None else shift + delta
+                step = ForwardPlan(plan.forward_index, batch, 1, [1] * batch, shift)
+                outs.append(
+                    self._attend_part(
+                        query[:, :, j : j + 1],
+                        keys[:, :, j : j + 1],
+                        values[:, :, j : j + 1],
+                        step,
+                        scaling,
+                        kwargs,
+                    )
+                )
+            self._undo = undo
         self.prompt_open = [False] * len(self.prompt_open)
         self.undo_tokens = t - prompt
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    _SNAPSHOT = (
+        "stream_lengths",
+        "next_positions",
+        "seen_tokens",
+        "evicted",
+        "prompt_open",
+        "prompt_forwards",
+        "padding",
+        "observation_scores",
+    )
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The layer's state before a decode step that may evict (capacity mode): a copy of
+        the store and of every per-row counter (:meth:`crop` puts it back)."""
+        state: dict[str, Any] = {name: copy.copy(getattr(self, name)) for name in self._SNAPSHOT}
+        state["store"] = copy.deepcopy(self.store)
+        state["events"] = len(self.events)
+        return state
 
     def _attend_part(
         self,
