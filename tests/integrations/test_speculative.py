@@ -306,22 +306,27 @@ def test_relay_speculative_generate_equals_plain(name, kind, mode, monkeypatch):
         assert a.next_positions == b.next_positions
 
 
-@pytest.mark.parametrize("kind", ["ratio", "capacity"])
+@pytest.mark.parametrize("kind", ["ratio", "capacity", "composed"])
 def test_relay_multi_token_forward_logits_equal_one_token_steps(kind):
-    """A recording relay cache's 10-token forward after the prompt gives the logits of 10
-    one-token forwards to float32 rounding, with the same evictions (ratio mode: none during
-    decoding; capacity mode: one per step); the prompt and the draft in one forward too (the
-    prompt evicts at its end first)."""
-    eviction = RATIO if kind == "ratio" else CAPACITY
+    """A recording relay (or composed) cache's 10-token forward after the prompt gives the
+    logits of 10 one-token forwards to float32 rounding, with the same evictions (ratio mode:
+    none during decoding; capacity mode: one per step); the prompt and the draft in one
+    forward too (the prompt evicts at its end first)."""
+
+    def new_cache() -> Any:
+        if kind == "composed":
+            return _composed("llama")
+        return _relay("llama", RATIO if kind == "ratio" else CAPACITY)
+
     model = _model("llama")
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        steps = _relay("llama", eviction)
+        steps = new_cache()
         want = [model(ids[:, :PROMPT], cache=steps).logits]
         want += [model(ids[:, j : j + 1], cache=steps).logits for j in range(PROMPT, 40)]
         want_t = torch.cat(want, 1)
         for split in (True, False):
-            rec = _relay("llama", eviction)
+            rec = new_cache()
             rec.activate_past_recording()
             rec.expect_prompt(PROMPT)
             if split:
@@ -331,8 +336,9 @@ def test_relay_multi_token_forward_logits_equal_one_token_steps(kind):
                 got = torch.cat([first, model(ids[:, PROMPT:], cache=rec).logits], 1)
             torch.testing.assert_close(got, want_t, atol=1e-5, rtol=0)
             assert len(rec.events()) == len(steps.events())
-            for a, b in zip(rec._relay_layers(), steps._relay_layers(), strict=True):
-                assert a.tokens_per_head() == b.tokens_per_head()
+            for a, b in zip(rec.layers, steps.layers, strict=True):
+                if hasattr(a, "tokens_per_head"):
+                    assert a.tokens_per_head() == b.tokens_per_head()
 
 
 @pytest.mark.parametrize("kind", ["ratio", "capacity"])
@@ -369,13 +375,58 @@ def test_relay_crop_without_recording_is_refused():
         cache.crop(-1)
 
 
-def test_composed_cache_refuses_speculative_decoding_up_front():
-    cache = ComposedModelCache(_model("llama").config, RATIO, SMALL)
-    cache.expect_prompt(PROMPT + 12)
-    with pytest.raises(NotImplementedError, match="cannot be cropped"):
-        _generate("llama", cache, _prompt(), prompt_lookup_num_tokens=5)
-    assert cache.get_seq_length() == 0
-    assert not cache.is_croppable
+def _composed(name: str) -> ComposedModelCache:
+    return ComposedModelCache(_model(name).config, RATIO, SMALL)
+
+
+@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
+@pytest.mark.parametrize("name", ("llama", "qwen2"))
+def test_composed_speculative_generate_equals_plain(name, mode, monkeypatch):
+    """The prompt evicts and packs at its end; each later token is a PN-Mix decode step,
+    cropped back byte for byte (groups un-flushed)."""
+    ids = _prompt()
+    plain_cache = _composed(name)
+    plain = _generate(name, plain_cache, ids)
+    rollbacks = _Rollbacks(monkeypatch)
+    cache = _composed(name)
+    cache.expect_prompt(ids.shape[1])
+    if mode == "assistant":
+        extra: dict[str, Any] = {"assistant_model": FAMILIES[name].build(seed=8)}
+    else:
+        extra = {"prompt_lookup_num_tokens": 5}
+    got = _generate(name, cache, ids, **extra)
+    assert got.tolist() == plain.tolist()
+    assert rollbacks.calls > 0 and rollbacks.unflushed > 0
+    assert len(cache.events()) == len(plain_cache.events())
+    for a, b in zip(cache._composed_layers(), plain_cache._composed_layers(), strict=True):
+        assert a.tokens_per_head() == b.tokens_per_head()
+        assert a.relay_layer.next_positions == b.relay_layer.next_positions
+
+
+def test_composed_crop_beyond_the_draft_is_refused_and_changes_nothing():
+    model = _model("llama")
+    cache = _composed("llama")
+    cache.activate_past_recording()
+    cache.expect_prompt(PROMPT)
+    with torch.no_grad():
+        model(_prompt()[:, : PROMPT + 5], cache=cache)
+    layers = cache._composed_layers()
+    before = [(layer.tokens_per_head(), layer.relay_layer.next_positions) for layer in layers]
+    with pytest.raises(ValueError, match="only the 5 decode-phase tokens"):
+        cache.crop(-6)
+    assert [(layer.tokens_per_head(), layer.relay_layer.next_positions) for layer in layers] == (
+        before
+    )
+    cache.crop(-5)
+    assert cache.get_seq_length() == PROMPT
+    fresh = _composed("llama")
+    with torch.no_grad():
+        model(_prompt()[:, :PROMPT], cache=fresh)
+    assert [layer.tokens_per_head() for layer in layers] == [
+        layer.tokens_per_head() for layer in fresh._composed_layers()
+    ]
+    with pytest.raises(NotImplementedError, match="only while it records"):
+        fresh.crop(-1)
 
 
 @pytest.mark.parametrize("remove", [1, 4, 9])
