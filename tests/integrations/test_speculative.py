@@ -458,3 +458,20 @@ def test_relay_crop_restores_the_state_before_the_removed_tokens(kind, remove):
         torch.testing.assert_close(
             model(nxt, cache=rec).logits, model(nxt, cache=ref).logits, atol=1e-5, rtol=0
         )
+
+
+def test_reconstruction_scorers_refuse_speculative_decoding_up_front():
+    eviction = EvictionConfig(ratio=0.5, scorer="kvzip", sink_tokens=2, window_tokens=4)
+    cache = RelayModelCache(_model("llama").config, eviction)
+    cache.expect_prompt(PROMPT + 12)
+    with pytest.raises(NotImplementedError, match="reconstruction pass"):
+        _generate("llama", cache, _prompt(), prompt_lookup_num_tokens=5)
+    assert cache.get_seq_length() == 0
+    assert not cache.is_croppable
+
+
+def test_relay_first_forward_needs_the_prompt_end():
+    cache = _relay("qwen2")
+    with pytest.raises(ValueError, match="expect_prompt"):
+        _generate("qwen2", cache, _prompt(), prompt_lookup_num_tokens=5)
+    assert all(layer.get_seq_length() == 0 for layer in cache.layers)
