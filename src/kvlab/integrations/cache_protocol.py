@@ -21,12 +21,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor
 
 __all__ = [
     "CacheStorage",
     "KVLabCache",
+    "crop_count",
     "dense_layer_storage",
     "sum_storage",
     "tensor_storage",
@@ -98,6 +100,23 @@ class KVLabCache(Protocol):
     def storage(self) -> CacheStorage:
         """What the cache holds now, in bytes (module docstring)."""
         ...
+
+
+def crop_count(tokens_to_remove: Any) -> int:
+    """``Cache.crop``'s argument as the number of tokens to remove: ``transformers``' generate
+    passes minus it (``crop(-r)``; ``crop(0)`` removes nothing).
+
+    Raises:
+        ValueError: not an int, or positive (the legacy "crop to this length" form).
+    """
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
+        raise ValueError(f"crop takes an int, got {tokens_to_remove!r}")
+    if tokens_to_remove > 0:
+        raise ValueError(
+            f"crop({tokens_to_remove}): pass minus the number of tokens to remove, as "
+            "transformers' generate does"
+        )
+    return -int(tokens_to_remove)
 
 
 def tensor_storage(tensors: Iterable[Tensor]) -> CacheStorage:

@@ -57,9 +57,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
+from kvlab.integrations.cache_protocol import (
+    CacheStorage,
+    crop_count,
+    dense_layer_storage,
+    sum_storage,
+)
 from kvlab.integrations.forward import (
     ForwardPlan,
     ForwardState,
@@ -75,6 +80,7 @@ from kvlab.integrations.pnmix_cache import pnmix_config_for_model
 from kvlab.integrations.relay_cache import RelayModelCache
 from kvlab.integrations.relay_layer import RelayLayer
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
+from kvlab.pnmix.cache import UndoPoint
 from kvlab.pnmix.quantizers import round_to_storage
 from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.relay.evictor import Evictor
@@ -147,7 +153,6 @@ class ComposedLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = False
     is_sliding = False
 
     def __init__(
@@ -178,6 +183,18 @@ class ComposedLayer(CacheLayerMixin):
         self.pnmix: PNMixCache | None = None
         self._inference = InferenceModeTracker()
         self.kept_positions: tuple[Tensor, np.ndarray] | None = None
+        # while recording: an undo point per decode-phase token of the last forward
+        self._undo: list[UndoPoint] = []
+
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        """True while the cache records (speculative decoding)."""
+        return self.forward_state.recording
+
+    @property
+    def undo_tokens(self) -> int:
+        """Tokens :meth:`crop` can remove now: the last forward's decode-phase tokens."""
+        return len(self._undo)
 
     # ---------------------------------------------------------------- the stream's state
     @property
@@ -314,12 +331,36 @@ class ComposedLayer(CacheLayerMixin):
         self._clear_packed()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Only ``crop(0)`` is supported.
+        """Remove the last ``-tokens_to_remove`` tokens (``transformers``' convention): only
+        the decode-phase tokens of the last forward while the cache records, each appended to
+        the PN-Mix cache as one decode step (:meth:`kvlab.pnmix.PNMixCache.rollback` puts the
+        codes, residual and tables back byte for byte; the stream counters go back).
 
         Raises:
-            NotImplementedError: ``tokens_to_remove != 0``.
+            NotImplementedError: a crop of a cache that does not record.
+            ValueError: a positive count, or more tokens than the last forward's decode-phase
+                tokens; nothing changes.
         """
-        self.relay_layer.crop(tokens_to_remove)
+        remove = crop_count(tokens_to_remove)
+        if remove == 0:
+            return
+        if not self.forward_state.recording:
+            raise NotImplementedError(
+                "a composed cache can be cropped only while it records (Cache."
+                "activate_past_recording(), which generate(assistant_model=...) calls)"
+            )
+        if remove > len(self._undo):
+            raise ValueError(
+                f"a composed layer can crop only the {len(self._undo)} decode-phase tokens of "
+                f"its last forward (never into the prompt); asked to remove {remove}"
+            )
+        assert self.pnmix is not None
+        self.pnmix.rollback(self._undo[-remove:])
+        del self._undo[-remove:]
+        relay = self.relay_layer
+        relay.stream_lengths = [n - remove for n in relay.stream_lengths]
+        relay.next_positions = [n - remove for n in relay.next_positions]
+        relay.seen_tokens -= remove
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row-select the storage by ``beam_idx`` (beam search; reads the indices to the host)."""
@@ -380,9 +421,17 @@ class ComposedLayer(CacheLayerMixin):
         if self.pnmix is not None:
             state.check()
         plan = relay.check_forward(pending, attention_mask, kwargs, reconstruction=reconstruction)
+        if self.pnmix is None and plan.decode_from == 0:
+            raise ValueError(
+                "a recording ComposedModelCache evicts and packs its first forward's prompt: "
+                "expect_prompt must mark at least one token of it"
+            )
         late = []
         if self.pnmix is not None:
-            late = [b for b, r in enumerate(plan.real) if r > 1 and relay.prompt_open[b]]
+            prompt = plan.real
+            if plan.decode_from is not None:  # recording: only the prompt's columns count
+                prompt = [min(r, plan.decode_from) for r in plan.real]
+            late = [b for b, r in enumerate(prompt) if r > 1 and relay.prompt_open[b]]
         if late:
             warnings.warn(
                 f"ComposedModelCache: rows {late} receive more of their prompt after the "
@@ -433,6 +482,8 @@ class ComposedLayer(CacheLayerMixin):
             RuntimeError: ``attend`` without a preceding ``update``.
         """
         relay = self.relay_layer
+        if self.forward_state.recording and self.forward_state.reconstruction is None:
+            return self._attend_recording(query, scaling, attention_mask, kwargs)
         if self.pnmix is None:
             stash = relay.stash
             if stash is not None:  # before the RelayStore commits anything
@@ -479,6 +530,94 @@ class ComposedLayer(CacheLayerMixin):
             logit_softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
             sink_logits=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
         ).to(query.dtype)
+
+    def _attend_recording(
+        self,
+        query: Tensor,
+        scaling: float,
+        attention_mask: Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        """A forward while the cache records (speculative decoding): its columns before the
+        prompt's end go the plain way (the first forward: exact attention, eviction, packing),
+        each later one is one PN-Mix decode step (:func:`kvlab.pnmix.pnmix_decode_step`) at
+        the position the relay moved it to, with an undo point for :meth:`crop` — what the
+        one-token forwards of a plain run store and see. They close the prompt."""
+        relay = self.relay_layer
+        if self.pnmix is None:
+            stash = relay.stash
+            if stash is not None:  # before the RelayStore commits anything
+                self._check_storable(stash.keys, stash.values)
+        pending, plan = relay.take_pending(attention_mask, kwargs)
+        self._undo = []
+        batch, t = plan.batch, plan.num_new
+        prompt = plan.decode_from
+        if prompt is None:  # a single-token forward after the prefill (plan_decode)
+            prompt = 0 if self.pnmix is not None else t
+        keys, values = pending.keys, pending.values
+        softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
+        before = list(relay.next_positions) or [0] * batch
+        outs: list[Tensor] = []
+        if prompt:
+            real = plan.real if prompt == t else [prompt] * batch
+            head = ForwardPlan(
+                plan.forward_index,
+                batch,
+                prompt,
+                real,
+                plan.shift,
+                first_eviction=plan.first_eviction,
+            )
+            hq, hk, hv = query[:, :, :prompt], keys[:, :, :prompt], values[:, :, :prompt]
+            if self.pnmix is None:
+                outs.append(relay._attend_part(hq, hk, hv, head, scaling, kwargs))
+                if plan.shift is not None and self.uses_rope:
+                    hq = rotate_by_delta(hq, plan.shift, self.rotary)
+                self._pack(hq, head)
+            else:  # more of a prompt after the prefill: appended whole, as outside recording
+                if plan.shift is not None and self.uses_rope:
+                    hk = rotate_by_delta(hk, plan.shift, self.rotary)
+                    hq = rotate_by_delta(hq, plan.shift, self.rotary)
+                self.pnmix.append(hk, hv, checks="eager", queries=hq)
+                relay.advance(head)
+                outs.append(
+                    pnmix_attention(
+                        hq,
+                        self.pnmix,
+                        scale=scaling,
+                        causal=True,
+                        logit_softcap=softcap,
+                        sink_logits=s_aux,
+                    ).to(query.dtype)
+                )
+        if prompt < t:
+            relay.prompt_open = [False] * len(relay.prompt_open)
+            assert self.pnmix is not None  # the plan refuses a first forward without a prompt
+            for j in range(prompt, t):
+                moved = [n - b - j for n, b in zip(relay.next_positions, before, strict=True)]
+                shift = plan.shift
+                if any(moved):
+                    delta = torch.tensor(moved, dtype=torch.int64, device=keys.device)
+                    delta = delta.view(-1, 1, 1)
+                    shift = delta if shift is None else shift + delta
+                kj, qj = keys[:, :, j : j + 1], query[:, :, j : j + 1]
+                if shift is not None and self.uses_rope:
+                    kj = rotate_by_delta(kj, shift, self.rotary)
+                    qj = rotate_by_delta(qj, shift, self.rotary)
+                self._undo.append(self.pnmix.undo_point())
+                outs.append(
+                    pnmix_decode_step(
+                        qj,
+                        kj,
+                        values[:, :, j : j + 1],
+                        self.pnmix,
+                        scale=scaling,
+                        logit_softcap=softcap,
+                        sink_logits=s_aux,
+                    )
+                )
+                relay.advance(ForwardPlan(plan.forward_index, batch, 1, [1] * batch, None))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def _check_storable(self, keys: Tensor, values: Tensor) -> None:
         """Refuse a first forward whose keys or values (padding included) the PN-Mix storage
@@ -604,6 +743,29 @@ class ComposedModelCache(RelayModelCache):
             ``RelayModelCache`` and ``PNMixCache`` refuse for this model (unsupported layers or
             RoPE, a value codec that cannot code the heads, ...).
     """
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens from every layer (``transformers``'
+        convention): while recording, the decode-phase tokens of the last forward
+        (:meth:`ComposedLayer.crop`). Checked for every layer before any changes.
+
+        Raises:
+            NotImplementedError: ``tokens_to_remove != 0`` while not recording.
+            ValueError: a positive count, or more tokens than the last forward's decode-phase
+                tokens; nothing changes.
+        """
+        remove = crop_count(tokens_to_remove)
+        layers = self._composed_layers()
+        if remove and layers:
+            if not layers[0].forward_state.recording:
+                layers[0].crop(tokens_to_remove)  # raises NotImplementedError
+            can = min(layer.undo_tokens for layer in layers)
+            if remove > can:
+                raise ValueError(
+                    f"a composed cache can crop only the {can} decode-phase tokens of its last "
+                    f"forward (never into the prompt); asked to remove {remove}"
+                )
+        Cache.crop(self, tokens_to_remove)
 
     def __init__(
         self,

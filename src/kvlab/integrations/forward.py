@@ -60,6 +60,9 @@ class ForwardPlan:
     shift: Tensor | None
     first_eviction: list[int] = field(default_factory=list)
     reconstruction: bool = False
+    #: while the cache records (speculative decoding): the new columns before this index are
+    #: the prompt's, the later ones decode-phase tokens (``num_new``: all the prompt's)
+    decode_from: int | None = None
 
     @property
     def padded(self) -> bool:
@@ -96,13 +99,19 @@ class ForwardState:
         self.plan: ForwardPlan | None = None
         self.reconstruction: list[ReconstructionSpan | None] | None = None
         self.guard = ForwardGuard()
+        #: speculative decoding (``activate_past_recording``) and where the prompt ends
+        self.recording = False
+        self.prompt_end: int | None = None
 
     def reset(self) -> None:
         """Forget the current forward's plan and reconstruction spans (``Cache.reset``: a
         plan left by the last forward must not be taken for the next conversation's first,
-        whose layers count forwards from 0 again); the guard and the layers stay."""
+        whose layers count forwards from 0 again), and stop recording; the guard and the
+        layers stay."""
         self.plan = None
         self.reconstruction = None
+        self.recording = False
+        self.prompt_end = None
 
 
 class LayerView(CacheView):

@@ -29,8 +29,14 @@ the device: its value checks and mask check are recorded on the device and raise
 
 Beam search: ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``
 row-select every buffer and count with :meth:`PNMixCache.select_batch`; nothing is
-re-quantized, so a reorder is bit-exact. ``crop`` (assisted decoding) is not supported: codes
-already written are never rewritten.
+re-quantized, so a reorder is bit-exact.
+
+Speculative decoding (``generate(assistant_model=...)``, prompt lookup; docs/design.md "Cache
+life cycle"): after :meth:`PNMixModelCache.activate_past_recording` (``transformers`` calls it)
+and :meth:`PNMixModelCache.expect_prompt`, every token after the prompt is appended as a
+one-token decode step with an undo point, and ``crop(-r)`` removes the last forward's last
+``r`` such tokens byte for byte (groups they flushed are un-flushed); codes already written are
+never rewritten.
 
 Per-layer group sizes: ``layer_group_tokens`` gives each decoder layer its own
 ``group_tokens`` (everything else as ``config``), e.g. an allocation from
@@ -58,10 +64,16 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.attention import CacheView, dense_causal_attention
-from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
+from kvlab.integrations.cache_protocol import (
+    CacheStorage,
+    crop_count,
+    dense_layer_storage,
+    sum_storage,
+)
 from kvlab.integrations.inference_mode import InferenceModeTracker
 from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention, pnmix_decode_step
+from kvlab.pnmix.cache import UndoPoint
 from kvlab.pnmix.kernels.dispatch import requested_backend
 from kvlab.rope import RotaryConfig
 
@@ -91,6 +103,11 @@ class _ForwardState:
     def __init__(self) -> None:
         self.layers: list[PNMixLayer] = []
         self.guard = ForwardGuard()
+        #: speculative decoding (``Cache.activate_past_recording``): decode-phase tokens are
+        #: appended one step at a time and can be cropped (:meth:`PNMixLayer.attend_recording`)
+        self.recording = False
+        #: token columns the prompt ends at (:meth:`PNMixModelCache.expect_prompt`)
+        self.prompt_end: int | None = None
         self._key: tuple[Any, ...] | None = None
         self._mask: Tensor | None = None
         self._lengths: np.ndarray | None = None
@@ -243,6 +260,75 @@ class PNMixView(CacheView):
         """
         softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
         layer = self.layer
+        if layer._shared.recording:
+            return layer.attend_recording(
+                query, attention_mask, scaling=scaling, softcap=softcap, s_aux=s_aux
+            )
+        return layer.attend_plain(
+            query, attention_mask, scaling=scaling, softcap=softcap, s_aux=s_aux
+        )
+
+
+class PNMixLayer(CacheLayerMixin):
+    """One decoder layer's PN-Mix cache (a ``transformers`` cache layer).
+
+    The :class:`kvlab.pnmix.PNMixCache` (``store``) is created lazily from the first keys that
+    pass the forward's checks: batch size, ``num_key_value_heads``, ``head_dim`` and value head
+    dim are read from them. ``update`` stashes a forward's keys and values; :meth:`commit`
+    (called by the view's ``attend``, or by the next ``update`` when no attention ran) stores
+    them.
+
+    Speculative decoding (``Cache.activate_past_recording``, docs/design.md "Cache life
+    cycle"): :meth:`attend_recording` appends a forward's decode-phase tokens one step at a
+    time, keeping an undo point per token, so that :meth:`crop` can remove them.
+    """
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        config: PNMixConfig,
+        exact_prefill: bool = True,
+        shared: _ForwardState | None = None,
+        rotary: RotaryConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.exact_prefill = exact_prefill
+        self.rotary = rotary
+        self._store: PNMixCache | None = None
+        self.columns = 0
+        self._pending: tuple[Tensor, Tensor] | None = None
+        self._inference = InferenceModeTracker()
+        self._undo: list[tuple[UndoPoint, int]] = []
+        if shared is None:
+            shared = _ForwardState()
+        shared.layers.append(self)
+        self._shared = shared
+
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        """True while the cache records (``activate_past_recording``): :meth:`crop` then
+        removes the tokens the last forward appended as decode steps."""
+        return self._shared.recording
+
+    def activate_past_recording(self) -> None:
+        """Record decode-phase tokens so that :meth:`crop` can remove them (every PN-Mix layer
+        of the cache: they share the flag)."""
+        self._shared.recording = True
+
+    def attend_plain(
+        self,
+        query: Tensor,
+        attention_mask: Tensor | None,
+        *,
+        scaling: float,
+        softcap: float | None,
+        s_aux: Tensor | None,
+    ) -> Tensor:
+        """The view's attention outside recording (:meth:`PNMixView.attend`)."""
+        layer = self
         decode = layer.take_decode_token(attention_mask)
         if decode is not None:  # a single-token forward: append + attend in one step
             keys, values, store = decode
@@ -279,40 +365,98 @@ class PNMixView(CacheView):
             query, store, scale=scaling, causal=True, logit_softcap=softcap, sink_logits=s_aux
         ).to(query.dtype)
 
-
-class PNMixLayer(CacheLayerMixin):
-    """One decoder layer's PN-Mix cache (a ``transformers`` cache layer).
-
-    The :class:`kvlab.pnmix.PNMixCache` (``store``) is created lazily from the first keys that
-    pass the forward's checks: batch size, ``num_key_value_heads``, ``head_dim`` and value head
-    dim are read from them. ``update`` stashes a forward's keys and values; :meth:`commit`
-    (called by the view's ``attend``, or by the next ``update`` when no attention ran) stores
-    them.
-    """
-
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-
-    def __init__(
+    def attend_recording(
         self,
-        config: PNMixConfig,
-        exact_prefill: bool = True,
-        shared: _ForwardState | None = None,
-        rotary: RotaryConfig | None = None,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.exact_prefill = exact_prefill
-        self.rotary = rotary
-        self._store: PNMixCache | None = None
-        self.columns = 0
-        self._pending: tuple[Tensor, Tensor] | None = None
-        self._inference = InferenceModeTracker()
-        if shared is None:
-            shared = _ForwardState()
-        shared.layers.append(self)
-        self._shared = shared
+        query: Tensor,
+        attention_mask: Tensor | None,
+        *,
+        scaling: float,
+        softcap: float | None,
+        s_aux: Tensor | None,
+    ) -> Tensor:
+        """The view's attention while the cache records (speculative decoding).
+
+        The forward's tokens up to the prompt's end (:meth:`PNMixModelCache.expect_prompt`)
+        go the plain way (:meth:`attend_plain`: a prefill attends exactly); every later token
+        ``j`` is one decode step (:func:`kvlab.pnmix.pnmix_decode_step` with query ``j``,
+        key and value ``j``): it sees the cache exactly as the ``j``-th one-token forward of a
+        plain run would (the exact residual as it stood then, only the groups flushed by then
+        quantized) and stores the same bytes. Each decode step keeps an undo point for
+        :meth:`crop`; the previous forward's are dropped (it was accepted).
+
+        Returns:
+            ``[B, H_q, Q, Dv]`` in the query dtype.
+
+        Raises:
+            ValueError: a bad mask (as :meth:`attend_plain`); decode-phase tokens with
+                padding; a multi-token forward into an empty layer before ``expect_prompt``.
+                Nothing is stored then.
+        """
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("PNMixView used before its layer received any token")
+        keys, values = pending
+        batch, q = keys.shape[0], keys.shape[2]
+        self._undo = []  # a new forward: the previous one was accepted
+        end = self._shared.prompt_end
+        if end is None:
+            if self.columns == 0 and q > 1:
+                raise ValueError(
+                    "a PN-Mix cache recording for speculative decoding (generate(assistant_model"
+                    "=...) or prompt_lookup_num_tokens) cannot tell the prompt from the draft "
+                    "in transformers' first forward, which feeds both: call "
+                    "cache.expect_prompt(input_ids.shape[1]) before generate"
+                )
+            end = self.columns
+        plain = min(max(end - self.columns, 0), q)
+        if plain == q:
+            return self.attend_plain(
+                query, attention_mask, scaling=scaling, softcap=softcap, s_aux=s_aux
+            )
+        store = self._store
+        stored = None if store is None else store.seq_lengths[:, 0]
+        if store is not None and not int(stored.max()):
+            stored = None
+        lengths = self._shared.lengths(attention_mask, batch, q, self.columns, stored)
+        if lengths is not None:
+            raise ValueError(
+                "a PN-Mix cache recording for speculative decoding takes no padding among a "
+                "forward's decode-phase tokens"
+            )
+        outs: list[Tensor] = []
+        if plain:
+            self._pending = (keys[:, :, :plain], values[:, :, :plain])
+            mask = None if attention_mask is None else attention_mask[:, : self.columns + plain]
+            outs.append(
+                self.attend_plain(
+                    query[:, :, :plain], mask, scaling=scaling, softcap=softcap, s_aux=s_aux
+                )
+            )
+        self._pending = None
+        if self._store is None:
+            self.lazy_initialization(keys, values)
+        store = self._store
+        assert store is not None
+        for j in range(plain, q):
+            self._undo.append((store.undo_point(), self.columns))
+            outs.append(
+                pnmix_decode_step(
+                    query[:, :, j : j + 1],
+                    keys[:, :, j : j + 1],
+                    values[:, :, j : j + 1],
+                    store,
+                    scale=scaling,
+                    logit_softcap=softcap,
+                    sink_logits=s_aux,
+                )
+            )
+            self.columns += 1
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def croppable_tokens(self) -> int:
+        """Tokens :meth:`crop` can remove now: the decode steps of the last forward while
+        recording (0 otherwise)."""
+        return len(self._undo) if self._shared.recording else 0
 
     @property
     def store(self) -> PNMixCache | None:
@@ -470,6 +614,7 @@ class PNMixLayer(CacheLayerMixin):
         self._store = None
         self.columns = 0
         self._pending = None
+        self._undo = []
         self._inference = InferenceModeTracker()
         self.is_initialized = False
 
@@ -492,16 +637,36 @@ class PNMixLayer(CacheLayerMixin):
             self._select(index.repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Only ``crop(0)`` is supported (packed codes are never rewritten).
+        """Remove the last ``-tokens_to_remove`` tokens (``transformers``' convention: a
+        negative count; ``crop(0)`` does nothing): only decode-step tokens of the last forward
+        while the cache records (:meth:`attend_recording`). The store then holds exactly the
+        bytes and counts it held before them (groups they flushed are un-flushed).
 
         Raises:
-            NotImplementedError: ``tokens_to_remove != 0``.
+            NotImplementedError: a crop of a cache that does not record (nothing to undo).
+            ValueError: a positive count, or more tokens than :meth:`croppable_tokens`;
+                nothing changes.
         """
-        if tokens_to_remove != 0:
+        remove = crop_count(tokens_to_remove)
+        if remove == 0:
+            return
+        if not self._shared.recording:
             raise NotImplementedError(
-                "PN-Mix caches cannot be cropped (quantized groups are never rewritten); "
-                "assisted decoding is not supported"
+                "a PN-Mix cache can be cropped only while it records (Cache."
+                "activate_past_recording(), which generate(assistant_model=...) calls): "
+                "quantized groups are never rewritten"
             )
+        if remove > len(self._undo):
+            raise ValueError(
+                f"a PN-Mix layer can crop only the {len(self._undo)} decode-step tokens of its "
+                f"last forward (a prompt token or an earlier forward's token is never removed); "
+                f"asked to remove {remove}"
+            )
+        points = self._undo[-remove:]
+        assert self._store is not None
+        self._store.rollback([p for p, _ in points])
+        self.columns = points[0][1]
+        del self._undo[-remove:]
 
     def nbytes(self) -> int:
         """Persistent bytes of this layer's storage (0 before the first token)."""
@@ -587,6 +752,65 @@ class PNMixModelCache(Cache):
         super().__init__(layers=plan.build_layers(full_layer))
         self._shared = shared
         shared.guard = ForwardGuard(self.layers)  # atomic failure with leading window layers
+
+    # ---------------- speculative decoding (docs/design.md, "Cache life cycle": crop)
+    def activate_past_recording(self) -> None:
+        """Record from now on (``transformers``' ``generate(assistant_model=...)`` and
+        prompt-lookup decoding call this first): each forward's decode-phase tokens — every
+        token after the prompt's end (:meth:`expect_prompt`) — are appended as one-token decode
+        steps, so a multi-token forward attends and stores exactly as the one-token forwards
+        of a plain run would, and :meth:`crop` can remove them; window layers keep their
+        states until the next ``crop`` (``transformers``' own recording)."""
+        super().activate_past_recording()
+
+    def expect_prompt(self, tokens: int) -> None:
+        """Mark where the prompt ends: token columns ``tokens`` (``input_ids.shape[1]`` of the
+        ``generate`` call, the conversation so far included). While recording, a forward's
+        tokens before it go the plain way (a prefill attends exactly), later ones are decode
+        steps: ``transformers``' first speculative forward feeds the prompt and the first
+        draft together, which the cache cannot tell apart otherwise.
+
+        Raises:
+            ValueError: ``tokens`` not an int >= 0.
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
+            raise ValueError(f"expect_prompt takes a token count >= 0, got {tokens!r}")
+        self._shared.prompt_end = int(tokens)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens from every layer (``transformers``'
+        convention; ``crop(0)`` only shrinks recording window layers back to their window).
+        PN-Mix layers remove only the decode-step tokens of the last forward while recording
+        (:meth:`PNMixLayer.crop`: the state before them comes back byte for byte). Checked for
+        every layer before any changes.
+
+        Raises:
+            NotImplementedError: ``tokens_to_remove != 0`` while not recording.
+            ValueError: a positive count, or more tokens than the last forward's decode steps;
+                nothing changes.
+        """
+        remove = crop_count(tokens_to_remove)
+        pnmix = [layer for layer in self.layers if isinstance(layer, PNMixLayer)]
+        if remove and pnmix:
+            if not self._shared.recording:
+                pnmix[0].crop(tokens_to_remove)  # raises NotImplementedError
+            can = min(layer.croppable_tokens() for layer in pnmix)
+            if remove > can:
+                raise ValueError(
+                    f"a PN-Mix cache can crop only the {can} decode-step tokens of its last "
+                    "forward (a prompt token or an earlier forward's token is never removed); "
+                    f"asked to remove {remove}"
+                )
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        """Empty every layer and stop recording (a new cache: no prompt end, no undo)."""
+        super().reset()
+        self._shared.recording = False
+        self._shared.prompt_end = None
+        for layer in self.layers:
+            if hasattr(layer, "record_past"):
+                layer.record_past = False
 
     def nbytes(self) -> int:
         """Persistent bytes of every layer (sinks, residual, codes, scales, masks; window

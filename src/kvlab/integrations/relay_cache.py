@@ -44,7 +44,12 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
+from kvlab.integrations.cache_protocol import (
+    CacheStorage,
+    crop_count,
+    dense_layer_storage,
+    sum_storage,
+)
 from kvlab.integrations.forward import ForwardState
 from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
 from kvlab.integrations.relay_layer import RelayLayer, RelayView
@@ -129,6 +134,85 @@ class RelayModelCache(Cache):
         for layer in self._relay_layers():
             layer.num_layers = layers
         state.guard = ForwardGuard(self.layers)  # atomic failure with leading window layers
+
+    # ---------------- speculative decoding (docs/design.md, "Cache life cycle": crop)
+    #: why a subclass refuses speculative decoding (``None``: it does not)
+    _speculative_refusal: str | None = None
+
+    def activate_past_recording(self) -> None:
+        """Record from now on (``transformers``' ``generate(assistant_model=...)`` and
+        prompt-lookup decoding call this first, before any forward): a forward's tokens
+        after the prompt's end (:meth:`expect_prompt`) are appended after the prompt's
+        eviction and attend as one-token forwards would, and :meth:`crop` can remove them;
+        window layers keep their states until the next ``crop`` (``transformers``' own
+        recording). Capacity mode runs decode-phase tokens one step at a time (each may evict)
+        and copies a layer's state before each, so a crop may go past an eviction.
+
+        Raises:
+            NotImplementedError: a scorer fed by a reconstruction pass, or a composed cache;
+                nothing changes.
+        """
+        reason = None
+        if self.eviction.resolved_scorer.needs_reconstruction:
+            reason = f"scorer {self.eviction.resolved_scorer.name!r} needs a reconstruction pass"
+        elif self._speculative_refusal is not None:
+            reason = self._speculative_refusal
+        elif any(layer.deferred for layer in self._relay_layers()):
+            reason = "a deferred eviction waits for a reconstruction pass"
+        if reason is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot be cropped here, so speculative decoding "
+                f"(generate(assistant_model=...), prompt_lookup_num_tokens) is refused: "
+                f"{reason}; nothing was stored"
+            )
+        for layer in self._relay_layers():
+            layer.forward_state.recording = True
+        super().activate_past_recording()
+
+    def expect_prompt(self, tokens: int) -> None:
+        """Mark where the prompt ends: token columns ``tokens`` (``input_ids.shape[1]`` of the
+        ``generate`` call). While recording, a forward's columns before it are the prompt's
+        (evicted at its end, as a plain prefill is), later ones decode-phase tokens:
+        ``transformers``' first speculative forward feeds the prompt and the first draft
+        together.
+
+        Raises:
+            ValueError: ``tokens`` not an int >= 0.
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"expect_prompt takes a token count >= 0, got {tokens!r}")
+        for layer in self._relay_layers():
+            layer.forward_state.prompt_end = tokens
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens from every layer (``transformers``'
+        convention): while recording, the decode-phase tokens of the last forward
+        (:meth:`RelayLayer.crop`). Checked for every layer before any changes.
+
+        Raises:
+            NotImplementedError: ``tokens_to_remove != 0`` while not recording.
+            ValueError: a positive count, or more tokens than the last forward's decode-phase
+                tokens; nothing changes.
+        """
+        remove = crop_count(tokens_to_remove)
+        relays = self._relay_layers()
+        if remove and relays:
+            if not relays[0].forward_state.recording:
+                relays[0].crop(tokens_to_remove)  # raises NotImplementedError
+            can = min(layer.undo_tokens for layer in relays)
+            if remove > can:
+                raise ValueError(
+                    f"a relay cache can crop only the {can} decode-phase tokens of its last "
+                    f"forward (never into the prompt); asked to remove {remove}"
+                )
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        """Empty every layer and stop recording (as a new cache)."""
+        super().reset()
+        for layer in self.layers:
+            if hasattr(layer, "record_past"):
+                layer.record_past = False
 
     def _forward_state(self) -> ForwardState:
         """The forward state the full-attention layers share (a subclass may extend it)."""

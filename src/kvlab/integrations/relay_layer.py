@@ -12,12 +12,14 @@ instead (:mod:`kvlab.relay.reconstruction`).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
+from kvlab.integrations.cache_protocol import crop_count
 from kvlab.integrations.forward import (
     ForwardPlan,
     ForwardState,
@@ -67,7 +69,6 @@ class RelayLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = False
     is_sliding = False
     #: ratio mode: evict again after each later multi-token forward of an open prompt (False
     #: for the composed cache's eviction stage, which packs after the first forward)
@@ -100,6 +101,12 @@ class RelayLayer(CacheLayerMixin):
         self._clear()
 
     @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        """True while the cache records (speculative decoding): :meth:`crop` then removes
+        the decode-phase tokens of the last forward."""
+        return self.forward_state.recording
+
+    @property
     def num_layers(self) -> int:
         """Decoder layers the model's budget is split over (set by the model cache;
         per-layer budgets need it)."""
@@ -127,6 +134,10 @@ class RelayLayer(CacheLayerMixin):
         self.prompt_open: list[bool] = []
         self.prompt_forwards: list[int] = []  # per row: forwards its prompt arrived in
         self._pending: Pending | None = None
+        # while recording: decode-phase tokens the last forward appended (croppable), and per
+        # token the layer's state before it when that step may evict (capacity mode)
+        self.undo_tokens = 0
+        self._undo: list[dict[str, Any] | None] = []
         self.is_initialized = False
 
     # ---------------------------------------------------------------- transformers API
@@ -226,13 +237,45 @@ class RelayLayer(CacheLayerMixin):
         self.select_rows([b for b in rows for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Only ``crop(0)`` is supported.
+        """Remove the last ``-tokens_to_remove`` tokens (``transformers``' convention;
+        ``crop(0)`` does nothing): only decode-phase tokens of the last forward while the cache
+        records — appended after the prompt's eviction, so every segment's last tokens.
 
         Raises:
-            NotImplementedError: ``tokens_to_remove != 0``.
+            NotImplementedError: a crop of a cache that does not record.
+            ValueError: a positive count, or more tokens than the last forward's decode-phase
+                tokens (a prompt token, an earlier forward's); nothing changes.
         """
-        if tokens_to_remove != 0:
-            raise NotImplementedError("relay caches cannot be cropped")
+        remove = crop_count(tokens_to_remove)
+        if remove == 0:
+            return
+        if not self.forward_state.recording:
+            raise NotImplementedError(
+                "a relay cache can be cropped only while it records (Cache."
+                "activate_past_recording(), which generate(assistant_model=...) calls)"
+            )
+        if remove > self.undo_tokens:
+            raise ValueError(
+                f"a relay layer can crop only the {self.undo_tokens} decode-phase tokens of its "
+                f"last forward (never into the prompt); asked to remove {remove}"
+            )
+        points = self._undo[-remove:]
+        first = next((i for i, p in enumerate(points) if p is not None), None)
+        if first is not None:  # an evicting step among the removed ones: its copy, then cut
+            state = points[first]
+            assert state is not None
+            for name in self._SNAPSHOT:
+                setattr(self, name, state[name])
+            self.store = state["store"]
+            del self.events[state["events"] :]
+            remove = first
+        assert self.store is not None
+        self.store.truncate(remove)
+        self.stream_lengths = [n - remove for n in self.stream_lengths]
+        self.next_positions = [n - remove for n in self.next_positions]
+        self.seen_tokens -= remove
+        del self._undo[-len(points) :]
+        self.undo_tokens = len(self._undo)
 
     # ---------------------------------------------------------------- sizes
     def tokens_per_head(self, row: int = 0) -> list[int]:
@@ -319,6 +362,11 @@ class RelayLayer(CacheLayerMixin):
             forward_index=self.forwards,
             reconstruction=reconstruction,
         )
+        prompt_real = plan.real
+        if self.forward_state.recording and not reconstruction:
+            plan.decode_from = self._decode_from(plan)
+            if plan.decode_from < plan.num_new:
+                prompt_real = [plan.decode_from] * batch
         if self.eviction.ratio is not None and not self.deferred and not reconstruction:
             # a prompt may arrive in several forwards (chunked prefill, a first token then the
             # rest): every multi-token forward of an open prompt evicts, to the budget of the
@@ -327,12 +375,38 @@ class RelayLayer(CacheLayerMixin):
             first = [
                 b
                 for b in range(batch)
-                if plan.real[b] > 1 and (stream[b] == 0 or (self.reevict_prompt and opened[b]))
+                if prompt_real[b] > 1 and (stream[b] == 0 or (self.reevict_prompt and opened[b]))
             ]
             for b in first:
-                self.evictor.check_first_eviction(stream[b] + plan.real[b], heads, b)
+                self.evictor.check_first_eviction(stream[b] + prompt_real[b], heads, b)
             plan.first_eviction = first
         return plan
+
+    def _decode_from(self, plan: ForwardPlan) -> int:
+        """While recording: the new columns before the prompt's end (``prompt_end``); the
+        rest are decode-phase tokens.
+
+        Raises:
+            ValueError: a multi-token first forward without ``expect_prompt``, or padding in a
+                forward with decode-phase tokens.
+        """
+        end = self.forward_state.prompt_end
+        if end is None:
+            if self.seen_tokens == 0 and plan.num_new > 1:
+                raise ValueError(
+                    "a relay cache recording for speculative decoding (generate(assistant_model"
+                    "=...) or prompt_lookup_num_tokens) cannot tell the prompt from the draft in "
+                    "transformers' first forward, which feeds both: call "
+                    "cache.expect_prompt(input_ids.shape[1]) before generate"
+                )
+            end = self.seen_tokens
+        prompt = min(max(end - self.seen_tokens, 0), plan.num_new)
+        if prompt < plan.num_new and plan.padded:
+            raise ValueError(
+                "a relay cache recording for speculative decoding takes no padding in a forward "
+                "with decode-phase tokens"
+            )
+        return prompt
 
     # ---------------------------------------------------------------- the forward
     def attend(
@@ -362,7 +436,129 @@ class RelayLayer(CacheLayerMixin):
         """
         pending, plan = self.take_pending(attention_mask, kwargs)
         spans = self.forward_state.reconstruction
-        keys = pending.keys
+        if spans is None:
+            self.undo_tokens = 0  # a new forward: the last one was accepted
+            self._undo = []
+        prompt = plan.decode_from
+        if spans is None and prompt is not None and prompt < plan.num_new:
+            return self._attend_recording(query, pending, plan, prompt, scaling, kwargs)
+        return self._attend_part(query, pending.keys, pending.values, plan, scaling, kwargs)
+
+    def _attend_recording(
+        self,
+        query: Tensor,
+        pending: Pending,
+        plan: ForwardPlan,
+        prompt: int,
+        scaling: float,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        """A recording forward with decode-phase tokens: its first ``prompt`` columns go as a
+        forward of their own (a prompt evicts at its end), then the rest are appended after
+        that eviction, at the positions the relay moved them to, and attend as one-token
+        forwards would (exact attention over the stored tokens, causal): the eviction schedule
+        of the plain run. They close the prompt and are croppable (:meth:`crop`)."""
+        batch, t = plan.batch, plan.num_new
+        keys, values = pending.keys, pending.values
+        outs: list[Tensor] = []
+        before = list(self.next_positions) or [0] * batch
+        if prompt:
+            head = ForwardPlan(
+                plan.forward_index,
+                batch,
+                prompt,
+                [prompt] * batch,
+                plan.shift,
+                first_eviction=plan.first_eviction,
+            )
+            outs.append(
+                self._attend_part(
+                    query[:, :, :prompt],
+                    keys[:, :, :prompt],
+                    values[:, :, :prompt],
+                    head,
+                    scaling,
+                    kwargs,
+                )
+            )
+        # model position of column `prompt` -> the cache position the relay left it
+        moved = [n - b - prompt for n, b in zip(self.next_positions, before, strict=True)]
+        shift = plan.shift
+        if any(moved):
+            delta = torch.tensor(moved, dtype=torch.int64, device=keys.device).view(-1, 1, 1)
+            shift = delta if shift is None else shift + delta
+        self.prompt_open = [False] * len(self.prompt_open)
+        if self.eviction.capacity is None:  # ratio mode: decoding never evicts
+            tail = ForwardPlan(plan.forward_index, batch, t - prompt, [t - prompt] * batch, shift)
+            outs.append(
+                self._attend_part(
+                    query[:, :, prompt:],
+                    keys[:, :, prompt:],
+                    values[:, :, prompt:],
+                    tail,
+                    scaling,
+                    kwargs,
+                )
+            )
+            self._undo = [None] * (t - prompt)
+        else:  # capacity mode: one step per token, each may evict (a copy before it)
+            undo: list[dict[str, Any] | None] = []
+            for j in range(prompt, t):
+                undo.append(self._snapshot())
+                moved = [n - b - j for n, b in zip(self.next_positions, before, strict=True)]
+                shift = plan.shift
+                if any(moved):
+                    delta = torch.tensor(moved, dtype=torch.int64, device=keys.device)
+                    delta = delta.view(-1, 1, 1)
+                    shift = delta if shift is None else shift + delta
+                step = ForwardPlan(plan.forward_index, batch, 1, [1] * batch, shift)
+                outs.append(
+                    self._attend_part(
+                        query[:, :, j : j + 1],
+                        keys[:, :, j : j + 1],
+                        values[:, :, j : j + 1],
+                        step,
+                        scaling,
+                        kwargs,
+                    )
+                )
+            self._undo = undo
+        self.prompt_open = [False] * len(self.prompt_open)
+        self.undo_tokens = t - prompt
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    _SNAPSHOT = (
+        "stream_lengths",
+        "next_positions",
+        "seen_tokens",
+        "evicted",
+        "prompt_open",
+        "prompt_forwards",
+        "padding",
+        "observation_scores",
+    )
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The layer's state before a decode step that may evict (capacity mode): a copy of
+        the store and of every per-row counter (:meth:`crop` puts it back)."""
+        state: dict[str, Any] = {name: copy.copy(getattr(self, name)) for name in self._SNAPSHOT}
+        state["store"] = copy.deepcopy(self.store)
+        state["events"] = len(self.events)
+        return state
+
+    def _attend_part(
+        self,
+        query: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        plan: ForwardPlan,
+        scaling: float,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        """Commit ``keys``/``values`` by ``plan``, attend with ``query``, evict when due (the
+        body of :meth:`attend`)."""
+        spans = self.forward_state.reconstruction
+        pending = Pending(keys, values, None)
         if plan.shift is not None and self.uses_rope:
             keys = rotate_by_delta(keys, plan.shift, self.rotary)
             query = rotate_by_delta(query, plan.shift, self.rotary)

@@ -47,7 +47,7 @@ of :class:`PNMixCache`; every public name stays importable from here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -66,7 +66,16 @@ from kvlab.pnmix.store import AppendPlan, EncodedGroups, StoreGeometry
 from kvlab.pnmix.width_codec import BitAllocCodec
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
-__all__ = ["KeyCoding", "PNMixCache", "PNMixConfig", "PackedGroup"]
+__all__ = ["KeyCoding", "PNMixCache", "PNMixConfig", "PackedGroup", "UndoPoint"]
+
+
+class UndoPoint(NamedTuple):
+    """One :meth:`PNMixCache.undo_point`: the store's host counts (int64 ``[3, B, H]``) and,
+    when the next append may change more than one residual slot, copies of the exact
+    buffers and table state (``None`` otherwise)."""
+
+    counts: np.ndarray
+    snapshot: dict[str, Any] | None
 
 
 class PNMixCache(CacheDecode):
@@ -561,6 +570,56 @@ class PNMixCache(CacheDecode):
         """Count the token a decode fast path wrote at residual slot ``residual_lengths`` of
         every row (see :meth:`single_token_fits`)."""
         self._store.note_residual_token()
+
+    def undo_point(self) -> UndoPoint:
+        """What :meth:`rollback` needs to put the cache back as it is now, taken before an
+        append of ONE token per row (speculative decoding's decode steps, docs/design.md
+        "Cache life cycle"): the host counts, and — only when that append may change more than
+        one residual slot (sinks not full, or a flush due: :meth:`single_token_fits` false) —
+        a copy of the exact sink and residual buffers and the per-pair table state. Group
+        buffers are not copied: an append never rewrites a used group slot."""
+        s = self._store
+        snapshot = None
+        if s.single_token_room == 0:
+            snapshot = {
+                "sink_keys": s.sink_keys.clone(),
+                "sink_values": s.sink_values.clone(),
+                "residual_keys": s.residual_keys.clone(),
+                "residual_values": s.residual_values.clone(),
+                "mask": None if s.mask is None else s.mask.clone(),
+                "mask_rows": s.mask_rows.copy(),
+                "mask_bool": self._mask_bool.clone(),
+                "mask_host": self._mask_host.copy(),
+                "mask_host_known": self._mask_host_known.copy(),
+            }
+        return UndoPoint(s.counts.copy(), snapshot)
+
+    def rollback(self, points: list[UndoPoint]) -> None:
+        """Put the cache back as it was at ``points[0]``, where ``points`` are the
+        :meth:`undo_point` results of consecutive one-token appends, in order, up to the last
+        append (then the stored bytes and counts equal those of a cache that never received
+        the removed tokens: flushed groups are un-flushed, their exact tokens back in the
+        residual). Deferred value checks of the removed tokens stay pending (a bad removed
+        token still raises in :meth:`check_values`).
+
+        Raises:
+            ValueError: ``points`` is empty.
+        """
+        if not points:
+            raise ValueError("rollback needs at least one undo point")
+        s = self._store
+        # the first copied state at or after points[0]: no append between points[0] and it
+        # changed more than one residual slot, so its buffers hold points[0]'s tokens
+        snapshot = next((p.snapshot for p in points if p.snapshot is not None), None)
+        if snapshot is not None:
+            for name in ("sink_keys", "sink_values", "residual_keys", "residual_values", "mask"):
+                setattr(s, name, snapshot[name])
+            s.mask_rows = snapshot["mask_rows"]
+            self._mask_bool = snapshot["mask_bool"]
+            self._mask_host = snapshot["mask_host"]
+            self._mask_host_known = snapshot["mask_host_known"]
+            self._active_pairs_valid = False
+        s._set_counts(points[0].counts.copy())
 
     def pending_check(self) -> Tensor | None:
         """The device flag of appends not yet checked (True = all valid), or ``None``."""

@@ -514,6 +514,25 @@ class RelayStore:
         self._next_key = None
         self._mark_bias(slice(base, base + heads))
 
+    def truncate(self, tokens: int) -> None:
+        """Drop the last ``tokens`` rows of every segment (speculative decoding's crop: they
+        must be the tokens appended last, after any eviction); their slots become empty
+        (``key_bias`` ``-inf``) and the decode fast path restarts.
+
+        Raises:
+            ValueError: ``tokens`` negative or above a segment's length.
+        """
+        if tokens < 0 or tokens > min(self.lengths, default=0):
+            raise ValueError(
+                f"cannot drop {tokens} tokens from segments of {min(self.lengths, default=0)}"
+            )
+        if tokens == 0:
+            return
+        self._write_positions()
+        self.lengths = [n - tokens for n in self.lengths]
+        self._next_key = self._ahead = None
+        self._mark_bias(slice(None))
+
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep sequences ``rows`` (host ints, repeats allowed) in that order (beam search,
         ``batch_select_indices``, ``batch_repeat_interleave``): a re-layout into a new buffer."""
