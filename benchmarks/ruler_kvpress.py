@@ -377,8 +377,8 @@ def greedy_reference(model: Any, sample: dict[str, Any], stops: list[int]) -> li
             attention_mask=torch.ones_like(ids),
             max_new_tokens=int(sample["max_new_tokens"]),
             do_sample=False,
-            eos_token_id=stops,
-            pad_token_id=stops[0],
+            eos_token_id=stops or None,
+            pad_token_id=stops[0] if stops else 0,
         )
     return [int(t) for t in out[0, ids.shape[1] :]]
 
