@@ -57,6 +57,13 @@ storage actually held by the key and value tensors (a quanto tensor: its packed 
 shifts; plus the residual full-precision part; storages counted once); ``cache_bytes_16bit`` is
 the same cache's element count at 2 bytes each; ``cache_tokens`` lists the tokens each layer
 holds. The model runs in float32, so an uncompressed cache holds 2x ``cache_bytes_16bit``.
+KVzip in kvpress 0.5.5 evicts nothing: it masks the evicted (head, token) entries in attention
+(``module.masked_key_indices``) and keeps the whole cache — its ``cache_bytes`` is the full
+cache's (more: the kept keys are a slice of the context + reconstruction tensor's storage);
+``cache_bytes_16bit_effective`` counts only the unmasked entries (:func:`cache_footprint`).
+
+The first ``QuantizedCache`` use compiles optimum-quanto's CPU extension (minutes; cached by
+quanto afterwards): do not kill a run while it compiles.
 
 Output JSON: ``provenance`` (versions, model sha256, samples digest, stop ids, presses' reprs)
 and ``rows``, one per (method, ratio, sample): method, press, ratio, cache, task, length, index,
@@ -198,12 +205,18 @@ def _storage_bytes(t: torch.Tensor, seen: set[int]) -> int:
     return storage.nbytes()
 
 
-def cache_footprint(cache: Any) -> dict[str, Any]:
-    """Bytes and tokens a DynamicCache / QuantizedCache holds (module docstring)."""
+def cache_footprint(cache: Any, model: Any = None) -> dict[str, Any]:
+    """Bytes and tokens a DynamicCache / QuantizedCache holds (module docstring).
+
+    ``masked_entries`` (per layer) counts the (head, token) entries a press masked instead of
+    evicting (kvpress's "fake compression", ``module.masked_key_indices``, e.g. KVzip and
+    AdaKV: the cache keeps them, attention ignores them); ``cache_bytes_16bit_effective`` is
+    ``cache_bytes_16bit`` less those entries' keys and values at 2 bytes per element."""
     seen: set[int] = set()
-    held = elements = 0
-    tokens = []
-    for layer in cache.layers:
+    held = elements = masked_bytes = 0
+    tokens, masked = [], []
+    modules = [layer.self_attn for layer in model.model.layers] if model is not None else []
+    for i, layer in enumerate(cache.layers):
         parts = [layer.keys, layer.values]
         n_tok = 0
         if hasattr(layer, "_quantized_keys"):
@@ -211,13 +224,26 @@ def cache_footprint(cache: Any) -> dict[str, Any]:
             n_tok = layer._quantized_keys.shape[-2]
         if layer.keys is not None and layer.keys.dim() == 4:
             n_tok += layer.keys.shape[-2]
+        head_dim = 0
         for t in parts:
             if t is None:
                 continue
             held += _storage_bytes(t, seen)
             elements += t.numel()
+            if t.dim() == 4:
+                head_dim = t.shape[-1]
         tokens.append(int(n_tok))
-    return {"cache_bytes": held, "cache_bytes_16bit": 2 * elements, "cache_tokens": tokens}
+        idx = getattr(modules[i], "masked_key_indices", None) if i < len(modules) else None
+        n_masked = len(idx[0]) if idx is not None else 0
+        masked.append(n_masked)
+        masked_bytes += n_masked * head_dim * 2 * 2  # keys and values, 2 bytes an element
+    return {
+        "cache_bytes": held,
+        "cache_bytes_16bit": 2 * elements,
+        "cache_bytes_16bit_effective": 2 * elements - masked_bytes,
+        "cache_tokens": tokens,
+        "masked_entries": masked,
+    }
 
 
 # ----------------------------------------------------------------------------- model side
@@ -359,7 +385,7 @@ def run_one(
         with press(model) if press is not None else contextlib.nullcontext():
             model.model(input_ids=context, past_key_values=cache)
         prefill_s = time.perf_counter() - begin
-        footprint = cache_footprint(cache)
+        footprint = cache_footprint(cache, model)
         begin = time.perf_counter()
         ids = generate_answer(
             model, cache, question, context.shape[1], int(sample["max_new_tokens"]), stops

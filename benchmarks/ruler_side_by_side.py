@@ -25,8 +25,10 @@ rows naming a (task, length, index) absent from ``--samples`` are refused too.
 Pairing: only samples (task, length, index) that EVERY listed method has are scored, so each
 column compares the methods on the same samples; the count is printed. Accuracy per task is the
 mean score over its paired samples (x100); ``mean`` is the mean over tasks (RULER's average).
-``kv/full`` is the mean over paired samples of a row's ``cache_bytes_16bit`` over the no-press
-row's, where both carry it.
+``kv/full`` is the mean over paired samples of a row's ``cache_bytes_16bit_effective`` (else
+``cache_bytes_16bit``) over the no-press row's, where both carry it: the fraction of the
+cache's entries kept, at 16 bits (a quantized cache: its real bits over 16). For masked
+presses (KVzip) the memory actually held stays the full cache's (``cache_bytes``).
 """
 
 from __future__ import annotations
@@ -130,6 +132,11 @@ def check_and_index(
     return dict(out)
 
 
+def _kv16(row: dict[str, Any]) -> Any:
+    """The row's 16-bit cache bytes, the unmasked entries' where the press masks (KVzip)."""
+    return row.get("cache_bytes_16bit_effective", row.get("cache_bytes_16bit"))
+
+
 def paired_table(
     methods: dict[str, dict[Key, dict[str, Any]]], samples: dict[Key, dict[str, Any]]
 ) -> dict[str, Any]:
@@ -151,9 +158,9 @@ def paired_table(
         }
         if full is not None and shared:
             fracs = [
-                rows[k]["cache_bytes_16bit"] / methods[full][k]["cache_bytes_16bit"]
+                _kv16(rows[k]) / _kv16(methods[full][k])
                 for k in shared
-                if "cache_bytes_16bit" in rows[k] and "cache_bytes_16bit" in methods[full][k]
+                if _kv16(rows[k]) is not None and _kv16(methods[full][k])
             ]
             if len(fracs) == len(shared):
                 entry["kv_over_full"] = sum(fracs) / len(fracs)

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -106,8 +107,23 @@ def test_cache_footprint_counts_storage_once_and_16bit_elements() -> None:
     cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), 1)
     got = rk.cache_footprint(cache)
     elements = 2 * (2 * 6 * 8) + 2 * (2 * 3 * 8)
-    assert got == {"cache_bytes": 4 * elements, "cache_bytes_16bit": 2 * elements,
-                   "cache_tokens": [6, 3]}  # fmt: skip
+    assert got == {
+        "cache_bytes": 4 * elements,
+        "cache_bytes_16bit": 2 * elements,
+        "cache_bytes_16bit_effective": 2 * elements,
+        "cache_tokens": [6, 3],
+        "masked_entries": [0, 0],
+    }
+    # entries a press masks (kvpress's masked_key_indices) stay held but are not effective
+    attn = [SimpleNamespace(masked_key_indices=None), SimpleNamespace()]
+    attn[0].masked_key_indices = (torch.zeros(5, dtype=torch.long),) * 3
+    model = SimpleNamespace(
+        model=SimpleNamespace(layers=[SimpleNamespace(self_attn=a) for a in attn])
+    )
+    got = rk.cache_footprint(cache, model)
+    assert got["masked_entries"] == [5, 0]
+    assert got["cache_bytes"] == 4 * elements
+    assert got["cache_bytes_16bit_effective"] == 2 * elements - 5 * 8 * 2 * 2
     # a view into a larger storage holds that whole storage
     cache.layers[1].keys = cache.layers[0].keys[:, :, :3]
     got = rk.cache_footprint(cache)
