@@ -55,8 +55,10 @@ references r of ``r.lower() in prediction.lower()``; ``string_match_part`` = max
 Cache bytes after compression (before the question): ``cache_bytes`` sums, over layers, the
 storage actually held by the key and value tensors (a quanto tensor: its packed data, scales and
 shifts; plus the residual full-precision part; storages counted once); ``cache_bytes_16bit`` is
-the same cache's element count at 2 bytes each; ``cache_tokens`` lists the tokens each layer
-holds. The model runs in float32, so an uncompressed cache holds 2x ``cache_bytes_16bit``.
+the same cache with every floating-point part (keys, values, quanto's scales and shifts, the
+residual) at 2 bytes an element and packed integer data as held — what a 16-bit model's cache
+would take; ``cache_tokens`` lists the tokens each layer holds. The model runs in float32, so
+an uncompressed cache holds 2x ``cache_bytes_16bit``.
 KVzip in kvpress 0.5.5 evicts nothing: it masks the evicted (head, token) entries in attention
 (``module.masked_key_indices``) and keeps the whole cache — its ``cache_bytes`` is the full
 cache's (more: the kept keys are a slice of the context + reconstruction tensor's storage);
@@ -191,18 +193,36 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _storage_bytes(t: torch.Tensor, seen: set[int]) -> int:
-    """Bytes of the storages behind ``t`` (a tensor subclass with ``__tensor_flatten__``, such
-    as quanto's, through its inner tensors), each storage counted once via ``seen``."""
+def _leaves(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors behind ``t`` (a tensor subclass with ``__tensor_flatten__``, such as
+    quanto's quantized tensors, through its inner tensors: packed data, scales, shifts)."""
     if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
         names, _ = t.__tensor_flatten__()
-        return sum(_storage_bytes(getattr(t, n), seen) for n in names)
-    storage = t.untyped_storage()
-    ptr = storage.data_ptr()
-    if t.numel() == 0 or ptr in seen:
-        return 0
-    seen.add(ptr)
-    return storage.nbytes()
+        for name in names:
+            yield from _leaves(getattr(t, name))
+    else:
+        yield t
+
+
+def _held_bytes(t: torch.Tensor, seen: set[int]) -> int:
+    """Bytes of the storages behind ``t``, each storage counted once via ``seen``."""
+    total = 0
+    for leaf in _leaves(t):
+        storage = leaf.untyped_storage()
+        if leaf.numel() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _bytes_16bit(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements with every floating-point part at 2 bytes an element (packed
+    integer data as held)."""
+    return sum(
+        leaf.numel() * (2 if leaf.is_floating_point() else leaf.element_size())
+        for leaf in _leaves(t)
+    )
 
 
 def cache_footprint(cache: Any, model: Any = None) -> dict[str, Any]:
@@ -213,7 +233,7 @@ def cache_footprint(cache: Any, model: Any = None) -> dict[str, Any]:
     AdaKV: the cache keeps them, attention ignores them); ``cache_bytes_16bit_effective`` is
     ``cache_bytes_16bit`` less those entries' keys and values at 2 bytes per element."""
     seen: set[int] = set()
-    held = elements = masked_bytes = 0
+    held = sixteen = masked_bytes = 0
     tokens, masked = [], []
     modules = [layer.self_attn for layer in model.model.layers] if model is not None else []
     for i, layer in enumerate(cache.layers):
@@ -228,8 +248,8 @@ def cache_footprint(cache: Any, model: Any = None) -> dict[str, Any]:
         for t in parts:
             if t is None:
                 continue
-            held += _storage_bytes(t, seen)
-            elements += t.numel()
+            held += _held_bytes(t, seen)
+            sixteen += _bytes_16bit(t)
             if t.dim() == 4:
                 head_dim = t.shape[-1]
         tokens.append(int(n_tok))
@@ -239,8 +259,8 @@ def cache_footprint(cache: Any, model: Any = None) -> dict[str, Any]:
         masked_bytes += n_masked * head_dim * 2 * 2  # keys and values, 2 bytes an element
     return {
         "cache_bytes": held,
-        "cache_bytes_16bit": 2 * elements,
-        "cache_bytes_16bit_effective": 2 * elements - masked_bytes,
+        "cache_bytes_16bit": sixteen,
+        "cache_bytes_16bit_effective": sixteen - masked_bytes,
         "cache_tokens": tokens,
         "masked_entries": masked,
     }
