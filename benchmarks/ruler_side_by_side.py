@@ -1,0 +1,209 @@
+"""RULER side by side: one paired accuracy table from kvlab's RULER rows and the kvpress side's
+JSON (benchmarks/ruler_kvpress.py), after checking both ran the same token ids.
+
+Runs in kvlab's venv (or any Python with torch; it imports no kvlab)::
+
+    python benchmarks/ruler_side_by_side.py --samples ruler.jsonl \\
+        --kvpress runs/ruler/kvpress.json --kvlab runs/ruler/kvlab.json [--json table.json]
+
+Inputs:
+
+* ``--samples``: the samples JSONL both sides ran (the format of benchmarks/ruler_kvpress.py).
+  Each sample's digest (:func:`ruler_kvpress.sample_ids_sha256`, the sha256 of its
+  ``[context_ids, question_ids, outputs]`` in canonical JSON) is recomputed from it.
+* ``--kvpress``: the kvpress side's JSON (``rows`` with ``ids_sha256``).
+* ``--kvlab`` (optional, repeatable): kvlab's RULER results — a JSON list of rows, an object
+  with ``rows``, or a JSONL of rows. A row needs ``task``, ``length``, ``index``, ``method``
+  and ``score`` (or ``prediction``, then scored here with the sample's metric); ``ratio`` is
+  optional. Its ids are checked by a per-row ``ids_sha256`` or, failing that, a file-level
+  ``samples_digest`` (top level or under ``provenance``) equal to the digest of the samples
+  the file's rows name, in ``--samples`` order.
+
+Any row whose digest differs from its sample's is refused (the tools fed different tokens);
+rows naming a (task, length, index) absent from ``--samples`` are refused too.
+
+Pairing: only samples (task, length, index) that EVERY listed method has are scored, so each
+column compares the methods on the same samples; the count is printed. Accuracy per task is the
+mean score over its paired samples (x100); ``mean`` is the mean over tasks (RULER's average).
+``kv/full`` is the mean over paired samples of a row's ``cache_bytes_16bit_effective`` (else
+``cache_bytes_16bit``) over the no-press row's, where both carry it: the fraction of the
+cache's entries kept, at 16 bits (a quantized cache: its real bits over 16). For masked
+presses (KVzip) the memory actually held stays the full cache's (``cache_bytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _kvpress_module() -> Any:
+    spec = importlib.util.spec_from_file_location("ruler_kvpress", _HERE / "ruler_kvpress.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("ruler_kvpress", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+rk = _kvpress_module()
+
+Key = tuple[str, int, int]
+
+
+def load_rows(path: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """(rows, file-level samples digest or None) of a results file (module docstring).
+
+    Raises:
+        SystemExit: unreadable JSON or no rows.
+    """
+    text = path.read_text()
+    try:
+        data: Any = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            data = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"{path}: neither JSON nor JSONL ({err})") from None
+    digest = None
+    if isinstance(data, dict):
+        digest = data.get("samples_digest") or data.get("provenance", {}).get("samples_digest")
+        data = data.get("rows")
+    if not isinstance(data, list) or not data:
+        raise SystemExit(f"{path}: no rows")
+    return data, digest
+
+
+def method_label(row: dict[str, Any], side: str) -> str:
+    ratio = row.get("ratio")
+    name = str(row["method"])
+    if ratio not in (None, 0, 0.0) and "@" not in name:
+        name = f"{name}@{float(ratio):g}"
+    return f"{side}:{name}" if not name.startswith(f"{side}:") else name
+
+
+def check_and_index(
+    rows: list[dict[str, Any]],
+    file_digest: str | None,
+    side: str,
+    samples: dict[Key, dict[str, Any]],
+    order: list[Key],
+    path: Path,
+) -> dict[str, dict[Key, dict[str, Any]]]:
+    """``{method label: {sample key: row}}`` after the id checks (module docstring).
+
+    Raises:
+        SystemExit: a row for an unknown sample, a digest mismatch, no way to check the ids,
+            or a (method, sample) given twice.
+    """
+    out: dict[str, dict[Key, dict[str, Any]]] = defaultdict(dict)
+    named: set[Key] = set()
+    for row in rows:
+        key = (str(row["task"]), int(row["length"]), int(row["index"]))
+        if key not in samples:
+            raise SystemExit(f"{path}: row for sample {key}, which --samples does not hold")
+        sample = samples[key]
+        if "ids_sha256" in row:
+            if row["ids_sha256"] != sample["ids_sha256"]:
+                raise SystemExit(f"{path}: sample {key} ran other token ids than --samples")
+        elif file_digest is None:
+            raise SystemExit(f"{path}: rows carry no ids_sha256 and the file no samples_digest")
+        if "score" not in row:
+            row = {
+                **row,
+                "score": rk.ruler_score(row["prediction"], sample["outputs"], sample["metric"]),
+            }
+        label = method_label(row, side)
+        if key in out[label]:
+            raise SystemExit(f"{path}: {label} has sample {key} twice")
+        out[label][key] = row
+        named.add(key)
+    if file_digest is not None and not all("ids_sha256" in r for r in rows):
+        held = [samples[k] for k in order if k in named]
+        if rk.samples_digest(held) != file_digest:
+            raise SystemExit(f"{path}: samples_digest differs from --samples' (other token ids)")
+    return dict(out)
+
+
+def _kv16(row: dict[str, Any]) -> Any:
+    """The row's 16-bit cache bytes, the unmasked entries' where the press masks (KVzip)."""
+    return row.get("cache_bytes_16bit_effective", row.get("cache_bytes_16bit"))
+
+
+def paired_table(
+    methods: dict[str, dict[Key, dict[str, Any]]], samples: dict[Key, dict[str, Any]]
+) -> dict[str, Any]:
+    """Per-task accuracy (x100) of every method on the samples all methods share."""
+    shared = set(samples)
+    for rows in methods.values():
+        shared &= set(rows)
+    tasks = sorted({k[0] for k in shared})
+    full = next((m for m in methods if m.endswith(":full")), None)
+    table: dict[str, Any] = {"paired_samples": len(shared), "tasks": tasks, "rows": {}}
+    for label, rows in methods.items():
+        per_task = {}
+        for task in tasks:
+            keys = [k for k in shared if k[0] == task]
+            per_task[task] = 100.0 * sum(float(rows[k]["score"]) for k in keys) / len(keys)
+        entry: dict[str, Any] = {
+            "per_task": per_task,
+            "mean": sum(per_task.values()) / len(per_task) if per_task else float("nan"),
+        }
+        if full is not None and shared:
+            fracs = [
+                _kv16(rows[k]) / _kv16(methods[full][k])
+                for k in shared
+                if _kv16(rows[k]) is not None and _kv16(methods[full][k])
+            ]
+            if len(fracs) == len(shared):
+                entry["kv_over_full"] = sum(fracs) / len(fracs)
+        table["rows"][label] = entry
+    return table
+
+
+def render(table: dict[str, Any]) -> str:
+    tasks = table["tasks"]
+    head = "| method | " + " | ".join(tasks) + " | mean | kv/full |"
+    lines = [head, "|---|" + "---:|" * (len(tasks) + 2)]
+    for label, entry in table["rows"].items():
+        cells = [f"{entry['per_task'][t]:.1f}" for t in tasks]
+        kv = f"{entry['kv_over_full']:.3f}" if "kv_over_full" in entry else ""
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {entry['mean']:.1f} | {kv} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--samples", required=True)
+    parser.add_argument("--kvpress", required=True, help="benchmarks/ruler_kvpress.py's JSON")
+    parser.add_argument("--kvlab", action="append", default=[], help="kvlab RULER rows")
+    parser.add_argument("--json", help="also write the table here")
+    args = parser.parse_args(argv)
+    listed = rk.read_samples(Path(args.samples))
+    order = [(s["task"], int(s["length"]), int(s["index"])) for s in listed]
+    samples = dict(zip(order, listed, strict=True))
+    methods: dict[str, dict[Key, dict[str, Any]]] = {}
+    inputs = [(Path(args.kvpress), "kvpress")] + [(Path(p), "kvlab") for p in args.kvlab]
+    for path, side in inputs:
+        rows, digest = load_rows(path)
+        for label, by_key in check_and_index(rows, digest, side, samples, order, path).items():
+            if label in methods:
+                raise SystemExit(f"{path}: method {label} also comes from another file")
+            methods[label] = by_key
+    table = paired_table(methods, samples)
+    print(f"token ids identical to {args.samples} in every row ({len(methods)} methods)")
+    print(f"paired samples (held by every method): {table['paired_samples']}\n")
+    print(render(table))
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""benchmarks/ruler_kvpress.py (the kvpress side's pure parts and decode flow, on a tiny random
+Qwen2) and benchmarks/ruler_side_by_side.py (the paired table and its id checks). kvpress itself
+lives in its own venv and is not imported here."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rk = _load("ruler_kvpress")
+sbs = _load("ruler_side_by_side")
+
+
+def _sample(task: str = "niah", index: int = 0, **kw: Any) -> dict[str, Any]:
+    s = {
+        "task": task,
+        "length": 1024,
+        "index": index,
+        "seed": 0,
+        "context": "c",
+        "question": "q",
+        "context_ids": [1, 2, 3, index],
+        "question_ids": [4, 5],
+        "outputs": ["Alpha", "beta"],
+        "max_new_tokens": 8,
+        "metric": "all",
+    }
+    s.update(kw)
+    return s
+
+
+def _write_jsonl(path: Path, samples: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return path
+
+
+# ----------------------------------------------------------------------------- scoring, digests
+def test_ruler_score_all_part_case_and_postprocess() -> None:
+    assert rk.ruler_score("the ALPHA word", ["alpha", "beta"], "all") == 0.5
+    assert rk.ruler_score("the ALPHA word", ["alpha", "beta"], "part") == 1.0
+    assert rk.ruler_score("nothing", ["alpha", "beta"], "part") == 0.0
+    # RULER's postprocess: control characters become newlines before matching
+    assert rk.ruler_score("a\tb", ["a\nb"], "all") == 1.0
+    with pytest.raises(ValueError, match="metric"):
+        rk.ruler_score("x", ["x"], "any")
+    with pytest.raises(ValueError, match="reference"):
+        rk.ruler_score("x", [], "all")
+
+
+def test_samples_digest_is_canonical_json_of_ids_and_outputs() -> None:
+    a, b = _sample(index=0), _sample(index=1)
+    text = json.dumps(
+        [
+            [a["context_ids"], a["question_ids"], a["outputs"]],
+            [b["context_ids"], [4, 5], b["outputs"]],
+        ],
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    assert rk.samples_digest([a, b]) == hashlib.sha256(text.encode()).hexdigest()
+    assert rk.sample_ids_sha256(a) == rk.samples_digest([a])
+    moved = _sample(context_ids=[1, 2, 3], question_ids=[0, 4, 5])  # same ids, other split
+    assert rk.sample_ids_sha256(moved) != rk.sample_ids_sha256(a)
+
+
+def test_read_samples_refuses_bad_lines(tmp_path: Path) -> None:
+    ok = _write_jsonl(tmp_path / "ok.jsonl", [_sample(index=0), _sample(index=1)])
+    assert [s["index"] for s in rk.read_samples(ok)] == [0, 1]
+    bad = {k: v for k, v in _sample().items() if k != "outputs"}
+    cases = {
+        "missing": [bad],
+        "repeats": [_sample(), _sample()],
+        "metric": [_sample(metric="any")],
+    }
+    for word, rows in cases.items():
+        with pytest.raises(SystemExit, match=word):
+            rk.read_samples(_write_jsonl(tmp_path / f"{word}.jsonl", rows))
+
+
+# ----------------------------------------------------------------------------- cache bytes
+def test_cache_footprint_counts_storage_once_and_16bit_elements() -> None:
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    k = torch.randn(1, 2, 6, 8)
+    cache.update(k, torch.randn(1, 2, 6, 8), 0)
+    cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), 1)
+    got = rk.cache_footprint(cache)
+    elements = 2 * (2 * 6 * 8) + 2 * (2 * 3 * 8)
+    assert got == {
+        "cache_bytes": 4 * elements,
+        "cache_bytes_16bit": 2 * elements,
+        "cache_bytes_16bit_effective": 2 * elements,
+        "cache_tokens": [6, 3],
+        "masked_entries": [0, 0],
+    }
+    # entries a press masks (kvpress's masked_key_indices) stay held but are not effective
+    attn = [SimpleNamespace(masked_key_indices=None), SimpleNamespace()]
+    attn[0].masked_key_indices = (torch.zeros(5, dtype=torch.long),) * 3
+    model = SimpleNamespace(
+        model=SimpleNamespace(layers=[SimpleNamespace(self_attn=a) for a in attn])
+    )
+    got = rk.cache_footprint(cache, model)
+    assert got["masked_entries"] == [5, 0]
+    assert got["cache_bytes"] == 4 * elements
+    assert got["cache_bytes_16bit_effective"] == 2 * elements - 5 * 8 * 2 * 2
+    # a view into a larger storage holds that whole storage
+    cache.layers[1].keys = cache.layers[0].keys[:, :, :3]
+    got = rk.cache_footprint(cache)
+    assert got["cache_bytes"] == 4 * (2 * 2 * 6 * 8 + 2 * 3 * 8)  # layer 0's keys once
+
+
+# ----------------------------------------------------------------------------- decode flow
+def _tiny_qwen2() -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_kvpress_flow_without_press_is_plain_greedy() -> None:
+    model = _tiny_qwen2()
+    sample = _sample(context_ids=list(range(3, 40)), question_ids=[7, 9, 11], max_new_tokens=10)
+    ids, footprint, _, _ = rk.run_one(model, sample, None, None, stops=[])
+    assert len(ids) == 10
+    assert ids == rk.greedy_reference(model, sample, stops=[])
+    assert footprint["cache_tokens"] == [37, 37]  # the context only, before the question
+
+    def cut_at(stop: int) -> list[int]:
+        # kvpress keeps the stop token and never checks the first generated one
+        j = next((i for i in range(1, len(ids)) if ids[i] == stop), len(ids) - 1)
+        return ids[: j + 1]
+
+    for stop in (ids[0], ids[4]):
+        cut, _, _, _ = rk.run_one(model, sample, None, None, stops=[stop])
+        assert cut == cut_at(stop)
+
+
+# ----------------------------------------------------------------------------- merge
+def _kvpress_json(
+    path: Path, samples: list[dict[str, Any]], scores: dict[str, list[float]]
+) -> Path:
+    rows = []
+    for method, per in scores.items():
+        name, _, ratio = method.partition("@")
+        for s, score in zip(samples, per, strict=True):
+            rows.append({
+                "method": name, "ratio": float(ratio or 0), "task": s["task"],
+                "length": s["length"], "index": s["index"], "score": score,
+                "ids_sha256": rk.sample_ids_sha256(s),
+                "cache_bytes_16bit": 100 if name == "full" else 50,
+            })  # fmt: skip
+    path.write_text(json.dumps({"provenance": {}, "rows": rows}))
+    return path
+
+
+def test_merge_pairs_on_shared_samples_and_checks_ids(tmp_path: Path, capsys: Any) -> None:
+    samples = [_sample("niah", 0), _sample("niah", 1), _sample("vt", 0, metric="part")]
+    spath = _write_jsonl(tmp_path / "s.jsonl", samples)
+    kp = _kvpress_json(
+        tmp_path / "kp.json", samples,
+        {"full": [1, 1, 1], "kvpress:snapkv@0.5": [1, 0, 1]},
+    )  # fmt: skip
+    # kvlab rows: no per-row digest, a file digest over the samples they name; lacks vt/0
+    kvlab_rows = [
+        {"task": "niah", "length": 1024, "index": i, "method": "relay:snapkv", "ratio": 0.5,
+         "prediction": "alpha beta" if i == 0 else "no"}
+        for i in (0, 1)
+    ]  # fmt: skip
+    kl = tmp_path / "kl.json"
+    kl.write_text(
+        json.dumps({"samples_digest": rk.samples_digest(samples[:2]), "rows": kvlab_rows})
+    )
+    sbs.main(["--samples", str(spath), "--kvpress", str(kp), "--kvlab", str(kl),
+              "--json", str(tmp_path / "t.json")])  # fmt: skip
+    table = json.loads((tmp_path / "t.json").read_text())
+    assert table["paired_samples"] == 2 and table["tasks"] == ["niah"]
+    rows = table["rows"]
+    assert rows["kvpress:full"]["mean"] == 100.0
+    assert rows["kvpress:snapkv@0.5"]["mean"] == 50.0
+    assert rows["kvlab:relay:snapkv@0.5"]["per_task"] == {"niah": 50.0}  # scored here
+    assert rows["kvpress:snapkv@0.5"]["kv_over_full"] == 0.5
+    assert "paired samples (held by every method): 2" in capsys.readouterr().out
+
+    # other ids on either side are refused
+    kl.write_text(
+        json.dumps({"samples_digest": rk.samples_digest(samples[1:]), "rows": kvlab_rows})
+    )
+    with pytest.raises(SystemExit, match="samples_digest differs"):
+        sbs.main(["--samples", str(spath), "--kvpress", str(kp), "--kvlab", str(kl)])
+    data = json.loads(kp.read_text())
+    data["rows"][0]["ids_sha256"] = "0" * 64
+    kp.write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match="other token ids"):
+        sbs.main(["--samples", str(spath), "--kvpress", str(kp)])
