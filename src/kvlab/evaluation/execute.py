@@ -43,13 +43,17 @@ class ExecutionContext:
     calibration_cache: str | None = None
 
 
-def _storage(storage: Any) -> dict[str, int]:
-    return {
+def _storage(storage: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {
         "kv_bytes": storage.kv_bytes,
         "kv_bytes_16bit": storage.kv_bytes_16bit,
         "index_bytes": storage.index_bytes,
         "held_bytes": storage.held_bytes,
     }
+    kinds = getattr(storage, "layer_kinds", None)
+    if kinds is not None:  # per layer kind: full-attention and window layers
+        record["layer_kinds"] = {kind: dict(counts) for kind, counts in kinds.items()}
+    return record
 
 
 class Runtime:

@@ -73,7 +73,8 @@ class EvalInputs:
 
 
 def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
-    """Every check that needs no model, in order: options, output paths, methods, text, model
+    """Every check that needs no model, in order: options, output paths, methods, the methods
+    against the model's config (:func:`kvlab.evaluation.support.check_methods`), text, model
     files, tokenizer; then the plan.
 
     Raises:
@@ -93,6 +94,10 @@ def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
     if paths.tasks.exists() and not paths.tasks.is_dir():
         raise ValueError(f"--output-dir {paths.folder}: {paths.tasks} is not a folder")
     methods = select_methods(config)
+    from kvlab.evaluation.support import check_methods, read_model_config
+
+    # every method runs on this model's layer kinds, or is refused now (not after the load)
+    check_methods(methods, read_model_config(config.model), config.model)
     text = load_text(config.text)  # a bad text fails before the model loads
     model = ModelRef(
         spec=config.model,

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, sum_storage
+from kvlab.integrations.cache_protocol import CacheStorage, dense_layer_storage, layers_storage
 from kvlab.integrations.forward import (
     ForwardPlan,
     ForwardState,
@@ -727,9 +727,12 @@ class ComposedModelCache(RelayModelCache):
         bytes), no index bytes (positions are ``offset + stream index``), and the bytes held
         (:meth:`ComposedLayer.held_bytes`); window layers as held
         (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`)."""
-        return sum_storage(
-            CacheStorage(layer.nbytes(), layer.nbytes(), 0, layer.held_bytes())
-            if isinstance(layer, ComposedLayer)
-            else dense_layer_storage(layer)
+        return layers_storage(
+            (
+                layer,
+                CacheStorage(layer.nbytes(), layer.nbytes(), 0, layer.held_bytes())
+                if isinstance(layer, ComposedLayer)
+                else dense_layer_storage(layer),
+            )
             for layer in self.layers
         )
