@@ -102,7 +102,7 @@ def main() -> None:
         print(f"{len(full)} full-attention layers {list(full)} of {len(plan.layers)}")
         for i in full:
             k = exact_kv[i][0][0].float()  # [H, P, D], post-RoPE
-            pre = rotate_by_delta(k, -torch.arange(prefill).view(1, -1, 1), rotary)
+            pre = rotate_by_delta(k, -torch.arange(prefill).view(1, -1), rotary)
             absmax = pre.abs().amax(1)  # [H, D]
             norms = k.norm(dim=-1)  # [H, P]
             v = exact_kv[i][1][0].float()
