@@ -31,7 +31,6 @@ EXTRA_METHODS = (
     "evict-no-relay:kvzip@0.5",
     "relay:kvzip@0.5",
     "relay:snapkv@0.5+pn-mix-lean",
-    "pn-mix-mse",
 )
 
 

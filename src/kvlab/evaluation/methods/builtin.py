@@ -79,9 +79,6 @@ PNMIX_METHODS: dict[str, dict[str, Any]] = {
     # 4 + 39 tokens exact (docs/design.md, "Flush rule"); chosen on a reduced protocol
     # (docs/results.md, section 9)
     "pn-mix-lean": {**_PN_MIX, "sink_tokens": 4, "residual_tokens": 8},
-    # pn-mix with each token's value range chosen by squared error (same bytes): values of a
-    # large head dim (Gemma 3: 256) lose most to min-max's tails (kvlab issue 19)
-    "pn-mix-mse": {**_PN_MIX, "value_coding": "hadamard_mse"},
 }
 #: ``transformers`` ``QuantizedCache`` rows: name -> (backend, bits, axis_key, axis_value).
 HF_QUANTIZED = {
