@@ -73,9 +73,9 @@ class EvalInputs:
 
 
 def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
-    """Every check that needs no model, in order: options, output paths, methods, the methods
-    against the model's config (:func:`kvlab.evaluation.support.check_methods`), text, model
-    files, tokenizer; then the plan.
+    """Every check that needs no model, in order: options, output paths, methods, text, model
+    files, the methods against the model's config
+    (:func:`kvlab.evaluation.support.check_methods`), tokenizer; then the plan.
 
     Raises:
         ValueError: invalid options, an output path that cannot be written, unknown methods,
@@ -94,10 +94,6 @@ def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
     if paths.tasks.exists() and not paths.tasks.is_dir():
         raise ValueError(f"--output-dir {paths.folder}: {paths.tasks} is not a folder")
     methods = select_methods(config)
-    from kvlab.evaluation.support import check_methods, read_model_config
-
-    # every method runs on this model's layer kinds, or is refused now (not after the load)
-    check_methods(methods, read_model_config(config.model), config.model)
     text = load_text(config.text)  # a bad text fails before the model loads
     model = ModelRef(
         spec=config.model,
@@ -106,6 +102,10 @@ def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
         dtype=config.dtype,
         device=str(device),
     )
+    from kvlab.evaluation.support import check_methods, read_model_config
+
+    # every method runs on this model's layer kinds, or is refused now (not after the load)
+    check_methods(methods, read_model_config(config.model), config.model)
     text_ref = TextRef(id=text.id, sha256=text.sha256, path=text.path, source_url=text.source_url)
     tokenizer = load_tokenizer(config.model)
     tokens = tokenize(tokenizer, text.data)
