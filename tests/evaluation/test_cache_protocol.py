@@ -67,8 +67,13 @@ def test_every_cache_kind_satisfies_the_protocol():
 
 
 def used(storage: CacheStorage) -> CacheStorage:
-    """``storage`` without its held bytes (the used counts the byte model pins)."""
-    return dataclasses.replace(storage, held_bytes=None)
+    """``storage`` without its held bytes and per-layer-kind split (the used counts the byte
+    model pins), after checking that the split adds up to the totals."""
+    kinds = storage.layer_kinds
+    assert kinds is not None
+    assert sum(k["kv_bytes"] for k in kinds.values()) == storage.kv_bytes
+    assert sum(k["kv_bytes_16bit"] for k in kinds.values()) == storage.kv_bytes_16bit
+    return dataclasses.replace(storage, held_bytes=None, layer_kinds=None)
 
 
 def test_dynamic_cache_of_known_shape():

@@ -313,7 +313,9 @@ def test_nope_layers_give_the_scorer_their_queries_without_rotary():
         torch.testing.assert_close(queries, raw[i], atol=2e-5, rtol=1e-5)
 
 
-def test_layer_budgets_are_refused_with_window_layers():
+def test_layer_budgets_split_over_the_full_attention_layers_of_window_models():
+    """Qwen2 with layers 1-2 sliding: per-layer budgets take one weight per full-attention
+    layer (here layer 0 alone), window layers take no share (issue 19)."""
     import transformers
 
     config = transformers.Qwen2Config(
@@ -327,10 +329,13 @@ def test_layer_budgets_are_refused_with_window_layers():
         sliding_window=6,
         max_window_layers=1,
     )
-    for layer_budget in ("pyramid", (1.0, 2.0, 1.0)):
-        with pytest.raises(ValueError, match="every decoder layer to be full attention"):
-            RelayModelCache(config, EvictionConfig(ratio=0.5, layer_budget=layer_budget))
-    RelayModelCache(config, EvictionConfig(ratio=0.5))  # uniform layers: fine
+    for layer_budget in ("pyramid", (2.0,)):
+        cache = RelayModelCache(config, EvictionConfig(ratio=0.5, layer_budget=layer_budget))
+        assert [(layer.num_layers, layer.budget_index) for layer in cache._relay_layers()] == [
+            (1, 0)
+        ]
+    with pytest.raises(ValueError, match="3 weights for 1 full-attention layers"):
+        RelayModelCache(config, EvictionConfig(ratio=0.5, layer_budget=(1.0, 2.0, 1.0)))
 
 
 @pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75, 0.875, 0.9375])

@@ -43,15 +43,6 @@ class ExecutionContext:
     calibration_cache: str | None = None
 
 
-def _storage(storage: Any) -> dict[str, int]:
-    return {
-        "kv_bytes": storage.kv_bytes,
-        "kv_bytes_16bit": storage.kv_bytes_16bit,
-        "index_bytes": storage.index_bytes,
-        "held_bytes": storage.held_bytes,
-    }
-
-
 class Runtime:
     """Per-process state of an executor (module docstring).
 
@@ -160,6 +151,7 @@ class Runtime:
         """
         import torch
 
+        from kvlab.evaluation.metrics import storage_record
         from kvlab.evaluation.needle import run_needle
         from kvlab.evaluation.protocols import score_window, stream_tokens
 
@@ -193,8 +185,8 @@ class Runtime:
             result = {
                 "nll": score.nll.tolist(),
                 "kl": kl.tolist(),
-                "storage_prefill": _storage(score.storage_prefill),
-                "storage_final": _storage(score.storage_final),
+                "storage_prefill": storage_record(score.storage_prefill),
+                "storage_final": storage_record(score.storage_final),
                 "model_seconds": score.model_seconds,
                 "details": score.details,
             }
@@ -209,8 +201,8 @@ class Runtime:
             )
             result = {
                 "nll": stream.nll.tolist(),
-                "peak_storage": _storage(stream.peak_storage),
-                "final_storage": _storage(stream.final_storage),
+                "peak_storage": storage_record(stream.peak_storage),
+                "final_storage": storage_record(stream.final_storage),
                 "final_position": stream.final_position,
                 "model_seconds": stream.model_seconds,
                 "details": stream.details,

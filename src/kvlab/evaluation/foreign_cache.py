@@ -19,7 +19,7 @@ from kvlab.integrations.cache_protocol import (
     CacheStorage,
     KVLabCache,
     dense_layer_storage,
-    sum_storage,
+    layers_storage,
     tensor_storage,
 )
 
@@ -113,4 +113,4 @@ class ForeignCache:
                 return dense_layer_storage(layer)
             raise TypeError(f"cannot measure cache layer {type(layer).__name__}")
 
-        return sum_storage(measure(layer) for layer in self.cache.layers)
+        return layers_storage((layer, measure(layer)) for layer in self.cache.layers)

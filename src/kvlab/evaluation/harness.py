@@ -74,7 +74,8 @@ class EvalInputs:
 
 def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
     """Every check that needs no model, in order: options, output paths, methods, text, model
-    files, tokenizer; then the plan.
+    files, the methods against the model's config
+    (:func:`kvlab.evaluation.support.check_methods`), tokenizer; then the plan.
 
     Raises:
         ValueError: invalid options, an output path that cannot be written, unknown methods,
@@ -101,6 +102,10 @@ def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
         dtype=config.dtype,
         device=str(device),
     )
+    from kvlab.evaluation.support import check_methods, read_model_config
+
+    # every method runs on this model's layer kinds, or is refused now (not after the load)
+    check_methods(methods, read_model_config(config.model), config.model)
     text_ref = TextRef(id=text.id, sha256=text.sha256, path=text.path, source_url=text.source_url)
     tokenizer = load_tokenizer(config.model)
     tokens = tokenize(tokenizer, text.data)

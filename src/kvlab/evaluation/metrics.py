@@ -30,6 +30,7 @@ __all__ = [
     "kl_divergence",
     "percentile",
     "perplexity",
+    "storage_record",
     "token_nll",
 ]
 
@@ -77,3 +78,18 @@ def cache_storage(cache: Any) -> CacheStorage:
         TypeError: an unsupported cache type.
     """
     return describe(cache).storage()
+
+
+def storage_record(storage: CacheStorage) -> dict[str, Any]:
+    """JSON-ready fields of ``storage`` (task results): the byte counts, and per layer kind
+    (full-attention and window layers) when the cache reports them."""
+    record: dict[str, Any] = {
+        "kv_bytes": storage.kv_bytes,
+        "kv_bytes_16bit": storage.kv_bytes_16bit,
+        "index_bytes": storage.index_bytes,
+        "held_bytes": storage.held_bytes,
+    }
+    kinds = getattr(storage, "layer_kinds", None)
+    if kinds is not None:
+        record["layer_kinds"] = {kind: dict(counts) for kind, counts in kinds.items()}
+    return record

@@ -161,8 +161,34 @@ def summarize_prefill_score(
         "held_bytes": statistics.mean(_held(s.storage_final) for s in scores),
         "model_seconds": seconds,
         "tokens_per_second": nll.numel() / seconds if seconds > 0 else 0.0,
+        **_kind_fields([s.storage_final for s in scores], [s.storage_final for s in reference]),
         "details": [s.details for s in scores],
     }
+
+
+def _kind_fields(
+    storages: Sequence[CacheStorage], reference: Sequence[CacheStorage]
+) -> dict[str, Any]:
+    """``kv_bytes_by_layer_kind``: per layer kind (full-attention, sliding-window), its layer
+    count and its stored and 16-bit bytes averaged over windows, with ``fraction_of_full``
+    (16-bit, against the full cache's layers of that kind); absent when a cache did not
+    measure per layer."""
+    if any(s.layer_kinds is None for s in [*storages, *reference]):
+        return {}
+    kinds: dict[str, Any] = {}
+    for kind in sorted({k for s in storages for k in (s.layer_kinds or {})}):
+        rows = [(s.layer_kinds or {}).get(kind) for s in storages]
+        refs = [(s.layer_kinds or {}).get(kind) for s in reference]
+        counts = [r for r in rows if r is not None]
+        entry: dict[str, Any] = {
+            "layers": max(int(r["layers"]) for r in counts),
+            "kv_bytes": statistics.mean(int(r["kv_bytes"]) if r else 0 for r in rows),
+            "kv_bytes_16bit": statistics.mean(int(r["kv_bytes_16bit"]) if r else 0 for r in rows),
+        }
+        ref16 = statistics.mean(int(r["kv_bytes_16bit"]) if r else 0 for r in refs)
+        entry["fraction_of_full"] = entry["kv_bytes_16bit"] / ref16 if ref16 else None
+        kinds[kind] = entry
+    return {"kv_bytes_by_layer_kind": kinds}
 
 
 def _held(storage: CacheStorage) -> int:
@@ -186,6 +212,11 @@ def _window_metrics(score: WindowScore, reference: WindowScore) -> dict[str, flo
         "kv_bytes_16bit": score.storage_final.kv_bytes_16bit,
         "prefill_kv_bytes_16bit": score.storage_prefill.kv_bytes_16bit,
         "model_seconds": score.model_seconds,
+        **{
+            f"{kind}_{key}": float(counts[key])
+            for kind, counts in sorted((score.storage_final.layer_kinds or {}).items())
+            for key in ("kv_bytes", "kv_bytes_16bit")
+        },
     }
 
 
@@ -438,6 +469,9 @@ def _prefill_score(
         "scoring": "one token at a time",
         "seeds_are": "window indices",
     }
+    kinds = reference[0].storage_final.layer_kinds
+    if kinds:  # which layers a method can compress: the full-attention ones
+        configuration["layers_by_kind"] = {k: int(v["layers"]) for k, v in sorted(kinds.items())}
     summaries = [
         summarize_prefill_score(m, scores[m.name], reference, settings[m.name]) for m in methods
     ]

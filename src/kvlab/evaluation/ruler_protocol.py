@@ -124,6 +124,7 @@ def run_ruler_task(
         compression) and ``storage_final``, ``compress_seconds``, ``answer_seconds``,
         ``replayed``, ``details``.
     """
+    from kvlab.evaluation.metrics import storage_record
     from kvlab.evaluation.questions import answer, compress_context
     from kvlab.evaluation.ruler import score_answer
 
@@ -146,20 +147,11 @@ def run_ruler_task(
         "generated_tokens": reply.tokens,
         "score": float(score_answer(prediction, list(unit["outputs"]), unit["metric"])),
         "stopped": reply.stopped,
-        "storage": _storage(compressed.storage),
-        "storage_final": _storage(reply.storage),
+        "storage": storage_record(compressed.storage),
+        "storage_final": storage_record(reply.storage),
         "compress_seconds": compressed.seconds,
         "answer_seconds": reply.seconds,
         "model_seconds": compressed.seconds + reply.seconds,
         "replayed": compressed.replayed,
         "details": compressed.details,
-    }
-
-
-def _storage(storage: Any) -> dict[str, int]:
-    return {
-        "kv_bytes": storage.kv_bytes,
-        "kv_bytes_16bit": storage.kv_bytes_16bit,
-        "index_bytes": storage.index_bytes,
-        "held_bytes": storage.held_bytes,
     }

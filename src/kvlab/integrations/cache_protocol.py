@@ -17,7 +17,7 @@ adds, e.g. reserved headroom, go there).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,13 +26,25 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "FULL_ATTENTION_KIND",
+    "LAYER_KINDS",
+    "WINDOW_KIND",
     "CacheStorage",
     "KVLabCache",
     "crop_count",
     "dense_layer_storage",
+    "layer_kind",
+    "layers_storage",
     "sum_storage",
     "tensor_storage",
 ]
+
+#: Layer kinds of :attr:`CacheStorage.layer_kinds`: full-attention layers (the ones kvlab
+#: compresses) and bounded window layers (sliding/chunked, ``is_sliding``: kept exact, their
+#: window only, by every cache).
+FULL_ATTENTION_KIND = "full_attention"
+WINDOW_KIND = "sliding_window"
+LAYER_KINDS = (FULL_ATTENTION_KIND, WINDOW_KIND)
 
 
 @dataclass(frozen=True)
@@ -49,12 +61,17 @@ class CacheStorage:
             values, their headroom, position and bias buffers, PN-Mix's spare group and
             residual slots), ``>= kv_bytes + index_bytes``; ``None`` where a cache cannot say
             (then taken as ``kv_bytes + index_bytes`` when summed).
+        layer_kinds: per layer kind (:data:`LAYER_KINDS`) present, ``{"layers": count,
+            "kv_bytes": ..., "kv_bytes_16bit": ...}`` — the same counts over those layers only
+            (they add up to ``kv_bytes`` and ``kv_bytes_16bit``); ``None`` where not measured
+            per layer.
     """
 
     kv_bytes: int
     kv_bytes_16bit: int
     index_bytes: int = 0
     held_bytes: int | None = None
+    layer_kinds: Mapping[str, Mapping[str, int]] | None = None
 
 
 @runtime_checkable
@@ -145,13 +162,50 @@ def dense_layer_storage(layer: Any) -> CacheStorage:
 
 def sum_storage(parts: Iterable[CacheStorage]) -> CacheStorage:
     """The field-wise sum of ``parts`` (``CacheStorage(0, 0, 0, 0)`` for none; a part's
-    ``held_bytes`` of ``None`` counts as its ``kv_bytes + index_bytes``)."""
+    ``held_bytes`` of ``None`` counts as its ``kv_bytes + index_bytes``; ``layer_kinds``
+    summed per kind, ``None`` when no part has them)."""
     actual = normalized = index = held = 0
+    kinds: dict[str, dict[str, int]] | None = None
     for part in parts:
         actual += part.kv_bytes
         normalized += part.kv_bytes_16bit
         index += part.index_bytes
         held += part.kv_bytes + part.index_bytes if part.held_bytes is None else part.held_bytes
+        if part.layer_kinds is not None:
+            kinds = {} if kinds is None else kinds
+            for kind, counts in part.layer_kinds.items():
+                into = kinds.setdefault(kind, {"layers": 0, "kv_bytes": 0, "kv_bytes_16bit": 0})
+                for key in into:
+                    into[key] += int(counts[key])
     return CacheStorage(
-        kv_bytes=actual, kv_bytes_16bit=normalized, index_bytes=index, held_bytes=held
+        kv_bytes=actual,
+        kv_bytes_16bit=normalized,
+        index_bytes=index,
+        held_bytes=held,
+        layer_kinds=kinds,
     )
+
+
+def layer_kind(layer: Any) -> str:
+    """:data:`WINDOW_KIND` for a bounded window layer (``transformers``' ``is_sliding``:
+    ``DynamicSlidingWindowLayer`` and kvlab's ``WindowLayer``), else
+    :data:`FULL_ATTENTION_KIND`."""
+    return WINDOW_KIND if bool(getattr(layer, "is_sliding", False)) else FULL_ATTENTION_KIND
+
+
+def layers_storage(pairs: Iterable[tuple[Any, CacheStorage]]) -> CacheStorage:
+    """:func:`sum_storage` of per-layer storages ``(layer, storage)``, with
+    :attr:`CacheStorage.layer_kinds` filled by :func:`layer_kind` (every layer counted, an
+    empty one with 0 bytes)."""
+
+    def tagged(layer: Any, part: CacheStorage) -> CacheStorage:
+        counts = {"layers": 1, "kv_bytes": part.kv_bytes, "kv_bytes_16bit": part.kv_bytes_16bit}
+        return CacheStorage(
+            part.kv_bytes,
+            part.kv_bytes_16bit,
+            part.index_bytes,
+            part.held_bytes,
+            layer_kinds={layer_kind(layer): counts},
+        )
+
+    return sum_storage(tagged(layer, part) for layer, part in pairs)

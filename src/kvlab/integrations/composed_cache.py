@@ -63,7 +63,7 @@ from kvlab.integrations.cache_protocol import (
     CacheStorage,
     crop_count,
     dense_layer_storage,
-    sum_storage,
+    layers_storage,
 )
 from kvlab.integrations.forward import (
     ForwardPlan,
@@ -889,9 +889,12 @@ class ComposedModelCache(RelayModelCache):
         bytes), no index bytes (positions are ``offset + stream index``), and the bytes held
         (:meth:`ComposedLayer.held_bytes`); window layers as held
         (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`)."""
-        return sum_storage(
-            CacheStorage(layer.nbytes(), layer.nbytes(), 0, layer.held_bytes())
-            if isinstance(layer, ComposedLayer)
-            else dense_layer_storage(layer)
+        return layers_storage(
+            (
+                layer,
+                CacheStorage(layer.nbytes(), layer.nbytes(), 0, layer.held_bytes())
+                if isinstance(layer, ComposedLayer)
+                else dense_layer_storage(layer),
+            )
             for layer in self.layers
         )

@@ -68,7 +68,7 @@ from kvlab.integrations.cache_protocol import (
     CacheStorage,
     crop_count,
     dense_layer_storage,
-    sum_storage,
+    layers_storage,
 )
 from kvlab.integrations.inference_mode import InferenceModeTracker
 from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
@@ -868,9 +868,12 @@ class PNMixModelCache(Cache):
         window layers as held (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`).
         No index bytes. Held: each store's allocation, spare group and residual slots
         included (:meth:`PNMixCache.reserved_bytes`)."""
-        return sum_storage(
-            CacheStorage(layer.nbytes(), layer.nbytes(), 0, layer.held_bytes())
-            if isinstance(layer, PNMixLayer)
-            else dense_layer_storage(layer)
+        return layers_storage(
+            (
+                layer,
+                CacheStorage(layer.nbytes(), layer.nbytes(), 0, layer.held_bytes())
+                if isinstance(layer, PNMixLayer)
+                else dense_layer_storage(layer),
+            )
             for layer in self.layers
         )

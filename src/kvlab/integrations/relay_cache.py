@@ -48,10 +48,15 @@ from kvlab.integrations.cache_protocol import (
     CacheStorage,
     crop_count,
     dense_layer_storage,
-    sum_storage,
+    layers_storage,
 )
 from kvlab.integrations.forward import ForwardState
-from kvlab.integrations.model_support import ForwardGuard, layer_rotary, plan_model
+from kvlab.integrations.model_support import (
+    ForwardGuard,
+    WindowLayer,
+    layer_rotary,
+    plan_model,
+)
 from kvlab.integrations.relay_layer import RelayLayer, RelayView
 from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.relay.reconstruction import ReconstructionSpan, split_by_scores
@@ -85,8 +90,8 @@ class RelayModelCache(Cache):
         ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
             unsupported (linear-attention or KV-sharing layers, latent attention), full-attention
             layers without RoPE when ``config.relay``, an unsupported RoPE (dynamic,
-            longrope, ...), or per-layer budgets (``config.layer_budget``) with window layers or
-            with a weight count other than the decoder layers'.
+            longrope, ...), or per-layer weights (``config.layer_budget``) whose count is not
+            the number of full-attention layers (window layers take no share of the budget).
     """
 
     def __init__(
@@ -101,25 +106,14 @@ class RelayModelCache(Cache):
         # reason); full-attention layers evict, sliding/chunked layers keep only their window.
         plan = plan_model(text_config)
         plan.check(type(self).__name__, rotates_keys=config.relay)
-        layers = len(plan.layers)
-        if config.layer_budget != "uniform":
-            # per-layer budgets split the model's budget over evicting layers: all of them
-            if plan.window_layers:
-                raise ValueError(
-                    f"EvictionConfig.layer_budget {config.layer_budget!r} needs every decoder "
-                    f"layer to be full attention; layers {list(plan.window_layers)} are "
-                    "sliding/chunked (they keep their window and do not evict)"
-                )
-            if not isinstance(config.layer_budget, str) and len(config.layer_budget) != layers:
-                raise ValueError(
-                    f"layer_budget has {len(config.layer_budget)} weights for {layers} layers"
-                )
-        if config.resolved_scorer.needs_reconstruction and plan.window_layers:
-            # a reconstruction pass must store nothing; window layers store every forward
+        # per-layer budgets split the model's budget over the evicting layers: the
+        # full-attention ones (window layers keep their window and take no share)
+        evicting = len(plan.full_layers)
+        if not isinstance(config.layer_budget, str) and len(config.layer_budget) != evicting:
             raise ValueError(
-                f"scorer {config.resolved_scorer.name!r} needs every decoder layer to be full "
-                f"attention (its reconstruction pass stores nothing); layers "
-                f"{list(plan.window_layers)} are sliding/chunked"
+                f"layer_budget has {len(config.layer_budget)} weights for {evicting} "
+                f"full-attention layers (one weight per full-attention layer: "
+                f"{list(plan.full_layers)})"
             )
         self.plan = plan
         self.eviction = config
@@ -131,8 +125,8 @@ class RelayModelCache(Cache):
                 rotary=lambda layer_type: layer_rotary(text_config, layer_type),
             )
         )
-        for layer in self._relay_layers():
-            layer.num_layers = layers
+        for position, layer in enumerate(self._relay_layers()):
+            layer.num_layers, layer.budget_index = evicting, position
         state.guard = ForwardGuard(self.layers)  # atomic failure with leading window layers
 
     # ---------------- speculative decoding (docs/design.md, "Cache life cycle": crop)
@@ -328,7 +322,10 @@ class RelayModelCache(Cache):
         tokens (``spans[b]`` says which stored tokens they rebuild; ``None`` for a row fed only
         padding) attend over its stored tokens and their own, every full-attention layer
         max-accumulates its reconstruction scores, and nothing is stored (tokens seen,
-        positions and storage unchanged). Used by :func:`kvlab.integrations.kvzip.compress`.
+        positions and storage unchanged). Window layers (sliding/chunked) serve the pass
+        their window as in any forward and are put back after it (their ``update`` never
+        writes a tensor in place, so the state they held is restored as it was): the pass
+        changes no layer. Used by :func:`kvlab.integrations.kvzip.compress`.
 
         Raises:
             ValueError: a cache whose scorer needs no reconstruction, ``spans`` not one per
@@ -344,10 +341,15 @@ class RelayModelCache(Cache):
                 raise ValueError(f"row {b} is not awaiting a reconstruction pass")
         state = self._relay_layers()[0].forward_state
         state.plan, state.reconstruction = None, list(spans)
+        windows = [layer for layer in self.layers if isinstance(layer, WindowLayer)]
+        kept = [dict(vars(layer)) for layer in windows]  # references: update replaces tensors
         try:
             yield
         finally:
             state.plan, state.reconstruction = None, None
+            for layer, held in zip(windows, kept, strict=True):
+                vars(layer).clear()
+                vars(layer).update(held)
 
     def discard_reconstruction(self) -> None:
         """Forget every accumulated reconstruction score (e.g. after a failed pass)."""
@@ -422,8 +424,8 @@ class RelayModelCache(Cache):
         events) and ``prompt_forwards`` (per sequence, the forwards its prompt arrived in:
         docs/design.md, "Cache life cycle")."""
         events = self.events()
-        per_head = [e.tokens_after for e in events[: len(self.layers)]]
         layers = self._relay_layers()
+        per_head = [e.tokens_after for e in events[: len(layers)]]
         return {
             "evictions": len(events),
             "next_position": self.next_position,
@@ -446,9 +448,14 @@ class RelayModelCache(Cache):
         ``key_bias``), and every buffer held, headroom included (:meth:`RelayLayer.held_bytes`;
         docs/design.md, RoPE-Relay "Byte accounting"); window layers as held
         (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`)."""
-        return sum_storage(
-            CacheStorage(layer.nbytes(), layer.numel() * 2, layer.index_bytes(), layer.held_bytes())
-            if isinstance(layer, RelayLayer)
-            else dense_layer_storage(layer)
+        return layers_storage(
+            (
+                layer,
+                CacheStorage(
+                    layer.nbytes(), layer.numel() * 2, layer.index_bytes(), layer.held_bytes()
+                )
+                if isinstance(layer, RelayLayer)
+                else dense_layer_storage(layer),
+            )
             for layer in self.layers
         )

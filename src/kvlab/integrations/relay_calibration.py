@@ -3,16 +3,18 @@
 :func:`layer_eviction_sensitivity` measures, for every decoder layer ``l`` and every kept
 fraction ``f``, the mean ``KL(full || evicted)`` of the next-token distributions of ``score``
 calibration tokens when **only** layer ``l`` evicts its ``prefill`` context down to
-``f * prefill`` tokens per kv head with the given policy (all other layers exact).
+``f * prefill`` tokens per kv head with the given policy (all other layers exact). Only the
+full-attention layers are measured (and get a fraction): sliding/chunked window layers keep
+their window in every kvlab cache and take no share of the budget (Gemma 2/3, Mistral, ...).
 :func:`kvlab.relay.layer_budgets.allocate_layer_fractions` then picks one fraction per layer
 with the same total as a uniform budget, minimizing the summed KL; the fractions go into
 ``EvictionConfig.layer_budget`` as weights. The calibration text defaults to the package's
 public-domain text (:func:`kvlab.data.default_text`), never the evaluation text.
 
 Cost: two exact prefill forwards (kvlab attention recording the queries, SDPA recording the
-keys and values), then ``1 + L * len(fractions)`` forwards of ``score`` tokens (one layer's
-eviction is replayed on the recorded prefill keys, values and queries, which also recomputes
-that layer's prefill attention once and discards it).
+keys and values), then ``1 + L * len(fractions)`` forwards of ``score`` tokens (``L``
+full-attention layers; one layer's eviction is replayed on the recorded prefill keys, values
+and queries, which also recomputes that layer's prefill attention once and discards it).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvlab.data import TextSource, default_text
 from kvlab.integrations.attention import use_attention
 from kvlab.integrations.calibration_record import measurement_settings
+from kvlab.integrations.model_support import plan_model
 from kvlab.integrations.pnmix_calibration import CALIBRATION_START
 from kvlab.integrations.relay_cache import EvictionConfig, RelayLayer, RelayModelCache
 from kvlab.relay.layer_budgets import allocate_layer_fractions
@@ -78,7 +81,8 @@ def layer_eviction_sensitivity(
     evicts (the same code path, so the replay equals a direct run).
 
     Args:
-        model: a ``transformers`` causal LM with full-attention RoPE decoder layers.
+        model: a ``transformers`` causal LM (its window layers are kept as they are: a
+            ``DynamicSlidingWindowLayer`` holding their window, as ``DynamicCache`` does).
         input_ids: ``[1, prefill + score]`` int64 calibration ids, ``score >= 1``.
         config: the eviction policy (``ratio`` is replaced by ``1 - f``; ``layer_budget`` by
             ``"uniform"``).
@@ -87,11 +91,12 @@ def layer_eviction_sensitivity(
         progress: ``progress(done, total)`` in decoder layers, or ``None``.
 
     Returns:
-        one ``{fraction: mean KL in nats}`` per decoder layer.
+        one ``{fraction: mean KL in nats}`` per full-attention layer, in decoder order
+        (``RelayModelCache(...).plan.full_layers`` are their indices).
 
     Raises:
         ValueError: ``input_ids`` not ``[1, N]`` with ``0 < prefill < N``, a fraction
-            outside (0, 1], or a model with sliding/chunked (window) layers.
+            outside (0, 1], or a model with no full-attention layer.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
@@ -106,13 +111,11 @@ def layer_eviction_sensitivity(
     positions = torch.arange(prefill, n, device=device)[None]
     # the exact prefill through a keep-everything relay cache, recording each layer's queries
     keep_all = RelayModelCache(model.config, EvictionConfig(ratio=0.0, scorer="recency"))
-    if keep_all.plan.window_layers:
-        raise ValueError(
-            "per-layer eviction budgets need every decoder layer to be full attention; layers "
-            f"{list(keep_all.plan.window_layers)} are sliding/chunked"
-        )
+    full_layers = keep_all.plan.full_layers  # the layers calibrated (window layers keep theirs)
+    if not full_layers:
+        raise ValueError("per-layer eviction budgets need a full-attention layer; there is none")
     queries: dict[int, tuple[Tensor, float]] = {}
-    for layer in keep_all.layers:
+    for layer in keep_all._relay_layers():
 
         def record(query: Tensor, scaling: float, row: int = 0, layer: RelayLayer = layer) -> Any:
             # the queries at cache positions, as the layer's attend passes them to evict
@@ -120,7 +123,9 @@ def layer_eviction_sensitivity(
             return RelayLayer.evict(layer, query, scaling, row)
 
         layer.evict = record  # type: ignore[method-assign]
+    # every layer's whole prefill keys and values (window layers take theirs from them below)
     reference = Cache(layers=[DynamicLayer() for _ in keep_all.layers])
+    windows = {i: keep_all.plan.layers[i].window for i in keep_all.plan.window_layers}
     with use_attention(model, "kvlab"):
         model(head, cache=keep_all, use_cache=True, logits_to_keep=1)
     with use_attention(model, "sdpa"):
@@ -137,7 +142,8 @@ def layer_eviction_sensitivity(
                 layer.update(k, v)  # stashes; attend commits, attends and evicts
                 layer.attend(query, scaling=scaling, attention_mask=None, kwargs={})
             else:
-                layer = DynamicLayer()
+                window = windows.get(i)
+                layer = DynamicLayer() if window is None else DynamicSlidingWindowLayer(window)
                 layer.update(k, v)
             layers.append(layer)
         return Cache(layers=layers)
@@ -151,15 +157,15 @@ def layer_eviction_sensitivity(
     p = exact.exp()
     result: list[dict[float, float]] = []
     if progress is not None:
-        progress(0, len(model_prefix))
-    for layer_idx in range(len(model_prefix)):
+        progress(0, len(full_layers))
+    for done, layer_idx in enumerate(full_layers, start=1):
         row = {}
         for f in sorted(set(fractions)):
             approx = logprobs(cache_with(layer_idx, f))
             row[f] = float((p * (exact - approx)).sum(-1).clamp_min(0.0).mean())
         result.append(row)
         if progress is not None:
-            progress(layer_idx + 1, len(model_prefix))
+            progress(done, len(full_layers))
     return result
 
 
@@ -168,9 +174,10 @@ class LayerBudgetCalibration:
     """Per-layer kept fractions chosen by :func:`calibrate_layer_budgets`, and how.
 
     Attributes:
-        layer_fractions: one kept fraction per decoder layer (mean = ``1 - ratio``); pass as
-            ``EvictionConfig.layer_budget``.
-        sensitivities: per layer, ``{kept fraction: mean KL in nats}`` as measured.
+        layer_fractions: one kept fraction per full-attention layer (mean = ``1 - ratio``);
+            pass as ``EvictionConfig.layer_budget``.
+        sensitivities: per full-attention layer, ``{kept fraction: mean KL in nats}``.
+        layers: the decoder indices of those layers (empty: every decoder layer).
         text_id, text_sha256: the calibration text.
         start, prefill, score: the calibration window (tokens).
         seconds: wall time (s).
@@ -184,14 +191,16 @@ class LayerBudgetCalibration:
     prefill: int
     score: int
     seconds: float
+    layers: tuple[int, ...] = ()
 
     def settings(self) -> dict[str, Any]:
         """JSON-ready record for artifacts
-        (:func:`~kvlab.integrations.calibration_record.measurement_settings`)."""
-        return {
-            "layer_fractions": list(self.layer_fractions),
-            **measurement_settings(self),
-        }
+        (:func:`~kvlab.integrations.calibration_record.measurement_settings`;
+        ``calibrated_layers`` only when some decoder layers are window layers)."""
+        record: dict[str, Any] = {"layer_fractions": list(self.layer_fractions)}
+        if self.layers:
+            record["calibrated_layers"] = list(self.layers)
+        return {**record, **measurement_settings(self)}
 
 
 def calibrate_layer_budgets(
@@ -209,7 +218,8 @@ def calibrate_layer_budgets(
     """Measure :func:`layer_eviction_sensitivity` on the calibration text and choose per-layer
     kept fractions with mean ``1 - config.ratio``
     (:func:`kvlab.relay.layer_budgets.allocate_layer_fractions`); ``progress(done, total)``
-    reports decoder layers. ``fractions`` defaults to :func:`fractions_around` the mean.
+    reports full-attention layers. ``fractions`` defaults to :func:`fractions_around` the
+    mean.
 
     Raises:
         ValueError: ``config.ratio`` unset, a text shorter than ``prefill + score`` tokens, or
@@ -232,7 +242,9 @@ def calibrate_layer_budgets(
         model, window, config, prefill=prefill, fractions=fractions, progress=progress
     )
     chosen = allocate_layer_fractions(sens, 1.0 - config.ratio, tokens=prefill)
+    plan = plan_model(model.config.get_text_config(decoder=True))
     return LayerBudgetCalibration(
+        layers=plan.full_layers if plan.window_layers else (),
         layer_fractions=tuple(chosen),
         sensitivities=tuple(sens),
         text_id=source.id,

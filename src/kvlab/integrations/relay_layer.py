@@ -108,13 +108,23 @@ class RelayLayer(CacheLayerMixin):
 
     @property
     def num_layers(self) -> int:
-        """Decoder layers the model's budget is split over (set by the model cache;
-        per-layer budgets need it)."""
+        """Evicting (full-attention) layers the model's budget is split over (set by the model
+        cache; per-layer budgets need it)."""
         return self.evictor.num_layers
 
     @num_layers.setter
     def num_layers(self, value: int) -> None:
         self.evictor.num_layers = value
+
+    @property
+    def budget_index(self) -> int:
+        """This layer's entry among the :attr:`num_layers` evicting layers (its position
+        among the model's full-attention layers; set by the model cache)."""
+        return self.evictor.budget_index
+
+    @budget_index.setter
+    def budget_index(self, value: int) -> None:
+        self.evictor.budget_index = value
 
     def _clear(self) -> None:
         self.store: RelayStore | None = None

@@ -38,7 +38,7 @@ KeyCoding = Literal[
     "bit_alloc",
 ]
 _KEY_CODINGS = KEY_CODING_NAMES
-ValueCoding = Literal["per_token", "hadamard"]
+ValueCoding = Literal["per_token", "hadamard", "hadamard_mse"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ class PNMixConfig:
         key_outlier_fraction: fraction of each group's key elements kept exact in a sparse
             side table (KVQuant dense-and-sparse), in ``[0, 1)``; only with ``"bit_alloc"``,
             ``"cartesian"`` or ``"prerope_cartesian"`` named codings (0: none).
-        value_coding: ``"per_token"`` (default: per-token min-max) or ``"hadamard"``
+        value_coding: ``"per_token"`` (default: per-token min-max), ``"hadamard_mse"`` (the
+            Hadamard frame with the per-token range chosen by squared error) or ``"hadamard"``
             (per-token min-max of Hadamard-rotated values; the value head dim must be a power
             of two), or a :class:`~kvlab.pnmix.values.ValueCodec` whose ``bits`` equal
             ``bits``.

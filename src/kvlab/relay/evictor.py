@@ -73,9 +73,12 @@ class Evictor:
     Args:
         config: the :class:`~kvlab.relay.config.EvictionConfig` (its scorer resolved once).
         rotary: the model's RoPE (the relay's rotations, the scorers' positions).
-        layer_idx: the decoder layer (its share of per-layer budgets).
+        layer_idx: the decoder layer (events and messages).
         uses_rope: False for a NoPE layer (scorers then get no rotary).
-        num_layers: decoder layers the model's budget is split over (per-layer budgets).
+        num_layers: evicting layers the model's budget is split over (per-layer budgets): the
+            full-attention layers (window layers keep their window and take no share).
+        budget_index: this layer's entry among those ``num_layers`` (default ``layer_idx``:
+            every decoder layer evicts).
 
     Attributes:
         scorer: the resolved :class:`~kvlab.relay.scorers.Scorer`.
@@ -91,12 +94,14 @@ class Evictor:
         *,
         uses_rope: bool = True,
         num_layers: int = 1,
+        budget_index: int | None = None,
     ) -> None:
         self.config = config
         self.rotary = rotary
         self.layer_idx = layer_idx
         self.uses_rope = uses_rope
         self.num_layers = num_layers
+        self.budget_index = layer_idx if budget_index is None else budget_index
         self.scorer: Scorer = config.resolved_scorer
         self.allocation = config.resolved_allocation
         # a scorer fed by a reconstruction pass: the ratio eviction waits for it
@@ -159,9 +164,9 @@ class Evictor:
         )
 
     def layer_tokens_per_head(self, tokens: int, slots: int) -> int:
-        """This layer's entry of :meth:`layer_budgets`."""
+        """This layer's entry (:attr:`budget_index`) of :meth:`layer_budgets`."""
         budgets = self.layer_budgets(tokens, slots)
-        return budgets[self.layer_idx] if len(budgets) > 1 else budgets[0]
+        return budgets[self.budget_index] if len(budgets) > 1 else budgets[0]
 
     def layer_budget(self, before: list[int], tokens: int | None = None) -> tuple[int, int]:
         """``(tokens each kv head keeps on average, per-head cap)`` for an eviction of heads

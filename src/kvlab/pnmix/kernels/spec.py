@@ -32,7 +32,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvlab.pnmix.codecs import CartesianCodec, KeyCodec, MixCodec, PerTokenCodec, PhaseNormCodec
-from kvlab.pnmix.values import HadamardValueCodec, PerTokenValueCodec, ValueCodec
+from kvlab.pnmix.values import (
+    HadamardValueCodec,
+    MSEHadamardValueCodec,
+    PerTokenValueCodec,
+    ValueCodec,
+)
 from kvlab.pnmix.width_codec import BitAllocCodec
 
 __all__ = [
@@ -96,7 +101,7 @@ class KernelKeyDecode:
 def _value_step(value_codec: ValueCodec | None) -> bool | str:
     if value_codec is None or type(value_codec) is PerTokenValueCodec:
         return False
-    if type(value_codec) is HadamardValueCodec:
+    if type(value_codec) in (HadamardValueCodec, MSEHadamardValueCodec):  # the same decode
         return True
     return f"value coding {value_codec} has no kernel step"
 
