@@ -5,10 +5,10 @@ Runs in its OWN venv (kvpress 0.5.5 needs ``transformers < 5.3``; kvlab runs on 
 is never a kvlab dependency) and does not import kvlab. The venv, as built for this script
 (docs/benchmarks.md, "RULER side by side with kvpress", has the same commands)::
 
-    python3.11 -m venv /work/venvs/kvpress
-    /work/venvs/kvpress/bin/pip install torch==2.13.0      # FIRST: the CPU wheel
-    /work/venvs/kvpress/bin/pip install --no-deps kvpress==0.5.5   # its deps: peft, pandas<3
-    /work/venvs/kvpress/bin/pip install transformers==5.2.0 accelerate gguf optimum-quanto \\
+    python3.11 -m venv ~/venvs/kvpress
+    ~/venvs/kvpress/bin/pip install torch==2.13.0      # FIRST: the CPU wheel
+    ~/venvs/kvpress/bin/pip install --no-deps kvpress==0.5.5   # its deps: peft, pandas<3
+    ~/venvs/kvpress/bin/pip install transformers==5.2.0 accelerate gguf optimum-quanto \\
         "cachetools<6,>=5.5.2" "fire<0.7,>=0.6.0" requests datasets  # kvpress/__init__ imports
 
 (``--no-deps`` keeps pip from resolving kvpress's own pins, which would replace the CPU torch
@@ -18,13 +18,13 @@ accelerate 1.15.0, gguf 0.19.0.)
 
 Usage::
 
-    OMP_NUM_THREADS=1 /work/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py run \\
-        --samples ruler.jsonl --model /work/models_dl/gguf/qwen05.gguf \\
+    OMP_NUM_THREADS=1 ~/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py run \\
+        --samples ruler.jsonl --model ~/.cache/kvlab/models/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct.gguf \\
         --press snapkv --press expected_attention --ratio 0.5 --ratio 0.75 \\
         --quant 4 --quant 2 --out runs/ruler/kvpress.json
     # a tiny passkey fixture in the samples format (chat-templated as kvpress's pipeline does)
-    /work/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py fixture \\
-        --model /work/models_dl/gguf/qwen05.gguf --tokens 1024 --count 2 --out fixture.jsonl
+    ~/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py fixture \\
+        --model ~/.cache/kvlab/models/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct.gguf --tokens 1024 --count 2 --out fixture.jsonl
 
 Samples (JSONL, one object a line, written by kvlab's RULER task builder): ``task``, ``length``,
 ``index``, ``seed``, ``context``, ``question``, ``context_ids``, ``question_ids``, ``outputs``
