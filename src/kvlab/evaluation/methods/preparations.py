@@ -139,6 +139,7 @@ PREPARATIONS: dict[str, Preparation] = {
         text=_calibration_text,
         modules=(
             "kvlab.integrations.pnmix_calibration",
+            "kvlab.integrations.calibration_capture",
             "kvlab.integrations.calibration_record",
             "kvlab.integrations.pnmix_cache",
             "kvlab.integrations.attention",
@@ -181,6 +182,7 @@ PREPARATIONS: dict[str, Preparation] = {
         text=_calibration_text,
         modules=(
             "kvlab.integrations.relay_calibration",
+            "kvlab.integrations.calibration_capture",
             "kvlab.integrations.calibration_record",
             "kvlab.integrations.relay_cache",
             "kvlab.integrations.relay_layer",
@@ -210,8 +212,8 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.rope.rotation",
             "kvlab.data",
         ),
-        note="calibrating per-layer eviction budgets on the package text: one forward of 128 "
-        "tokens per layer and kept fraction",
+        note="calibrating per-layer eviction budgets on the package text: per layer and kept "
+        "fraction, 128 tokens through that layer and the ones after it",
         key_params=_layer_budget_params,
     ),
 }
