@@ -19,12 +19,13 @@ accelerate 1.15.0, gguf 0.19.0.)
 Usage::
 
     OMP_NUM_THREADS=1 ~/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py run \\
-        --samples ruler.jsonl --model ~/.cache/kvlab/models/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct.gguf \\
+        --samples ruler.jsonl --model $QWEN05 \\
         --press snapkv --press expected_attention --ratio 0.5 --ratio 0.75 \\
         --quant 4 --quant 2 --out runs/ruler/kvpress.json
     # a tiny passkey fixture in the samples format (chat-templated as kvpress's pipeline does)
     ~/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py fixture \\
-        --model ~/.cache/kvlab/models/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct.gguf --tokens 1024 --count 2 --out fixture.jsonl
+        --model $QWEN05 \\
+        --tokens 1024 --count 2 --out fixture.jsonl
 
 Samples (JSONL, one object a line, written by kvlab's RULER task builder): ``task``, ``length``,
 ``index``, ``seed``, ``context``, ``question``, ``context_ids``, ``question_ids``, ``outputs``

@@ -23,7 +23,7 @@ concurrent workers at worst compute the same entry twice.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ __all__ = [
     "count_forwards",
     "default_calibration_dir",
     "prepare_method",
+    "prepare_methods",
 ]
 
 CALIBRATION_CACHE_ENV = "KVLAB_CALIBRATION_CACHE"
@@ -118,21 +119,122 @@ def prepare_method(
         device=device,
     )
     path = None if cache_dir is None else Path(cache_dir) / f"{key}.json"
-    if path is not None and path.is_file():
-        try:
-            stored = read_json(path)
-        except (OSError, ValueError):
-            stored = None
-        if isinstance(stored, dict) and stored.get("key") == fields:
-            return {**stored["prepared"], "calibration_cache": {"status": "reused", "key": key}}
+    stored = _read_entry(path, fields)
+    if stored is not None:
+        return {**stored, "calibration_cache": {"status": "reused", "key": key}}
     prepared = preparation.run(method.params, model, tokenizer, text, progress)
-    status = "computed"
-    if path is not None:
-        try:
-            write_json_atomic(path, {"key": fields, "prepared": prepared})
-        except OSError as exc:
-            status = f"computed (not stored: {exc.strerror or exc})"
+    status = _store(path, fields, prepared)
     return {**prepared, "calibration_cache": {"status": status, "key": key}}
+
+
+def prepare_methods(
+    methods: Sequence[Method],
+    model: Any,
+    tokenizer: Any,
+    *,
+    checkpoint_sha256: str,
+    dtype: str,
+    cache_dir: Path | None,
+    progress: Progress | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`prepare_method` for several methods of one model, sharing measurements: methods
+    whose preparation has ``run_many`` and agrees on its ``batch_params`` (e.g. SnapKV layer
+    budgets at several ratios) and whose entries are not cached are computed by one
+    ``run_many`` call, and each is stored under its own key (the key :func:`prepare_method`
+    reads, so a later run of any one of them reuses it). The others go through
+    :func:`prepare_method`.
+
+    Returns:
+        one prepared state per method, in order (as :func:`prepare_method` returns it).
+
+    Raises:
+        ValueError: a method without a preparation (nothing is computed then).
+    """
+    for method in methods:
+        if method.preparation is None:
+            raise ValueError(f"method {method.name!r} has no preparation")
+    device = next(model.parameters()).device.type
+    results: list[dict[str, Any] | None] = [None] * len(methods)
+    groups: dict[str, list[tuple[int, dict[str, Any], str, Path | None]]] = {}
+    for index, method in enumerate(methods):
+        preparation = PREPARATIONS[method.preparation or ""]
+        if preparation.run_many is None or preparation.batch_params is None:
+            continue
+        text = preparation.text()
+        fields, key = calibration_key(
+            method,
+            checkpoint_sha256=checkpoint_sha256,
+            text_sha256=text.sha256,
+            dtype=dtype,
+            device=device,
+        )
+        path = None if cache_dir is None else Path(cache_dir) / f"{key}.json"
+        stored = _read_entry(path, fields)
+        if stored is not None:
+            results[index] = {**stored, "calibration_cache": {"status": "reused", "key": key}}
+            continue
+        group = content_hash(
+            {"preparation": method.preparation, "batch": preparation.batch_params(method.params)}
+        )
+        groups.setdefault(group, []).append((index, fields, key, path))
+    for members in groups.values():
+        first = methods[members[0][0]]
+        preparation = PREPARATIONS[first.preparation or ""]
+        assert preparation.run_many is not None
+        unique: dict[str, tuple[int, dict[str, Any], str, Path | None]] = {}
+        for member in members:
+            unique.setdefault(member[2], member)
+        prepared_list = preparation.run_many(
+            [methods[i].params for i, _, _, _ in unique.values()],
+            model,
+            tokenizer,
+            preparation.text(),
+            progress,
+        )
+        by_key = {}
+        for (_, fields, key, path), prepared in zip(unique.values(), prepared_list, strict=True):
+            by_key[key] = {
+                **prepared,
+                "calibration_cache": {"status": _store(path, fields, prepared), "key": key},
+            }
+        for index, _, key, _ in members:
+            results[index] = by_key[key]
+    for index, method in enumerate(methods):
+        if results[index] is None:
+            results[index] = prepare_method(
+                method,
+                model,
+                tokenizer,
+                checkpoint_sha256=checkpoint_sha256,
+                dtype=dtype,
+                cache_dir=cache_dir,
+                progress=progress,
+            )
+    return [r for r in results if r is not None]
+
+
+def _read_entry(path: Path | None, fields: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The stored prepared state at ``path`` when its key fields are ``fields``, else None."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        stored = read_json(path)
+    except (OSError, ValueError):
+        return None
+    if isinstance(stored, dict) and stored.get("key") == fields:
+        return dict(stored["prepared"])
+    return None
+
+
+def _store(path: Path | None, fields: Mapping[str, Any], prepared: Mapping[str, Any]) -> str:
+    """Write one entry (atomically); the ``calibration_cache`` status to record."""
+    if path is None:
+        return "computed"
+    try:
+        write_json_atomic(path, {"key": dict(fields), "prepared": dict(prepared)})
+    except OSError as exc:
+        return f"computed (not stored: {exc.strerror or exc})"
+    return "computed"
 
 
 def merged_settings(method: Method, prepared: Mapping[str, Any] | None) -> dict[str, Any]:

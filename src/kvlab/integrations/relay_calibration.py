@@ -12,9 +12,14 @@ with the same total as a uniform budget, minimizing the summed KL; the fractions
 public-domain text (:func:`kvlab.data.default_text`), never the evaluation text.
 
 Cost: two exact prefill forwards (kvlab attention recording the queries, SDPA recording the
-keys and values), then ``1 + L * len(fractions)`` forwards of ``score`` tokens (``L``
-full-attention layers; one layer's eviction is replayed on the recorded prefill keys, values
-and queries, which also recomputes that layer's prefill attention once and discards it).
+keys and values), one exact forward of the ``score`` tokens recording the hidden states
+entering every decoder layer, then per full-attention layer ``l`` and kept fraction a forward
+of the ``score`` tokens through layers ``l .. L-1`` and the head only, from the recorded input of layer ``l``
+(:mod:`kvlab.integrations.calibration_capture`: the layers before ``l`` are exact, so skipping
+them changes no bit of the result). Layer ``l``'s eviction is replayed on the recorded prefill
+keys, values and queries, which also recomputes that layer's prefill attention once and
+discards it. Several ratios measure the union of their fractions once
+(:func:`calibrate_layer_budgets_for_ratios`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from kvlab.data import TextSource, default_text
 from kvlab.integrations.attention import use_attention
+from kvlab.integrations.calibration_capture import (
+    ExactDistribution,
+    capture_layer_inputs,
+    start_at_layer,
+)
 from kvlab.integrations.calibration_record import measurement_settings
 from kvlab.integrations.model_support import plan_model
 from kvlab.integrations.pnmix_calibration import CALIBRATION_START
@@ -40,6 +50,7 @@ from kvlab.relay.layer_budgets import allocate_layer_fractions
 __all__ = [
     "LayerBudgetCalibration",
     "calibrate_layer_budgets",
+    "calibrate_layer_budgets_for_ratios",
     "fractions_around",
     "layer_eviction_sensitivity",
 ]
@@ -148,21 +159,21 @@ def layer_eviction_sensitivity(
             layers.append(layer)
         return Cache(layers=layers)
 
-    def logprobs(cache: Cache) -> Tensor:
+    def logits(cache: Cache) -> Tensor:
         with use_attention(model, "kvlab"):
-            out = model(tail, cache=cache, position_ids=positions, use_cache=True)
-        return torch.log_softmax(out.logits[0].double(), dim=-1)
+            return model(tail, cache=cache, position_ids=positions, use_cache=True).logits[0]
 
-    exact = logprobs(cache_with(None, 1.0))
-    p = exact.exp()
+    # the exact scoring forward, recording the hidden states entering every layer
+    with capture_layer_inputs(model) as inputs:
+        exact = ExactDistribution(logits(cache_with(None, 1.0)))
     result: list[dict[float, float]] = []
     if progress is not None:
         progress(0, len(full_layers))
     for done, layer_idx in enumerate(full_layers, start=1):
         row = {}
-        for f in sorted(set(fractions)):
-            approx = logprobs(cache_with(layer_idx, f))
-            row[f] = float((p * (exact - approx)).sum(-1).clamp_min(0.0).mean())
+        with start_at_layer(model, layer_idx, inputs[layer_idx]):
+            for f in sorted(set(fractions)):
+                row[f] = exact.kl(logits(cache_with(layer_idx, f)), clamp=True)
         result.append(row)
         if progress is not None:
             progress(done, len(full_layers))
@@ -203,6 +214,20 @@ class LayerBudgetCalibration:
         return {**record, **measurement_settings(self)}
 
 
+def _calibration_window(
+    tokenizer: Any, text: TextSource | None, start: int, prefill: int, score: int
+) -> tuple[TextSource, int, Tensor]:
+    """The calibration text, the window's first token and its ``[1, prefill + score]`` ids."""
+    source = text if text is not None else default_text()
+    need = start + prefill + score
+    head = source.data[: max(8 * need, 4096)].decode("utf-8", errors="replace")
+    ids = tokenizer(head, return_tensors="pt").input_ids
+    if ids.shape[1] < prefill + score:
+        raise ValueError(f"calibration text has {ids.shape[1]} tokens; {prefill + score} needed")
+    first = max(0, min(start, ids.shape[1] - prefill - score))
+    return source, first, ids[:, first : first + prefill + score]
+
+
 def calibrate_layer_budgets(
     model: Any,
     tokenizer: Any,
@@ -228,14 +253,7 @@ def calibrate_layer_budgets(
     if config.ratio is None:
         raise ValueError("calibrate_layer_budgets needs EvictionConfig.ratio")
     began = time.perf_counter()
-    source = text if text is not None else default_text()
-    need = start + prefill + score
-    head = source.data[: max(8 * need, 4096)].decode("utf-8", errors="replace")
-    ids = tokenizer(head, return_tensors="pt").input_ids
-    if ids.shape[1] < prefill + score:
-        raise ValueError(f"calibration text has {ids.shape[1]} tokens; {prefill + score} needed")
-    first = max(0, min(start, ids.shape[1] - prefill - score))
-    window = ids[:, first : first + prefill + score]
+    source, first, window = _calibration_window(tokenizer, text, start, prefill, score)
     if fractions is None:
         fractions = fractions_around(1.0 - config.ratio)
     sens = layer_eviction_sensitivity(
@@ -254,3 +272,57 @@ def calibrate_layer_budgets(
         score=score,
         seconds=time.perf_counter() - began,
     )
+
+
+def calibrate_layer_budgets_for_ratios(
+    model: Any,
+    tokenizer: Any,
+    config: EvictionConfig,
+    ratios: Sequence[float],
+    *,
+    text: TextSource | None = None,
+    start: int = CALIBRATION_START,
+    prefill: int = 512,
+    score: int = 128,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[float, LayerBudgetCalibration]:
+    """:func:`calibrate_layer_budgets` for several eviction ratios from one measurement.
+
+    A layer's KL at a kept fraction does not depend on the ratio, so the union of every
+    ratio's :func:`fractions_around` is measured once (one capture of the window; ``progress``
+    in decoder layers), and each ratio keeps its own fractions' sensitivities and allocates
+    from them: each result equals ``calibrate_layer_budgets`` at that ratio (its ``seconds``
+    is the joint measurement's wall time). ``config.ratio`` is ignored.
+
+    Returns:
+        ``{ratio: LayerBudgetCalibration}`` in the order given (duplicates once).
+
+    Raises:
+        ValueError: no ratios, a ratio outside [0, 1), or what ``calibrate_layer_budgets``
+            raises.
+    """
+    wanted = list(dict.fromkeys(float(r) for r in ratios))
+    if not wanted or any(not 0.0 <= r < 1.0 for r in wanted):
+        raise ValueError(f"ratios must be a non-empty list in [0, 1), got {list(ratios)}")
+    began = time.perf_counter()
+    source, first, window = _calibration_window(tokenizer, text, start, prefill, score)
+    own = {r: fractions_around(1.0 - r) for r in wanted}
+    union = sorted({f for fractions in own.values() for f in fractions})
+    sens = layer_eviction_sensitivity(
+        model, window, config, prefill=prefill, fractions=union, progress=progress
+    )
+    seconds = time.perf_counter() - began
+    results: dict[float, LayerBudgetCalibration] = {}
+    for r in wanted:
+        mine = tuple({f: row[f] for f in own[r]} for row in sens)
+        results[r] = LayerBudgetCalibration(
+            layer_fractions=tuple(allocate_layer_fractions(mine, 1.0 - r, tokens=prefill)),
+            sensitivities=mine,
+            text_id=source.id,
+            text_sha256=source.sha256,
+            start=first,
+            prefill=prefill,
+            score=score,
+            seconds=seconds,
+        )
+    return results

@@ -32,6 +32,11 @@ class Preparation:
         key_params: ``key_params(params)`` — the part of a method's ``params`` that decides the
             result (keys the cache; methods that agree on it share one preparation), or
             ``None`` for all of them.
+        run_many: ``run_many(params_list, model, tokenizer, text, progress) -> [prepared]``,
+            several methods' preparations from one measurement, each equal to ``run`` on its
+            params; ``batch_params(params)`` says which methods may share it. ``None``: none.
+        batch_params: ``batch_params(params)`` — what methods sharing one ``run_many`` must
+            agree on (JSON-ready), or ``None``.
     """
 
     run: Callable[..., dict[str, Any]]
@@ -39,6 +44,8 @@ class Preparation:
     modules: tuple[str, ...]
     note: str
     key_params: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    run_many: Callable[..., list[dict[str, Any]]] | None = None
+    batch_params: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 
 
 def _calibration_text() -> Any:
@@ -85,6 +92,31 @@ def _calibrate_layer_budgets(
     config = EvictionConfig(**eviction_kwargs(_layer_budget_params(params)))
     calibration = calibrate_layer_budgets(model, tokenizer, config, text=text, progress=progress)
     return calibration.settings()
+
+
+def _layer_budget_batch(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Eviction settings but the ratio: one measurement serves every ratio."""
+    return {k: v for k, v in _layer_budget_params(params).items() if k != "ratio"}
+
+
+def _calibrate_layer_budgets_many(
+    params_list: list[Mapping[str, Any]],
+    model: Any,
+    tokenizer: Any,
+    text: Any,
+    progress: Progress | None = None,
+) -> list[dict[str, Any]]:
+    from kvlab.integrations.relay_cache import EvictionConfig
+    from kvlab.integrations.relay_calibration import calibrate_layer_budgets_for_ratios
+
+    configs = [EvictionConfig(**eviction_kwargs(_layer_budget_params(p))) for p in params_list]
+    ratios = [float(c.ratio) for c in configs if c.ratio is not None]
+    if len(ratios) != len(configs):
+        raise ValueError("calibrate_layer_budgets needs EvictionConfig.ratio")
+    results = calibrate_layer_budgets_for_ratios(
+        model, tokenizer, configs[0], ratios, text=text, progress=progress
+    )
+    return [results[r].settings() for r in ratios]
 
 
 def _kvzip_prompt(
@@ -139,6 +171,7 @@ PREPARATIONS: dict[str, Preparation] = {
         text=_calibration_text,
         modules=(
             "kvlab.integrations.pnmix_calibration",
+            "kvlab.integrations.calibration_capture",
             "kvlab.integrations.calibration_record",
             "kvlab.integrations.pnmix_cache",
             "kvlab.integrations.attention",
@@ -181,6 +214,7 @@ PREPARATIONS: dict[str, Preparation] = {
         text=_calibration_text,
         modules=(
             "kvlab.integrations.relay_calibration",
+            "kvlab.integrations.calibration_capture",
             "kvlab.integrations.calibration_record",
             "kvlab.integrations.relay_cache",
             "kvlab.integrations.relay_layer",
@@ -210,8 +244,10 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.rope.rotation",
             "kvlab.data",
         ),
-        note="calibrating per-layer eviction budgets on the package text: one forward of 128 "
-        "tokens per layer and kept fraction",
+        note="calibrating per-layer eviction budgets on the package text: per layer and kept "
+        "fraction, 128 tokens through that layer and the ones after it",
         key_params=_layer_budget_params,
+        run_many=_calibrate_layer_budgets_many,
+        batch_params=_layer_budget_batch,
     ),
 }

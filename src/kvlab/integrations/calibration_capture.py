@@ -1,0 +1,168 @@
+"""One exact forward of a calibration window's scored tokens, captured at every decoder layer,
+then per-layer replays that run only the layers a perturbation can change.
+
+Both per-layer calibrations (PN-Mix's group sizes, :mod:`kvlab.integrations.pnmix_calibration`;
+the eviction budgets, :mod:`kvlab.integrations.relay_calibration`) measure, for every decoder
+layer ``l`` and candidate ``c``, ``KL(full || perturbed)`` of the ``S`` scored tokens'
+next-token distributions when **only** layer ``l``'s cached prefix is perturbed. The scored
+tokens' hidden states entering layers ``0 .. l`` are then exactly those of the unperturbed
+forward: :func:`capture_layer_inputs` records them once (one forward, hooks on every decoder
+layer), and :func:`start_at_layer` makes a later forward skip layers ``0 .. l-1`` (each returns
+its input; the last one returns the captured input of layer ``l``), so a measurement costs
+``L - l`` decoder layers and the head instead of ``L`` layers and the head (about half over all
+layers). The layers that run see the same inputs, caches and kernels as in a full forward, so
+the logits are bit-identical to the full forward's (``tests/test_calibration_capture.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ExactDistribution", "capture_layer_inputs", "decoder_layers", "start_at_layer"]
+
+
+def decoder_layers(model: Any) -> nn.ModuleList:
+    """The model's decoder layers: the ``nn.ModuleList`` named ``...layers`` holding
+    ``num_hidden_layers`` modules (``model.model.layers`` for Llama/Qwen2-style models).
+
+    Raises:
+        ValueError: no such list, or several.
+    """
+    count = model.config.get_text_config(decoder=True).num_hidden_layers
+    found = [
+        module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        and name.rsplit(".", 1)[-1] == "layers"
+        and len(module) == count
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected one ModuleList 'layers' of {count} decoder layers, found {len(found)}"
+        )
+    return found[0]
+
+
+def _hidden_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, Tensor):
+        raise TypeError("a decoder layer was called without a hidden_states tensor")
+    return hidden
+
+
+@contextlib.contextmanager
+def capture_layer_inputs(model: Any) -> Iterator[list[Tensor]]:
+    """Record the hidden states entering every decoder layer during the forwards run inside.
+
+    Yields:
+        a list filled with one tensor per decoder layer, in layer order (``[B, Q, hidden]``,
+        the model's dtype), by the first forward run in the block (later forwards are not
+        recorded).
+    """
+    layers = decoder_layers(model)
+    captured: list[Tensor] = []
+
+    def hook(index: int) -> Callable[..., None]:
+        def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if len(captured) == index:
+                captured.append(_hidden_of(args, kwargs).detach())
+
+        return record
+
+    handles = [
+        layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)
+    ]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def start_at_layer(model: Any, layer: int, hidden: Tensor | None) -> Iterator[None]:
+    """Forwards inside skip decoder layers ``0 .. layer-1``: each returns its input, except
+    layer ``layer - 1``, which returns ``hidden`` (the captured input of layer ``layer``,
+    ``[B, Q, hidden]``). ``layer == 0`` changes nothing (``hidden`` is then ignored).
+
+    Skipped layers neither compute nor touch their cache layer. Decoder layers must return
+    their hidden states tensor (``transformers`` 5.x).
+
+    Raises:
+        ValueError: ``layer`` outside ``0 .. L-1``, or ``hidden`` missing for ``layer > 0``.
+    """
+    layers = decoder_layers(model)
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"layer must lie in 0..{len(layers) - 1}, got {layer}")
+    if layer == 0:
+        yield
+        return
+    if hidden is None:
+        raise ValueError("start_at_layer needs the captured hidden states for layer > 0")
+
+    def skip(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return hidden_states
+
+    def jump(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if hidden_states.shape != hidden.shape:
+            raise ValueError(
+                f"captured hidden states {tuple(hidden.shape)} do not match this forward's "
+                f"{tuple(hidden_states.shape)}"
+            )
+        return hidden
+
+    patched = list(layers[:layer])
+    saved = [module.__dict__.get("forward") for module in patched]
+    for i, module in enumerate(patched):
+        module.forward = jump if i == layer - 1 else skip  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for module, forward in zip(patched, saved, strict=True):
+            if forward is None:
+                del module.forward  # back to the class's forward
+            else:
+                module.forward = forward  # type: ignore[method-assign]
+
+
+class ExactDistribution:
+    """The unperturbed next-token distributions ``p`` of ``S`` scored tokens, ready to measure
+    ``KL(p || q)`` against many perturbed ``q`` (:meth:`kl`).
+
+    Args:
+        logits: ``[S, V]`` logits of the unperturbed forward (any float dtype).
+    """
+
+    def __init__(self, logits: Tensor) -> None:
+        self.logprobs = torch.log_softmax(logits.double(), dim=-1)  # float64 [S, V]
+        self.probs = self.logprobs.exp()
+        self._neg_entropy = (self.probs * self.logprobs).sum(-1)  # sum_v p log p, [S]
+        self._mass = self.probs.sum(-1)  # sum_v p (1 up to rounding), [S]
+
+    def kl(self, logits: Tensor, *, clamp: bool = False) -> float:
+        """Mean over the ``S`` tokens of ``KL(p || softmax(logits))`` in nats.
+
+        ``logits``: ``[S, V]`` (any float dtype, read in float64). Per token ``KL = sum_v p log p
+        - sum_v p z_v + (sum_v p) logsumexp(z)``, which equals ``sum_v p (log p - log_softmax(z))``
+        (what the calibrations computed before) up to float64 rounding (about 1e-14 nats at
+        SmolLM2's vocabulary), in fewer passes over the vocabulary. ``clamp`` clips each
+        token's KL at 0 before the mean (rounding can make a near-zero KL negative).
+
+        Raises:
+            ValueError: ``logits`` not shaped like the exact logits.
+        """
+        if logits.shape != self.logprobs.shape:
+            raise ValueError(
+                f"logits {tuple(logits.shape)} must be shaped {tuple(self.logprobs.shape)}"
+            )
+        z = logits.double()
+        cross = torch.einsum("sv,sv->s", self.probs, z)
+        kl = self._neg_entropy - cross + torch.logsumexp(z, dim=-1) * self._mass
+        if clamp:
+            kl = kl.clamp_min(0.0)
+        return float(kl.mean())

@@ -1,0 +1,224 @@
+"""The calibrations' one-forward capture (kvlab.integrations.calibration_capture): replays that
+start at a layer give the logits of a full forward bit for bit, so both per-layer calibrations
+return exactly what their former per-layer full forwards returned; several ratios at once equal
+one ratio at a time; progress is reported per layer."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvlab.data import TextSource
+from kvlab.integrations import pnmix_calibration, relay_calibration
+from kvlab.integrations.calibration_capture import (
+    ExactDistribution,
+    capture_layer_inputs,
+    decoder_layers,
+    start_at_layer,
+)
+from kvlab.integrations.relay_cache import EvictionConfig
+from kvlab.pnmix import PNMixConfig
+
+SMALL = PNMixConfig(sink_tokens=4, residual_tokens=4, group_tokens=8)
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefix(model: Any, head: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cache = Cache(layers=[DynamicLayer() for _ in range(model.config.num_hidden_layers)])
+    with torch.no_grad():
+        model(head, cache=cache, use_cache=True)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _cache(prefix: list[tuple[torch.Tensor, torch.Tensor]], noisy: int | None) -> Cache:
+    layers = []
+    for i, (k, v) in enumerate(prefix):
+        layer = DynamicLayer()
+        if i == noisy:  # a perturbed prefix in this layer alone
+            g = torch.Generator().manual_seed(i)
+            k = k + 0.3 * torch.randn(k.shape, generator=g)
+            v = v + 0.3 * torch.randn(v.shape, generator=g)
+        layer.update(k, v)
+        layers.append(layer)
+    return Cache(layers=layers)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_replay_from_a_captured_layer_input_is_the_full_forward_bit_for_bit(make_llama, layers):
+    model = make_llama(seed=3, num_hidden_layers=layers)
+    ids = _ids(40, seed=4)
+    head, tail = ids[:, :28], ids[:, 28:]
+    positions = torch.arange(28, 40)[None]
+    prefix = _prefix(model, head)
+    with torch.no_grad():
+        with capture_layer_inputs(model) as inputs:
+            exact = model(tail, cache=_cache(prefix, None), position_ids=positions).logits
+            model(tail, cache=_cache(prefix, None), position_ids=positions)  # not recorded
+        assert len(inputs) == layers
+        assert all(x.shape == (1, 12, model.config.hidden_size) for x in inputs)
+        for layer in range(layers):
+            full = model(tail, cache=_cache(prefix, layer), position_ids=positions).logits
+            with start_at_layer(model, layer, inputs[layer]):
+                replay = model(tail, cache=_cache(prefix, layer), position_ids=positions).logits
+            assert torch.equal(replay, full)
+            assert layer == 0 or not torch.equal(full, exact)  # the perturbation shows
+    # the patched layers are restored
+    assert all("forward" not in module.__dict__ for module in decoder_layers(model))
+    with torch.no_grad():
+        again = model(tail, cache=_cache(prefix, None), position_ids=positions).logits
+    assert torch.equal(again, exact)
+
+
+def test_start_at_layer_refuses_bad_arguments(make_llama):
+    model = make_llama(seed=5, num_hidden_layers=2)
+    with (
+        pytest.raises(ValueError, match=r"layer must lie in 0\.\.1"),
+        start_at_layer(model, 2, None),
+    ):
+        pass
+    with pytest.raises(ValueError, match="needs the captured"), start_at_layer(model, 1, None):
+        pass
+    wrong = torch.zeros(1, 3, model.config.hidden_size)
+    with (
+        pytest.raises(ValueError, match="do not match"),
+        torch.no_grad(),
+        start_at_layer(model, 1, wrong),
+    ):
+        model(_ids(5))
+    assert all("forward" not in module.__dict__ for module in decoder_layers(model))
+
+
+def test_exact_distribution_kl_is_the_former_formula_to_float64_rounding():
+    g = torch.Generator().manual_seed(0)
+    z = 3 * torch.randn(16, 500, generator=g)
+    q = z + 0.2 * torch.randn(16, 500, generator=g)
+    exact = ExactDistribution(z)
+    ref = torch.log_softmax(z.double(), -1)
+    former = (ref.exp() * (ref - torch.log_softmax(q.double(), -1))).sum(-1)
+    assert abs(exact.kl(q) - float(former.mean())) < 1e-12
+    assert abs(exact.kl(z)) < 1e-12 and exact.kl(z, clamp=True) >= 0.0
+    assert abs(exact.kl(q, clamp=True) - float(former.clamp_min(0).mean())) < 1e-12
+    with pytest.raises(ValueError, match="must be shaped"):
+        exact.kl(q[:3])
+
+
+@contextlib.contextmanager
+def _every_layer(module: Any) -> Iterator[None]:
+    """The former path: every measurement is a full forward (no layer skipped)."""
+    original = module.start_at_layer
+    module.start_at_layer = lambda model, layer, hidden: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        module.start_at_layer = original
+
+
+def test_group_sensitivity_equals_per_layer_full_forwards(make_llama):
+    model = make_llama(seed=7, num_hidden_layers=3)
+    ids = _ids(72, seed=8)
+    calls: list[tuple[int, int]] = []
+    fast = pnmix_calibration.layer_group_sensitivity(
+        model, ids, SMALL, prefill=56, candidates=(4, 8), progress=lambda d, n: calls.append((d, n))
+    )
+    with _every_layer(pnmix_calibration):
+        slow = pnmix_calibration.layer_group_sensitivity(
+            model, ids, SMALL, prefill=56, candidates=(4, 8)
+        )
+    assert fast == slow  # bit-identical floats
+    assert all(v > 0 for row in fast for v in row.values())
+    assert calls == [(i, 3) for i in range(4)]
+
+
+def test_eviction_sensitivity_equals_per_layer_full_forwards(make_llama):
+    model = make_llama(seed=9, num_hidden_layers=3)
+    ids = _ids(64, seed=10)
+    config = EvictionConfig(ratio=0.5, relay=False, sink_tokens=2, window_tokens=8)
+    calls: list[tuple[int, int]] = []
+    fast = relay_calibration.layer_eviction_sensitivity(
+        model,
+        ids,
+        config,
+        prefill=48,
+        fractions=(0.25, 0.5),
+        progress=lambda d, n: calls.append((d, n)),
+    )
+    with _every_layer(relay_calibration):
+        slow = relay_calibration.layer_eviction_sensitivity(
+            model, ids, config, prefill=48, fractions=(0.25, 0.5)
+        )
+    assert fast == slow
+    assert all(v > 0 for row in fast for v in row.values())
+    assert calls == [(i, 3) for i in range(4)]
+
+
+class _ByteTokenizer:
+    def __call__(self, text: str, return_tensors: str = "pt"):
+        data = text.encode("utf-8")
+        return type("Encoding", (), {"input_ids": torch.tensor([[3 + b % 93 for b in data]])})()
+
+
+TEXT = TextSource(
+    data=b"Who's there? Nay, answer me: stand, and unfold yourself. " * 40,
+    id="test/text",
+    sha256="0" * 64,
+    source_url=None,
+)
+
+
+def test_all_ratios_at_once_equal_one_ratio_at_a_time(make_llama):
+    model = make_llama(seed=11, num_hidden_layers=3)
+    config = EvictionConfig(ratio=0.5, relay=False, sink_tokens=2, window_tokens=8)
+    window = dict(text=TEXT, start=100, prefill=128, score=16)
+    calls: list[tuple[int, int]] = []
+    ratios = (0.5, 0.25, 0.5625, 0.5)
+    joint = relay_calibration.calibrate_layer_budgets_for_ratios(
+        model,
+        _ByteTokenizer(),
+        config,
+        ratios,
+        progress=lambda d, n: calls.append((d, n)),
+        **window,
+    )
+    assert list(joint) == [0.5, 0.25, 0.5625]
+    assert calls == [(i, 3) for i in range(4)]  # one measurement for all three
+    for ratio, result in joint.items():
+        alone = relay_calibration.calibrate_layer_budgets(
+            model, _ByteTokenizer(), dataclasses.replace(config, ratio=ratio), **window
+        )
+        assert result.layer_fractions == alone.layer_fractions
+        assert result.sensitivities == alone.sensitivities
+        assert set(result.sensitivities[0]) == set(relay_calibration.fractions_around(1 - ratio))
+        assert (result.start, result.prefill, result.score) == (alone.start, 128, 16)
+    with pytest.raises(ValueError, match="ratios must be"):
+        relay_calibration.calibrate_layer_budgets_for_ratios(model, _ByteTokenizer(), config, [])
+    with pytest.raises(ValueError, match="ratios must be"):
+        relay_calibration.calibrate_layer_budgets_for_ratios(model, _ByteTokenizer(), config, [1.0])
+
+
+def test_group_calibration_reports_progress_through_its_preparation(make_llama):
+    from kvlab.evaluation.methods.preparations import accepts_progress
+
+    assert accepts_progress(pnmix_calibration.calibrate_group_tokens)
+    model = make_llama(seed=13, num_hidden_layers=2)
+    calls: list[tuple[int, int]] = []
+    pnmix_calibration.calibrate_group_tokens(
+        model,
+        _ByteTokenizer(),
+        SMALL,
+        budget_group_tokens=8,
+        text=TEXT,
+        start=100,
+        score=16,
+        candidates=(4, 8, 16),
+        progress=lambda d, n: calls.append((d, n)),
+    )
+    assert calls == [(0, 2), (1, 2), (2, 2)]
