@@ -14,13 +14,12 @@ public-domain text (:func:`kvlab.data.default_text`), never the evaluation text.
 Cost: two exact prefill forwards (kvlab attention recording the queries, SDPA recording the
 keys and values), one exact forward of the ``score`` tokens recording the hidden states
 entering every decoder layer, then per full-attention layer ``l`` and kept fraction a forward
-of the ``score`` tokens through layers ``l .. L-1`` and the head only, from the recorded input of layer ``l``
-(:mod:`kvlab.integrations.calibration_capture`: the layers before ``l`` are exact, so skipping
-them changes no bit of the result). Layer ``l``'s eviction is replayed on the recorded prefill
-keys, values and queries, which also recomputes that layer's prefill attention once and
-discards it. Several ratios measure the union of their fractions once
-(:func:`calibrate_layer_budgets_for_ratios`).
-"""
+of the ``score`` tokens through layers ``l .. L-1`` and the head only, from the recorded input
+of layer ``l`` (:mod:`kvlab.integrations.calibration_capture`: the layers before ``l`` are
+exact, so skipping them changes no bit of the result). Layer ``l``'s eviction is replayed on
+the recorded prefill keys, values and queries, which also recomputes that layer's prefill
+attention once and discards it. Several ratios measure the union of their fractions once
+(:func:`calibrate_layer_budgets_for_ratios`)."""
 
 from __future__ import annotations
 
