@@ -42,7 +42,7 @@ def test_ruler_protocol_end_to_end(tiny_model_dir, tiny_text, tmp_path):
     assert names == METHODS
     full = outcome.summaries[0]
     assert full["samples"] == len(TASKS) * 2 and sorted(full["tasks"]) == TASKS
-    assert full["fraction_of_full"] == 1.0
+    assert full["fraction_of_full"] == 1.0 and full["fraction_of_full_16bit"] == 1.0
     for s in outcome.summaries[1:]:
         assert 0.0 < s["fraction_of_full"] < 1.0  # every other method compresses
         assert s["replayed"] == s["samples"]  # built from the shared prefill
@@ -101,3 +101,35 @@ def test_paired_bootstrap_is_paired_and_deterministic():
     assert high - low == pytest.approx(2 * 1.96 * se, rel=0.25)
     with pytest.raises(ValueError, match="share no sample"):
         paired_bootstrap(worse, {("u", 1, 0): 1.0})
+
+
+def test_ruler_summary_counts_bytes_per_layer_kind_and_flags_single_samples():
+    from kvlab.evaluation.ruler_report import ruler_table, summarize_ruler
+
+    def result(full_bytes: int, score: float) -> dict:
+        kinds = {
+            "full_attention": {"layers": 1, "kv_bytes": full_bytes, "kv_bytes_16bit": full_bytes},
+            "sliding_window": {"layers": 5, "kv_bytes": 500, "kv_bytes_16bit": 500},
+        }
+        storage = {"kv_bytes": full_bytes + 500, "kv_bytes_16bit": full_bytes + 500}
+        storage.update(held_bytes=None, layer_kinds=kinds)
+        return {
+            "score": score,
+            "storage": storage,
+            "compress_seconds": 0.0,
+            "answer_seconds": 0.0,
+            "replayed": True,
+        }
+
+    wheres = [{"task": "vt", "length": 4096, "index": 0}]
+    full = summarize_ruler("full", wheres, [result(1000, 1.0)], None, None)
+    ref = {("vt", 4096, 0): 1.0}
+    half = summarize_ruler(
+        "m", wheres, [result(250, 0.0)], ref, 1500.0, 1500.0, full["kv_bytes_by_layer_kind"]
+    )
+    assert half["kv_bytes_by_layer_kind"]["full_attention"]["fraction_of_full"] == 0.25
+    assert half["kv_bytes_by_layer_kind"]["sliding_window"]["fraction_of_full"] == 1.0
+    assert half["fraction_of_full"] == 0.5 and half["delta_ci95"] is None
+    table = ruler_table([full, half])
+    assert "Only the 1 full-attention layers of 6 are compressed" in table
+    assert "[n = 1]" in table

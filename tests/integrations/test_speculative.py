@@ -475,3 +475,14 @@ def test_relay_first_forward_needs_the_prompt_end():
     with pytest.raises(ValueError, match="expect_prompt"):
         _generate("qwen2", cache, _prompt(), prompt_lookup_num_tokens=5)
     assert all(layer.get_seq_length() == 0 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("kind", ["pnmix", "relay"])
+def test_expect_prompt_refuses_a_count_that_is_no_prompt(kind):
+    """expect_prompt takes the prompt's total length: 0, or not more than the tokens already
+    seen, is refused with kvlab's message (expect_prompt(0) crashed inside the relay layer)."""
+    cache = _relay("qwen2") if kind == "relay" else PNMixModelCache(_model("qwen2").config, SMALL)
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="expect_prompt"):
+            cache.expect_prompt(bad)
+    cache.expect_prompt(PROMPT)  # accepted

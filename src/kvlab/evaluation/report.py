@@ -665,7 +665,15 @@ def _ruler(
     reference = {tuple(k.split("/")): v for k, v in full["scores"].items()}
     reference = {(k[0], int(k[1]), int(k[2])): v for k, v in reference.items()}
     summaries = [
-        summarize_ruler(m.name, wheres(m.name), task_results[m.name], reference, full["kv_bytes"])
+        summarize_ruler(
+            m.name,
+            wheres(m.name),
+            task_results[m.name],
+            reference,
+            full["kv_bytes"],
+            full["kv_bytes_16bit"],
+            full.get("kv_bytes_by_layer_kind"),
+        )
         for m in methods
     ]
     first = by_method["full"][0]
@@ -681,6 +689,9 @@ def _ruler(
         "compression": "query-agnostic: the context is compressed before the question is fed",
         "seeds_are": "sample indices",
     }
+    if "kv_bytes_by_layer_kind" in full:
+        kinds = full["kv_bytes_by_layer_kind"]
+        configuration["layers_by_kind"] = {k: int(v["layers"]) for k, v in sorted(kinds.items())}
     per_seed = []
     indices = sorted({t.where["index"] for t in by_method["full"]})
     for index in indices:

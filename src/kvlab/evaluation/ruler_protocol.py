@@ -68,7 +68,10 @@ def ruler_units(
     names = list(tasks) or list(TASKS)
     unknown = [n for n in names if n not in TASKS]
     if unknown:
-        raise ValueError(f"unknown RULER task(s) {unknown}; known: {', '.join(TASKS)}")
+        raise ValueError(
+            f"unknown RULER task(s) {unknown}; known: {', '.join(TASKS)} (RULER's QA tasks "
+            "need the SQuAD / HotpotQA data and are not generated)"
+        )
     use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
     stops = stop_token_ids(tokenizer)
     units = []

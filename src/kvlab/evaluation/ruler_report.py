@@ -84,11 +84,16 @@ def summarize_ruler(
     results: Sequence[Mapping[str, Any]],
     reference: Mapping[tuple[str, int, int], float] | None,
     reference_bytes: float | None,
+    reference_bytes_16bit: float | None = None,
+    reference_kinds: Mapping[str, Mapping[str, float]] | None = None,
 ) -> dict[str, Any]:
     """Figures of one method (module docstring): ``accuracy`` (task mean, %), ``tasks``
     (accuracy per task, %), ``samples``, bytes (``kv_bytes``, ``kv_bytes_16bit``,
-    ``held_bytes``: means after compression), ``fraction_of_full``, and, given the reference
-    scores, ``delta_vs_full`` with ``delta_ci95``."""
+    ``held_bytes``: means after compression), ``fraction_of_full`` (as stored, and at 16 bits
+    against ``full``'s 16-bit bytes), ``kv_bytes_by_layer_kind`` where the caches measure per
+    layer kind (full-attention and sliding-window layers: a window layer is never compressed),
+    and, given the reference scores, ``delta_vs_full`` with ``delta_ci95`` (``None`` when a
+    task has a single sample: no interval)."""
     scores = {_sample_key(w): float(r["score"]) for w, r in zip(wheres, results, strict=True)}
     tasks = sorted({k[0] for k in scores})
     per_task = {
@@ -112,13 +117,40 @@ def summarize_ruler(
     }
     if reference_bytes:
         summary["fraction_of_full"] = summary["kv_bytes"] / reference_bytes
-        summary["fraction_of_full_16bit"] = summary["kv_bytes_16bit"] / reference_bytes
+    if reference_bytes_16bit:
+        summary["fraction_of_full_16bit"] = summary["kv_bytes_16bit"] / reference_bytes_16bit
+    kinds = _layer_kinds(results, reference_kinds)
+    if kinds:
+        summary["kv_bytes_by_layer_kind"] = kinds
     if reference is not None:
         delta, low, high = paired_bootstrap(scores, reference)
         summary["delta_vs_full"] = delta
-        summary["delta_ci95"] = [low, high]
+        single = min(sum(1 for k in scores if k[0] == t) for t in tasks) < 2
+        summary["delta_ci95"] = None if single else [low, high]
     summary["scores"] = {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in sorted(scores.items())}
     return summary
+
+
+def _layer_kinds(
+    results: Sequence[Mapping[str, Any]], reference: Mapping[str, Mapping[str, float]] | None
+) -> dict[str, dict[str, float]]:
+    """Per layer kind: layer count, mean stored and 16-bit bytes after compression, and the
+    16-bit fraction of ``reference``'s bytes of that kind; ``{}`` when not measured."""
+    kinds = [r["storage"].get("layer_kinds") for r in results]
+    if not kinds or any(k is None for k in kinds):
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for kind in sorted({k for entry in kinds for k in entry}):
+        rows = [entry.get(kind, {}) for entry in kinds]
+        item: dict[str, float] = {
+            "layers": max(int(r.get("layers", 0)) for r in rows),
+            "kv_bytes": float(np.mean([r.get("kv_bytes", 0) for r in rows])),
+            "kv_bytes_16bit": float(np.mean([r.get("kv_bytes_16bit", 0) for r in rows])),
+        }
+        ref16 = (reference or {}).get(kind, {}).get("kv_bytes_16bit")
+        item["fraction_of_full"] = item["kv_bytes_16bit"] / ref16 if ref16 else float("nan")
+        out[kind] = item
+    return out
 
 
 def ruler_table(summaries: Sequence[Mapping[str, Any]]) -> str:
@@ -141,8 +173,9 @@ def ruler_table(summaries: Sequence[Mapping[str, Any]]) -> str:
     for s in summaries:
         delta = "—"
         if "delta_vs_full" in s and s["method"] != "full":
-            low, high = s["delta_ci95"]
-            delta = f"{s['delta_vs_full']:+.1f} [{low:+.1f}, {high:+.1f}]"
+            interval = s["delta_ci95"]
+            spread = f"[{interval[0]:+.1f}, {interval[1]:+.1f}]" if interval else "[n = 1]"
+            delta = f"{s['delta_vs_full']:+.1f} {spread}"
         rows.append(
             [
                 s["method"],
@@ -154,7 +187,14 @@ def ruler_table(summaries: Sequence[Mapping[str, Any]]) -> str:
                 f"{s.get('fraction_of_full_16bit', float('nan')):.3f}",
             ]
         )
-    return markdown_table(headers, rows)
+    table = markdown_table(headers, rows)
+    if any("sliding_window" in s.get("kv_bytes_by_layer_kind", {}) for s in summaries):
+        from kvlab.evaluation.table import _layer_kind_note
+
+        table += _layer_kind_note(summaries)
+    if any(s.get("delta_ci95", 0) is None for s in summaries):
+        table += "\nOne sample per task: no bootstrap interval (`[n = 1]`).\n"
+    return table
 
 
 def plot_ruler_heatmap(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:

@@ -171,10 +171,16 @@ class RelayModelCache(Cache):
         together.
 
         Raises:
-            ValueError: ``tokens`` not an int >= 0.
+            ValueError: ``tokens`` not an int, or not more than the tokens already seen (a
+                prompt has at least one new token).
         """
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"expect_prompt takes a token count >= 0, got {tokens!r}")
+        if tokens <= self.get_seq_length():
+            raise ValueError(
+                f"expect_prompt({tokens}): the cache has seen {self.get_seq_length()} tokens; "
+                "pass the prompt's total length, input_ids.shape[1] of the generate call"
+            )
         for layer in self._relay_layers():
             layer.forward_state.prompt_end = tokens
 

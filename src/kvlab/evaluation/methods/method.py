@@ -49,7 +49,11 @@ class Method:
             RuntimeError: the method needs a preparation and ``prepared`` is ``None``.
         """
         if self.preparation is not None and prepared is None:
-            raise RuntimeError(f"method {self.name!r} must be prepared (calibrated) before use")
+            raise RuntimeError(
+                f"method {self.name!r} must be prepared (calibrated) before use: pass "
+                f"prepared=kvlab.evaluation.calibration.prepare_method(...) (its preparation "
+                f"{self.preparation!r}; kvlab eval runs it itself)"
+            )
         return CACHE_FACTORIES[self.factory](self.params, model_config, prepared)
 
     def record(self) -> dict[str, Any]:
