@@ -771,12 +771,11 @@ class PNMixModelCache(Cache):
         draft together, which the cache cannot tell apart otherwise.
 
         Raises:
-            ValueError: ``tokens`` not an int, or not more than the tokens already seen (a
-                prompt has at least one new token).
+            ValueError: ``tokens`` not an int >= 1, or fewer than the tokens already seen.
         """
         if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
             raise ValueError(f"expect_prompt takes a token count >= 0, got {tokens!r}")
-        if int(tokens) <= self.get_seq_length():
+        if int(tokens) < max(1, self.get_seq_length()):
             raise ValueError(
                 f"expect_prompt({tokens}): the cache has seen {self.get_seq_length()} tokens; "
                 "pass the prompt's total length, input_ids.shape[1] of the generate call"

@@ -171,12 +171,11 @@ class RelayModelCache(Cache):
         together.
 
         Raises:
-            ValueError: ``tokens`` not an int, or not more than the tokens already seen (a
-                prompt has at least one new token).
+            ValueError: ``tokens`` not an int >= 1, or fewer than the tokens already seen.
         """
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"expect_prompt takes a token count >= 0, got {tokens!r}")
-        if tokens <= self.get_seq_length():
+        if tokens < max(1, self.get_seq_length()):
             raise ValueError(
                 f"expect_prompt({tokens}): the cache has seen {self.get_seq_length()} tokens; "
                 "pass the prompt's total length, input_ids.shape[1] of the generate call"
