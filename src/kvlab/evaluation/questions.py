@@ -36,6 +36,7 @@ from torch import Tensor
 from kvlab.evaluation.foreign_cache import describe
 from kvlab.evaluation.methods import Method
 from kvlab.evaluation.metrics import CacheStorage, cache_storage
+from kvlab.evaluation.protocols import _position_kwargs, cache_keyword
 from kvlab.integrations.attention import use_attention
 from kvlab.integrations.prefill_replay import PrefillCapture, replay_prefill
 
@@ -82,17 +83,6 @@ class Answer:
     storage: CacheStorage
 
 
-def _cache_keyword(model: Any) -> str:
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _position_kwargs(cache: Any, num_new: int) -> dict[str, Tensor]:
-    view = describe(cache)
-    return {"position_ids": view.position_ids(num_new)} if view.explicit_positions else {}
-
-
 def _check_ids(name: str, ids: Tensor) -> None:
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.dtype != torch.int64 or ids.shape[1] < 1:
         raise ValueError(
@@ -137,7 +127,7 @@ def compress_context(
                     context_ids,
                     use_cache=True,
                     logits_to_keep=1,
-                    **{_cache_keyword(model): cache},
+                    **{cache_keyword(model): cache},
                     **_position_kwargs(cache, context_ids.shape[1]),
                 )
         if getattr(cache, "needs_reconstruction", False):
@@ -183,7 +173,7 @@ def answer(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     cache = copy.deepcopy(compressed.cache) if copy_cache else compressed.cache
-    key = _cache_keyword(model)
+    key = cache_keyword(model)
     stops = {int(t) for t in stop_token_ids}
     tokens: list[int] = []
     stopped = False

@@ -143,7 +143,8 @@ def run_ruler_task(
         stop_token_ids=unit["stop_token_ids"],
         copy_cache=False,
     )
-    generated = [t for t in reply.tokens if t not in set(unit["stop_token_ids"])]
+    stops = set(unit["stop_token_ids"])
+    generated = [t for t in reply.tokens if t not in stops]
     prediction = tokenizer.decode(generated, skip_special_tokens=True)
     return {
         "prediction": prediction,

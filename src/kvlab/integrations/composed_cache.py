@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.integrations.cache_protocol import (
     CacheStorage,
@@ -744,28 +744,11 @@ class ComposedModelCache(RelayModelCache):
             RoPE, a value codec that cannot code the heads, ...).
     """
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens from every layer (``transformers``'
-        convention): while recording, the decode-phase tokens of the last forward
-        (:meth:`ComposedLayer.crop`). Checked for every layer before any changes.
+    #: crops (RelayModelCache.crop) are bounded by the composed layers' undo state
+    _crop_label = "composed"
 
-        Raises:
-            NotImplementedError: ``tokens_to_remove != 0`` while not recording.
-            ValueError: a positive count, or more tokens than the last forward's decode-phase
-                tokens; nothing changes.
-        """
-        remove = crop_count(tokens_to_remove)
-        layers = self._composed_layers()
-        if remove and layers:
-            if not layers[0].forward_state.recording:
-                layers[0].crop(tokens_to_remove)  # raises NotImplementedError
-            can = min(layer.undo_tokens for layer in layers)
-            if remove > can:
-                raise ValueError(
-                    f"a composed cache can crop only the {can} decode-phase tokens of its last "
-                    f"forward (never into the prompt); asked to remove {remove}"
-                )
-        Cache.crop(self, tokens_to_remove)
+    def _crop_layers(self) -> list[Any]:
+        return self._composed_layers()
 
     def __init__(
         self,

@@ -31,8 +31,7 @@ float32 (352 MiB for Qwen2.5-0.5B at 4,096 tokens).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,19 +83,15 @@ class PrefillCapture:
     logits: Tensor
     cache_keyword: str
     attention: str
-    details: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[-1])
 
 
-def _cache_keyword(model: Any) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _module_cache_keyword(module: torch.nn.Module) -> str:
+def _cache_keyword(module: torch.nn.Module) -> str:
+    """The cache keyword of ``module.forward``: ``"cache"`` (transformers >= 5.x) or
+    ``"past_key_values"``."""
     params = inspect.signature(module.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -118,7 +113,7 @@ def capture_prefill(model: Any, input_ids: Tensor, *, attention: str = "sdpa") -
             f"{tuple(input_ids.shape)}"
         )
     modules = attention_modules(model)
-    keyword = _module_cache_keyword(modules[0])
+    keyword = _cache_keyword(modules[0])
     calls: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * len(modules)
 
     def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -151,14 +146,6 @@ def capture_prefill(model: Any, input_ids: Tensor, *, attention: str = "sdpa") -
     )
 
 
-def _swap_cache(kwargs: dict[str, Any], keyword: str, cache: Any) -> dict[str, Any]:
-    return {**kwargs, keyword: cache}
-
-
-def _calls(capture: PrefillCapture) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
-    yield from capture.calls
-
-
 @torch.no_grad()
 def replay_prefill(model: Any, capture: PrefillCapture, cache: Any, *, attention: str) -> None:
     """Fill ``cache`` (a fresh cache for ``model``) with ``capture``'s prefill: every attention
@@ -176,5 +163,5 @@ def replay_prefill(model: Any, capture: PrefillCapture, cache: Any, *, attention
             f"the capture has {len(capture.calls)} attention layers, the model {len(modules)}"
         )
     with use_attention(model, attention):
-        for module, (args, kwargs) in zip(modules, _calls(capture), strict=True):
-            module(*args, **_swap_cache(kwargs, capture.cache_keyword, cache))
+        for module, (args, kwargs) in zip(modules, capture.calls, strict=True):
+            module(*args, **kwargs, **{capture.cache_keyword: cache})

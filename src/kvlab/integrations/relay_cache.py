@@ -194,17 +194,24 @@ class RelayModelCache(Cache):
                 tokens; nothing changes.
         """
         remove = crop_count(tokens_to_remove)
-        relays = self._relay_layers()
-        if remove and relays:
-            if not relays[0].forward_state.recording:
-                relays[0].crop(tokens_to_remove)  # raises NotImplementedError
-            can = min(layer.undo_tokens for layer in relays)
+        layers = self._crop_layers()
+        if remove and layers:
+            if not layers[0].forward_state.recording:
+                layers[0].crop(tokens_to_remove)  # raises NotImplementedError
+            can = min(layer.undo_tokens for layer in layers)
             if remove > can:
                 raise ValueError(
-                    f"a relay cache can crop only the {can} decode-phase tokens of its last "
-                    f"forward (never into the prompt); asked to remove {remove}"
+                    f"a {self._crop_label} cache can crop only the {can} decode-phase tokens "
+                    f"of its last forward (never into the prompt); asked to remove {remove}"
                 )
         super().crop(tokens_to_remove)
+
+    #: the cache's name in crop refusals
+    _crop_label = "relay"
+
+    def _crop_layers(self) -> list[Any]:
+        """The layers whose undo state bounds a crop (every full-attention layer)."""
+        return self._relay_layers()
 
     def reset(self) -> None:
         """Empty every layer and stop recording (as a new cache)."""
