@@ -10,7 +10,7 @@ from tiny_models import FAMILIES
 
 from kvlab.evaluation.methods import parse_method
 from kvlab.evaluation.questions import answer, compress_context
-from kvlab.integrations.prefill_replay import attention_modules, capture_prefill
+from kvlab.integrations.prefill_replay import attention_modules, capture_prefill, replay_prefill
 
 CONTEXT = 160
 METHODS = (
@@ -47,12 +47,13 @@ def _inputs(seed: int):
     return context, question
 
 
-def _layer0(cache) -> list[torch.Tensor]:
-    """Every tensor of layer 0's state, flattened (any cache kind)."""
+def _tensors(root, max_depth: int = 4) -> list[torch.Tensor]:
+    """Every tensor reachable from ``root`` within ``max_depth`` attribute/item steps, in a
+    fixed order (any cache kind)."""
     out: list[torch.Tensor] = []
 
     def walk(obj, depth: int = 0) -> None:
-        if depth > 4:
+        if depth > max_depth:
             return
         if isinstance(obj, torch.Tensor):
             out.append(obj)
@@ -63,8 +64,13 @@ def _layer0(cache) -> list[torch.Tensor]:
             for value in vars(obj).values():
                 walk(value, depth + 1)
 
-    walk(cache.layers[0])
+    walk(root)
     return out
+
+
+def _layer0(cache) -> list[torch.Tensor]:
+    """Every tensor of layer 0's state, flattened (any cache kind)."""
+    return _tensors(cache.layers[0])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
@@ -99,6 +105,64 @@ def test_replay_matches_own_prefill(family: str, name: str) -> None:
     b = answer(model, replayed, question, max_new_tokens=10)
     assert a.tokens == b.tokens
     assert a.storage == b.storage
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", [m for m in METHODS if m != "full"])
+def test_skipped_outputs_store_the_same_bits(family: str, name: str) -> None:
+    """A replay that does not compute the prefill's attention outputs (the default) leaves
+    every layer's state bit-identical to one that computes them."""
+    if family not in FAMILIES:
+        pytest.skip(f"no {family} in the model matrix")
+    model = FAMILIES[family].build(seed=5)
+    method = parse_method(name)
+    prepared = _prepared(method, len(attention_modules(model)))
+    context, _ = _inputs(2)
+    capture = capture_prefill(model, context)
+    caches = []
+    for skip in (False, True):
+        try:
+            cache = method.make_cache(model.config, prepared)
+            replay_prefill(model, capture, cache, attention=method.attention, skip_outputs=skip)
+        except ValueError:  # refused on this family (test_replay_matches_own_prefill)
+            return
+        caches.append(cache)
+    computed, skipped = (_tensors(c.layers, max_depth=6) for c in caches)
+    assert computed and len(computed) == len(skipped)
+    for a, b in zip(computed, skipped, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_skipped_outputs_run_no_prefill_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the default replay the prefill's own attention kernels are not called; with
+    ``skip_outputs=False`` they are."""
+    import kvlab.integrations.pnmix_cache as pnmix_cache
+    import kvlab.integrations.relay_layer as relay_layer
+
+    calls: list[str] = []
+
+    def spy(name, real):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(relay_layer, "ragged_attention", spy("relay", relay_layer.ragged_attention))
+    monkeypatch.setattr(
+        pnmix_cache, "dense_causal_attention", spy("pnmix", pnmix_cache.dense_causal_attention)
+    )
+    model = FAMILIES["llama"].build(seed=5)
+    context, _ = _inputs(3)
+    capture = capture_prefill(model, context)
+    for name, kind in (("evict-no-relay:keynorm@0.5", "relay"), ("pn-mix", "pnmix")):
+        method = parse_method(name)
+        cache = method.make_cache(model.config, None)
+        replay_prefill(model, capture, cache, attention="kvlab")
+        assert kind not in calls
+        cache = method.make_cache(model.config, None)
+        replay_prefill(model, capture, cache, attention="kvlab", skip_outputs=False)
+        assert calls.count(kind) == len(attention_modules(model))
 
 
 def test_full_replay_is_the_capture_and_answers_match_generate() -> None:

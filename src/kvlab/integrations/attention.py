@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any, ClassVar
 
 import torch
@@ -49,13 +50,16 @@ __all__ = [
     "KVLAB_ATTENTION",
     "VIEW_FEATURES",
     "CacheView",
+    "attention_outputs_unused",
     "check_attention_kwargs",
     "dense_causal_attention",
     "enable_kvlab_attention",
     "kvlab_attention_forward",
     "kvlab_mask",
+    "outputs_unused",
     "register_kvlab_attention",
     "softmax_attention",
+    "unused_output",
     "use_attention",
 ]
 
@@ -78,6 +82,37 @@ HARMLESS_KWARGS: frozenset[str] = frozenset(
         "cache_position",
     }
 )
+
+_OUTPUTS_UNUSED: ContextVar[bool] = ContextVar("kvlab_attention_outputs_unused", default=False)
+
+
+@contextlib.contextmanager
+def attention_outputs_unused() -> Iterator[None]:
+    """Within this context the caller drops every attention output (a replayed prefill,
+    :func:`kvlab.integrations.prefill_replay.replay_prefill`): the ``"kvlab"`` attention and
+    the cache views still store, evict, score and pack exactly as without it, but a prefill's
+    attention over its own tokens — the one output nothing else reads — is not computed and
+    comes back as zeros of its shape (:func:`unused_output`). What a cache stores never
+    depends on that output (tests/integrations/test_prefill_replay.py checks the caches
+    bit-identical with and without it). Decode-phase attention (one-token and recording
+    forwards) runs as always."""
+    token = _OUTPUTS_UNUSED.set(True)
+    try:
+        yield
+    finally:
+        _OUTPUTS_UNUSED.reset(token)
+
+
+def outputs_unused() -> bool:
+    """Whether the caller drops attention outputs (:func:`attention_outputs_unused`)."""
+    return _OUTPUTS_UNUSED.get()
+
+
+def unused_output(query: Tensor, value_dim: int) -> Tensor:
+    """Zeros ``[B, H_q, Q, value_dim]`` in the query's dtype: the stand-in for an attention
+    output nobody reads (:func:`attention_outputs_unused`)."""
+    return query.new_zeros((*query.shape[:-1], value_dim))
+
 
 #: Attention features a :class:`CacheView` may honour; they reach ``attend`` in ``kwargs``.
 VIEW_FEATURES: tuple[str, ...] = ("softcap", "s_aux", "sliding_window")
@@ -512,6 +547,8 @@ def kvlab_attention_forward(
         # all-window models: layer 0 stored before this call's checks; a refusal puts it back
         with _window_update_guard(key):
             check_attention_kwargs(kwargs)
+            if outputs_unused():
+                return unused_output(query, value.shape[-1]).transpose(1, 2).contiguous(), None
             out = dense_causal_attention(
                 query,
                 key,

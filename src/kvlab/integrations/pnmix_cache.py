@@ -63,7 +63,12 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlab.integrations.attention import CacheView, dense_causal_attention
+from kvlab.integrations.attention import (
+    CacheView,
+    dense_causal_attention,
+    outputs_unused,
+    unused_output,
+)
 from kvlab.integrations.cache_protocol import (
     CacheStorage,
     crop_count,
@@ -349,6 +354,8 @@ class PNMixLayer(CacheLayerMixin):
             raise RuntimeError("PNMixView used before its layer received any token")
         if exact is not None:
             keys, values, real = exact
+            if outputs_unused():  # a replayed prefill: nothing reads this output
+                return unused_output(query, values.shape[-1])
             out = dense_causal_attention(
                 query,
                 keys,

@@ -12,7 +12,10 @@ calls each attention module again, in decoder order, with those arguments and th
 cache in place of the capture's, under the method's attention implementation: the module
 recomputes its queries, keys and values (the projections and RoPE are deterministic), the cache
 stores (and evicts, quantizes, packs) exactly as in the method's own prefill, and the
-attention outputs are dropped. Only the attention modules run: no MLP, no logits.
+attention outputs are dropped — under ``"kvlab"`` not even computed
+(:func:`~kvlab.integrations.attention.attention_outputs_unused`: the projections, RoPE, the
+stores and the eviction scorers run; the ``T x T`` attention of the prefill over itself does
+not). Only the attention modules run: no MLP, no logits.
 
 Equivalence with the method's own prefill (tests/integrations/test_prefill_replay.py): layer 0
 receives the same inputs in both, so its stored state is bit-identical; a deeper layer's inputs
@@ -30,6 +33,7 @@ float32 (352 MiB for Qwen2.5-0.5B at 4,096 tokens).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvlab.integrations.attention import use_attention
+from kvlab.integrations.attention import attention_outputs_unused, use_attention
 
 __all__ = ["PrefillCapture", "attention_modules", "capture_prefill", "replay_prefill"]
 
@@ -147,10 +151,21 @@ def capture_prefill(model: Any, input_ids: Tensor, *, attention: str = "sdpa") -
 
 
 @torch.no_grad()
-def replay_prefill(model: Any, capture: PrefillCapture, cache: Any, *, attention: str) -> None:
+def replay_prefill(
+    model: Any,
+    capture: PrefillCapture,
+    cache: Any,
+    *,
+    attention: str,
+    skip_outputs: bool = True,
+) -> None:
     """Fill ``cache`` (a fresh cache for ``model``) with ``capture``'s prefill: every attention
     module is called again, in decoder order, with the captured arguments and ``cache``, under
     attention implementation ``attention``; outputs are dropped (module docstring).
+
+    ``skip_outputs`` (default): under ``"kvlab"`` the prefill's attention over its own tokens
+    is not computed (:func:`kvlab.integrations.attention.attention_outputs_unused`; the cache
+    stores the same bits); ``False`` computes it as the method's own prefill does.
 
     Raises:
         ValueError: ``capture`` was made on a model with another number of attention layers;
@@ -162,6 +177,7 @@ def replay_prefill(model: Any, capture: PrefillCapture, cache: Any, *, attention
         raise ValueError(
             f"the capture has {len(capture.calls)} attention layers, the model {len(modules)}"
         )
-    with use_attention(model, attention):
+    unused = attention_outputs_unused() if skip_outputs else contextlib.nullcontext()
+    with use_attention(model, attention), unused:
         for module, (args, kwargs) in zip(modules, capture.calls, strict=True):
             module(*args, **kwargs, **{capture.cache_keyword: cache})

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
+from kvlab.integrations.attention import outputs_unused, unused_output
 from kvlab.integrations.cache_protocol import crop_count
 from kvlab.integrations.forward import (
     ForwardPlan,
@@ -576,14 +577,17 @@ class RelayLayer(CacheLayerMixin):
             return self._attend_reconstruction(query, keys, pending.values, scaling, plan, kwargs)
         self._commit(keys, pending.values, plan)
         assert self.store is not None
-        out = ragged_attention(
-            query,
-            self.store,
-            scale=scaling,
-            query_lengths=plan.real if plan.padded else None,
-            softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
-            s_aux=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
-        )
+        if outputs_unused():  # a replayed prefill: nothing reads this output
+            out = unused_output(query, pending.values.shape[-1])
+        else:
+            out = ragged_attention(
+                query,
+                self.store,
+                scale=scaling,
+                query_lengths=plan.real if plan.padded else None,
+                softcap=kwargs.get("softcap"),  # model-matrix: Gemma 2
+                s_aux=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
+            )
         if self.deferred and getattr(self.scorer, "prefill_queries", 0):
             self._observe(query, scaling, plan)
         due = self._rows_due(plan)
