@@ -26,6 +26,10 @@ from kvlab.evaluation.methods import (
 )
 from kvlab.evaluation.methods.grammar import MethodName
 
+#: Names registered after the fixture was captured (their outcomes are tested where they are
+#: defined: tests/evaluation/test_methods_and_metrics.py).
+ADDED_SINCE = ("hf-quanto-2bit-per-token", "hf-quanto-4bit-per-token")
+
 BEFORE = json.loads((Path(__file__).parents[1] / "fixtures" / "methods_before.json").read_text())
 
 
@@ -69,7 +73,9 @@ def test_the_case_list_is_the_captured_one():
 
 
 def test_every_name_parses_to_the_same_method_or_error_as_before():
-    assert available_method_names() == BEFORE["available_method_names"]
+    names = available_method_names()
+    assert all(name in names for name in ADDED_SINCE)
+    assert [n for n in names if n not in ADDED_SINCE] == BEFORE["available_method_names"]
     for name, expected in BEFORE["parse"].items():
         for (protocol, cache_slots), ref in zip(PROTOCOLS, expected, strict=True):
             _check(f"{name} ({protocol})", _outcome(name, protocol, cache_slots), ref)

@@ -326,6 +326,9 @@ def test_hf_quantized_rows_need_their_backend():
     if hf_quantized_backend_available("quanto"):
         method = parse_method("hf-quanto-2bit")
         assert method.settings["axis_key"] == -1  # per-channel keys
+        per_token = parse_method("hf-quanto-2bit-per-token")
+        assert (per_token.settings["axis_key"], per_token.settings["axis_value"]) == (0, 0)
+        assert "per-token keys" in per_token.description
     else:
         with pytest.raises(ValueError, match="optimum-quanto"):
             parse_method("hf-quanto-2bit")

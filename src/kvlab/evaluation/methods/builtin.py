@@ -84,6 +84,10 @@ PNMIX_METHODS: dict[str, dict[str, Any]] = {
 HF_QUANTIZED = {
     "hf-quanto-2bit": ("quanto", 2, -1, 0),
     "hf-quanto-4bit": ("quanto", 4, -1, 0),
+    # transformers' own QuantizedCache defaults for quanto (per-token keys and values): any
+    # length; per-channel quanto keys need num_key_value_heads * tokens divisible by the group
+    "hf-quanto-2bit-per-token": ("quanto", 2, 0, 0),
+    "hf-quanto-4bit-per-token": ("quanto", 4, 0, 0),
     "hf-hqq-2bit": ("hqq", 2, 0, 1),
     "hf-hqq-4bit": ("hqq", 4, 0, 1),
 }
@@ -169,7 +173,10 @@ def build_hf_quantized(name: str, context: MethodContext) -> Method:
         name=name,
         family="hf-quantized",
         attention="sdpa",
-        description=f"transformers QuantizedCache ({backend}, {bits}-bit, per-channel keys)",
+        description=(
+            f"transformers QuantizedCache ({backend}, {bits}-bit, "
+            f"{'per-token' if axis_key == 0 and backend == 'quanto' else 'per-channel'} keys)"
+        ),
         settings=settings,
         factory="hf-quantized",
         params=settings,

@@ -50,6 +50,12 @@ The names
 * ``hf-quanto-2bit`` / ``hf-quanto-4bit`` / ``hf-hqq-2bit`` / ``hf-hqq-4bit`` — ``transformers``'
   own ``QuantizedCache`` (peer rows; need ``optimum-quanto`` or ``hqq``): per-channel keys
   (quanto ``axis_key=-1``, hqq ``axis_key=0``), per-token values, groups of 64, residual 128.
+  quanto's per-channel groups run along the flattened (kv head, token) axis, so they need
+  ``num_key_value_heads * tokens`` to be a multiple of 64 at every quantization (quanto raises
+  "Group size (64) must be a divisor of ..." otherwise, e.g. on most RULER contexts);
+  ``hf-quanto-2bit-per-token`` / ``hf-quanto-4bit-per-token`` are ``QuantizedCache``'s own
+  quanto defaults (``axis_key=0``, ``axis_value=0``: per-token keys and values), which run at
+  any length.
 * ``relay@R`` / ``relay:SCORER@R`` — :class:`~kvlab.integrations.RelayModelCache`, RoPE-Relay
   after eviction; ``SCORER`` is any name in :data:`kvlab.relay.scorers.SCORERS` (``snapkv``,
   the default, ``keynorm``, ``recency``, ``expected-attention``, ``tova``, ``combined``,
