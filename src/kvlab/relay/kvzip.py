@@ -185,8 +185,8 @@ def reconstruction_attention(
             outside it score 0.
         softcap: Gemma 2 attention-logit soft-cap, or ``None``; s_aux: ``[H_q]`` learned sink
             logits (GPT-OSS), or ``None`` (both as in :mod:`kvlab.attention_logits`).
-        block_queries: queries per block (bounds the float32 logits held at once: ``[H, G *
-            block_queries, S]`` on the CPU path).
+        block_queries: queries per block (bounds the float32 logits held at once; on the CPU
+            path the block counts query rows of the whole group: ``[H, S, block_queries]``).
 
     Returns:
         ``(out, scores)``: ``out`` ``[1, H_q, Q, Dv]`` in the query dtype (exact softmax
@@ -353,14 +353,13 @@ def _flash_reconstruction(
     scores = torch.zeros(heads, slots + 1, dtype=f32, device=query.device)
     if k_sub.shape[1]:
         # logit - lse in one matmul: [scale * q, -lse] . [k, 1]
-        q_aug = torch.cat([q * scale, -score_lse.unsqueeze(-1)], dim=-1)
+        q_aug = torch.cat([q * scale, -score_lse.unsqueeze(-1)], dim=-1).transpose(1, 2)
         k_aug = torch.cat([k_sub, k_sub.new_ones(heads, k_sub.shape[1], 1)], dim=-1)
-        k_aug = k_aug.transpose(1, 2)
         best = torch.full((heads, k_sub.shape[1]), float("-inf"), dtype=f32, device=q.device)
-        rows = max(1, block_queries) * group
+        rows = max(1, block_queries)
         for a in range(0, group * q_len, rows):
-            logits = torch.bmm(q_aug[:, a : a + rows], k_aug)  # [H, rows, n]
-            best = torch.maximum(best, logits.amax(dim=1))
+            logits = torch.bmm(k_aug, q_aug[:, :, a : a + rows])  # [H, n, rows]
+            best = torch.maximum(best, logits.amax(dim=2))
         scores.scatter_(1, index, best.exp())
     scores = scores[:, :slots].masked_fill(~subset, 0.0)
     return out, scores.unsqueeze(0)
