@@ -324,8 +324,10 @@ def _flash_reconstruction(
     subset = cached if score_columns is None else cached & score_columns[0]
     parts: list[tuple[Tensor, Tensor]] = []  # (out [H, G*Q, Dv], lse [H, G*Q])
     k_sub, v_sub, index, counts, mask = _gather_slots(k, v, subset)
+    sub_lse = None  # the score columns' log-sum-exp [H, G*Q]
     if k_sub.shape[1]:
         parts.append(_flash_part(q, k_sub, v_sub, counts, mask, scale))
+        sub_lse = parts[-1][1]
     rest = cached & ~subset
     if bool(rest.any()):
         k_rest, v_rest, _, rest_counts, rest_mask = _gather_slots(k, v, rest)
@@ -339,7 +341,7 @@ def _flash_reconstruction(
     )
     out_own = out_own.transpose(0, 1).reshape(heads, group * q_len, -1)
     lse_own = lse_own.transpose(0, 1).reshape(heads, group * q_len)
-    score_lse = lse_own if not parts else torch.logaddexp(parts[0][1], lse_own)
+    score_lse = lse_own if sub_lse is None else torch.logaddexp(sub_lse, lse_own)
     parts.append((out_own, lse_own))
     total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
     if s_aux is not None:  # the sink: a logit without a value, in both normalizations
