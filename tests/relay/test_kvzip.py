@@ -182,7 +182,8 @@ def test_flash_path_matches_reference_in_float64(
 
 
 def test_flash_path_falls_back_for_softcap_and_other_value_sizes():
-    """softcap (Gemma 2) and ``Dv != D`` take the reference; plain CPU input never does."""
+    """softcap (Gemma 2), ``Dv != D`` and an empty pass take the reference; plain CPU input
+    never does."""
     gen = torch.Generator().manual_seed(5)
     query, keys, values, own_keys, own_values = _inputs(gen, 2, 2, 6, 3, 8, 1.0)
     valid = torch.ones(1, 2, 6, dtype=torch.bool)
@@ -198,6 +199,11 @@ def test_flash_path_falls_back_for_softcap_and_other_value_sizes():
     out, scores = reconstruction_attention(*args, scale=0.3, softcap=20.0)
     ref = reconstruction_attention_reference(*args, scale=0.3, softcap=20.0)
     assert torch.equal(out, ref[0]) and torch.equal(scores, ref[1])
+    # no query: nothing attended, nothing scored (the flash kernel would crash on it)
+    out, scores = reconstruction_attention(
+        query[:, :, :0], keys, values, valid, own_keys[:, :, :0], own_values[:, :, :0], scale=0.3
+    )
+    assert out.shape == (1, 4, 0, 8) and torch.equal(scores, torch.zeros(1, 2, 6))
 
 
 def test_flash_path_keeps_a_low_precision_query_dtype():

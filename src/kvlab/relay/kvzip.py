@@ -144,6 +144,10 @@ class ReconstructionPrompt:
         return out
 
 
+#: PyTorch's CPU flash attention returning the log-sum-exp, or ``None`` in a build without it.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def reconstruction_attention(
     query: Tensor,
     keys: Tensor,
@@ -160,14 +164,14 @@ def reconstruction_attention(
 ) -> tuple[Tensor, Tensor]:
     """Attention of one sequence's reconstruction-pass queries, and the KVzip scores.
 
-    On CPU (without ``softcap``, with ``Dv == D``) it runs PyTorch's CPU flash attention
-    (``aten._scaled_dot_product_flash_attention_for_cpu``, which also returns each query's
-    log-sum-exp) over three disjoint key sets: the score columns, the other valid cached slots
-    and, causally, the own tokens; ``out`` is their log-sum-exp-weighted mix (exact: the
-    softmax over a union of key sets), and the score of a slot is ``max exp(scale * q . k -
-    lse)`` over the queries and the group, with ``lse`` the log-sum-exp of the score columns,
-    the own tokens and the sink (one matmul and a max per block of queries; no softmax is
-    materialized). Elsewhere :func:`reconstruction_attention_reference` computes the same
+    On CPU (without ``softcap``, with ``Dv == D`` and ``Q >= 1``) it runs PyTorch's CPU flash
+    attention (``aten._scaled_dot_product_flash_attention_for_cpu``, which also returns each
+    query's log-sum-exp) over three disjoint key sets: the score columns, the other valid
+    cached slots and, causally, the own tokens; ``out`` is their log-sum-exp-weighted mix
+    (exact: the softmax over a union of key sets), and the score of a slot is ``max exp(scale
+    * q . k - lse)`` over the queries and the group, with ``lse`` the log-sum-exp of the score
+    columns, the own tokens and the sink (one matmul and a max per block of queries; no
+    softmax is materialized). Elsewhere :func:`reconstruction_attention_reference` computes the same
     thing; the two agree up to float32 rounding (tests/relay/test_kvzip.py).
 
     Args:
@@ -199,7 +203,13 @@ def reconstruction_attention(
         ValueError: shapes that do not fit together (``H_q`` not a multiple of ``H``).
     """
     _check_shapes(query, keys, values, valid, own_keys, own_values)
-    if softcap is not None or query.device.type != "cpu" or values.shape[-1] != keys.shape[-1]:
+    if (
+        _CPU_FLASH is None
+        or softcap is not None
+        or query.device.type != "cpu"
+        or values.shape[-1] != keys.shape[-1]
+        or query.shape[2] == 0  # the kernel divides by zero (SIGFPE) on an empty sequence
+    ):
         return reconstruction_attention_reference(
             query,
             keys,
@@ -282,7 +292,7 @@ def _flash_part(
     (``n >= 1``; ``mask`` additive ``[H, 1, n]`` or ``None``): ``out [H, R, D]`` and the
     natural log-sum-exp ``[H, R]`` of the scaled logits, ``-inf`` (and ``out`` 0) for a head
     with ``counts == 0`` (the kernel reports 0 there)."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+    out, lse = _CPU_FLASH(
         query.unsqueeze(0),
         keys.unsqueeze(0),
         values.unsqueeze(0),
@@ -336,9 +346,7 @@ def _flash_reconstruction(
     q_own = query.to(f32)[0].view(heads, group, q_len, dim).transpose(0, 1)
     k_own = own_keys.to(f32).expand(group, heads, q_len, dim)
     v_own = own_values.to(f32).expand(group, heads, q_len, own_values.shape[-1])
-    out_own, lse_own = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q_own, k_own, v_own, 0.0, True, scale=scale
-    )
+    out_own, lse_own = _CPU_FLASH(q_own, k_own, v_own, 0.0, True, scale=scale)
     out_own = out_own.transpose(0, 1).reshape(heads, group * q_len, -1)
     lse_own = lse_own.transpose(0, 1).reshape(heads, group * q_len)
     score_lse = lse_own if sub_lse is None else torch.logaddexp(sub_lse, lse_own)
@@ -456,7 +464,7 @@ def reconstruction_attention_reference(
         block_max = probs[..., :slots].amax(dim=(1, 2))  # [H, S]
         scores = torch.maximum(scores, block_max)
     scores = scores.masked_fill(~valid[0], 0.0)
-    out = out.reshape(1, q_heads, q_len, -1).to(query.dtype)
+    out = out.reshape(1, q_heads, q_len, v_all.shape[-1]).to(query.dtype)
     return out, scores.unsqueeze(0)
 
 
