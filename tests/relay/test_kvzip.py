@@ -1,14 +1,19 @@
-"""KVzip's model-free parts: the reconstruction attention against a float64 reference, the
-prompt's chunks, the scorer's refusals."""
+"""KVzip's model-free parts: the reconstruction attention (the reference against float64
+loops, the CPU flash path against the reference in float64), the prompt's chunks, the scorer's
+refusals."""
 
 from __future__ import annotations
+
+from unittest.mock import patch
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvlab.relay.kvzip as kvzip_module
 from kvlab.relay import KVzipScorer, ReconstructionPrompt, reconstruction_attention
+from kvlab.relay.kvzip import reconstruction_attention_reference
 from kvlab.relay.scorers import ScoreInputs
 
 
@@ -45,17 +50,21 @@ def _reference(query, keys, values, valid, own_keys, own_values, scale, columns)
     subset=st.booleans(),
     block=st.integers(1, 5),
     seed=st.integers(0, 2**16),
+    fast=st.booleans(),
 )
 def test_reconstruction_attention_matches_float64_reference(
-    heads, group, slots, q_len, subset, block, seed
+    heads, group, slots, q_len, subset, block, seed, fast
 ):
+    """Both paths against the float64 loops: the CPU flash path (``Dv == D``) and the
+    reference (``Dv != D`` falls back to it)."""
     gen = torch.Generator().manual_seed(seed)
     dim = 8
+    dv = dim if fast else 5
     query = torch.randn(1, heads * group, q_len, dim, generator=gen)
     keys = torch.randn(1, heads, slots, dim, generator=gen)
-    values = torch.randn(1, heads, slots, 5, generator=gen)
+    values = torch.randn(1, heads, slots, dv, generator=gen)
     own_keys = torch.randn(1, heads, q_len, dim, generator=gen)
-    own_values = torch.randn(1, heads, q_len, 5, generator=gen)
+    own_values = torch.randn(1, heads, q_len, dv, generator=gen)
     valid = torch.rand(1, heads, slots, generator=gen) < 0.8
     columns = (torch.rand(1, heads, slots, generator=gen) < 0.6) if subset else None
     out, scores = reconstruction_attention(
@@ -74,6 +83,141 @@ def test_reconstruction_attention_matches_float64_reference(
     torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(scores[0].double(), ref_scores, atol=1e-6, rtol=1e-5)
     assert bool((scores[~valid] == 0).all())
+
+
+def _inputs(gen, heads, group, slots, q_len, dim, spread):
+    """Random float32 inputs of :func:`reconstruction_attention`; logits grow with ``spread``."""
+    query = torch.randn(1, heads * group, q_len, dim, generator=gen) * spread
+    keys = torch.randn(1, heads, slots, dim, generator=gen)
+    values = torch.randn(1, heads, slots, dim, generator=gen)
+    own_keys = torch.randn(1, heads, q_len, dim, generator=gen)
+    own_values = torch.randn(1, heads, q_len, dim, generator=gen)
+    return query, keys, values, own_keys, own_values
+
+
+class _ReferenceCalled(Exception):
+    pass
+
+
+def _no_reference(*args, **kwargs):
+    raise _ReferenceCalled
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    heads=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 2, 3, 7]),
+    slots=st.integers(0, 23),
+    q_len=st.integers(1, 13),
+    valid_kind=st.sampled_from(["all", "random", "padded", "empty-head"]),
+    columns_kind=st.sampled_from(["none", "random", "chunk", "empty-head"]),
+    sinks=st.booleans(),
+    spread=st.sampled_from([0.3, 1.0, 4.0]),
+    block=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_flash_path_matches_reference_in_float64(
+    heads, group, slots, q_len, valid_kind, columns_kind, sinks, spread, block, seed
+):
+    """The CPU flash path (it must not fall back: the reference is patched to raise) against
+    the reference computed in float64: padded views (invalid slots, a head without any),
+    score columns (a chunk of the slots with two sinks, random, a head without any) or none,
+    GPT-OSS sinks, small and odd shapes; tolerances of float32 rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    dim = 8
+    query, keys, values, own_keys, own_values = _inputs(
+        gen, heads, group, slots, q_len, dim, spread
+    )
+    valid = torch.ones(1, heads, slots, dtype=torch.bool)
+    if valid_kind == "random":
+        valid = torch.rand(1, heads, slots, generator=gen) < 0.7
+    elif valid_kind == "padded":  # left-aligned segments of different lengths
+        lengths = torch.randint(0, slots + 1, (heads,), generator=gen)
+        valid = (torch.arange(slots).view(1, -1) < lengths.view(-1, 1)).unsqueeze(0)
+    elif valid_kind == "empty-head":
+        valid[0, 0] = False
+    columns = None
+    if columns_kind == "random":
+        columns = torch.rand(1, heads, slots, generator=gen) < 0.5
+    elif columns_kind == "chunk":
+        start = int(torch.randint(0, slots + 1, (1,), generator=gen))
+        index = torch.arange(slots)
+        columns = ((index >= start) & (index < start + 5)) | (index < 2)
+        columns = columns.expand(1, heads, slots).clone()
+    elif columns_kind == "empty-head":
+        columns = torch.ones(1, heads, slots, dtype=torch.bool)
+        columns[0, -1] = False
+    s_aux = torch.randn(heads * group, generator=gen) if sinks else None
+    with patch.object(kvzip_module, "reconstruction_attention_reference", _no_reference):
+        out, scores = reconstruction_attention(
+            query,
+            keys,
+            values,
+            valid,
+            own_keys,
+            own_values,
+            scale=0.35,
+            score_columns=columns,
+            s_aux=s_aux,
+            block_queries=block,
+        )
+    ref_out, ref_scores = reconstruction_attention_reference(
+        query.double(),
+        keys.double(),
+        values.double(),
+        valid,
+        own_keys.double(),
+        own_values.double(),
+        scale=0.35,
+        score_columns=columns,
+        s_aux=None if s_aux is None else s_aux.double(),
+        compute_dtype=torch.float64,
+    )
+    assert out.shape == query.shape and out.dtype == torch.float32
+    assert scores.shape == (1, heads, slots) and scores.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-6 * spread, rtol=1e-5)
+    torch.testing.assert_close(scores.double(), ref_scores, atol=1e-6, rtol=2e-5)
+    scored = valid if columns is None else valid & columns
+    assert bool((scores[~scored] == 0).all())
+
+
+def test_flash_path_falls_back_for_softcap_and_other_value_sizes():
+    """softcap (Gemma 2), ``Dv != D`` and an empty pass take the reference; plain CPU input
+    never does."""
+    gen = torch.Generator().manual_seed(5)
+    query, keys, values, own_keys, own_values = _inputs(gen, 2, 2, 6, 3, 8, 1.0)
+    valid = torch.ones(1, 2, 6, dtype=torch.bool)
+    args = (query, keys, values, valid, own_keys, own_values)
+    with patch.object(kvzip_module, "reconstruction_attention_reference", _no_reference):
+        reconstruction_attention(*args, scale=0.3)
+        with pytest.raises(_ReferenceCalled):
+            reconstruction_attention(*args, scale=0.3, softcap=20.0)
+        with pytest.raises(_ReferenceCalled):
+            reconstruction_attention(
+                *args[:2], values[..., :5], valid, own_keys, own_values[..., :5], scale=0.3
+            )
+    out, scores = reconstruction_attention(*args, scale=0.3, softcap=20.0)
+    ref = reconstruction_attention_reference(*args, scale=0.3, softcap=20.0)
+    assert torch.equal(out, ref[0]) and torch.equal(scores, ref[1])
+    # no query: nothing attended, nothing scored (the flash kernel would crash on it)
+    out, scores = reconstruction_attention(
+        query[:, :, :0], keys, values, valid, own_keys[:, :, :0], own_values[:, :, :0], scale=0.3
+    )
+    assert out.shape == (1, 4, 0, 8) and torch.equal(scores, torch.zeros(1, 2, 6))
+
+
+def test_flash_path_keeps_a_low_precision_query_dtype():
+    """bfloat16 inputs: computed in float32, ``out`` back in bfloat16, scores float32."""
+    gen = torch.Generator().manual_seed(9)
+    query, keys, values, own_keys, own_values = _inputs(gen, 2, 3, 9, 4, 8, 1.0)
+    valid = torch.ones(1, 2, 9, dtype=torch.bool)
+    bf = [t.bfloat16() for t in (query, keys, values)]
+    own = [t.bfloat16() for t in (own_keys, own_values)]
+    out, scores = reconstruction_attention(*bf, valid, *own, scale=0.3)
+    ref_out, ref_scores = reconstruction_attention_reference(*bf, valid, *own, scale=0.3)
+    assert out.dtype == torch.bfloat16 and scores.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-6, rtol=1e-5)
 
 
 def test_reconstruction_attention_refuses_shapes_that_do_not_fit():
