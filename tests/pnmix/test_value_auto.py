@@ -207,3 +207,33 @@ def test_named_configured_and_the_error_formula() -> None:
     got = attention_weighted_value_error(probs, values, decoded, F16)
     assert got.tolist() == [0.0**2 + 1.0**2 + 1.0**2 + 0.0**2]
     assert np.isclose(float(got), 2.0)
+
+
+def test_a_padded_row_chooses_as_it_would_alone() -> None:
+    """Left padding is neither a key of the softmax nor a query: each row's errors equal those
+    of a batch of that row alone (and so does an eviction's longer query list, query_lengths)."""
+    gen = torch.Generator().manual_seed(4)
+    extra = 5
+    keys = torch.cat([_keys(gen, T + extra), _keys(gen, T + extra)])
+    values = torch.cat([_values(gen, T + extra), _values(gen, T + extra)])
+    queries = torch.randn(2, 4, T + extra, D, generator=gen)
+    batch = PNMixCache(_config(), batch_size=2, num_key_value_heads=2, head_dim=D)
+    batch.append(keys, values, [T + extra, T], queries=queries)
+    for row, length in ((0, T + extra), (1, T)):
+        alone = _cache()
+        first = T + extra - length
+        alone.append(
+            keys[row : row + 1, :, first:],
+            values[row : row + 1, :, first:],
+            queries=queries[row : row + 1, :, first:],
+        )
+        got, want = batch.value_choice_errors[row], alone.value_choice_errors[0]
+        assert torch.allclose(got, want, rtol=1e-12, atol=0), (got, want)  # float64 sums
+        assert batch.value_mse_rows[row].tolist() == alone.value_mse_rows[0].tolist()
+    # an eviction's case: more queries than kept tokens, the last query_lengths[b] real
+    kept = _cache()
+    kept.append(
+        keys[:1, :, extra:], values[:1, :, extra:], queries=queries[:1], query_lengths=[T + extra]
+    )
+    assert bool(torch.isfinite(kept.value_choice_errors).all())
+    assert kept.nbytes()["value_choice"] == 2
