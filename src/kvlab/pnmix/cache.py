@@ -47,6 +47,7 @@ of :class:`PNMixCache`; every public name stays importable from here.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -63,6 +64,7 @@ from kvlab.pnmix.kernels.spec import kernel_key_decode
 from kvlab.pnmix.packing import pack_codes, packed_length
 from kvlab.pnmix.quantizers import storage_range_message
 from kvlab.pnmix.store import AppendPlan, EncodedGroups, StoreGeometry
+from kvlab.pnmix.values import AutoHadamardValueCodec, attention_weighted_value_error
 from kvlab.pnmix.width_codec import BitAllocCodec
 from kvlab.rope import RotaryConfig, rotate_by_delta
 
@@ -151,9 +153,16 @@ class PNMixCache(CacheDecode):
         self._config = config
         self._codec = codec
         self._kernel_decode = kernel_key_decode(codec, value_codec, payload)
+        # a per-row value choice: groups are first coded min-max, then the rows that chose
+        # squared-error ranges get their values recoded (_encode)
+        self._auto_values = type(value_codec) is AutoHadamardValueCodec
+        flush_values = (
+            value_codec.minmax if isinstance(value_codec, AutoHadamardValueCodec) else value_codec
+        )
+        self._flush_value_codec = flush_values
         # None when the compiled CPU flush codes this cache's groups (docs/design.md, "Flush")
         self._flush_unsupported = flush_unsupported(
-            codec, value_codec, config.storage_dtype, config.group_tokens, value_head_dim
+            codec, flush_values, config.storage_dtype, config.group_tokens, value_head_dim
         )
         self._value_codec = value_codec
         self._rotary = rotary
@@ -182,6 +191,7 @@ class PNMixCache(CacheDecode):
             key_payload_bytes=payload,
             table_bits=codec.table_bits,
             key_code_bytes=codec.code_bytes(config.group_tokens, head_dim),
+            value_choice_bytes=1 if self._auto_values else 0,
         )
         self._saliency_computations = 0
         self._attention_calls = 0
@@ -303,7 +313,7 @@ class PNMixCache(CacheDecode):
         dt = cfg.storage_dtype
         k_in, v_in = keys.to(dev), values.to(dev)
         k, v = k_in.to(dt), v_in.to(dt)
-        state: dict[str, Any] = {"queries": queries, "query_lengths": real_queries}
+        state: dict[str, Any] = {"queries": queries, "query_lengths": real_queries, "keys": k}
 
         def encode(plan: AppendPlan, groups: tuple[Tensor, Tensor] | None) -> EncodedGroups | None:
             enc, ok = (None, None) if groups is None else self._encode(plan, *groups, state)
@@ -329,6 +339,8 @@ class PNMixCache(CacheDecode):
         self._store.append(k, v, lengths, encode=encode)
         if "mask_rows" in state:
             self._record_tables(state["mask_rows"], state["mask_bits"], checks)
+        if "value_rows" in state:
+            self._record_value_choice(state["value_rows"], state["value_mse"], checks)
 
     def _check_queries(
         self, queries: Tensor, tokens: int, query_lengths: Any = None
@@ -408,6 +420,7 @@ class PNMixCache(CacheDecode):
         dt = self._config.storage_dtype
         dev = gk.device
         n = plan.num_groups
+        rope_keys = gk  # the keys as the queries see them (before any pre-RoPE frame)
         rows = plan.group_rows
         positions: Tensor | None = None
         ok = torch.ones((), dtype=torch.bool, device=dev)
@@ -426,14 +439,14 @@ class PNMixCache(CacheDecode):
                 gk,
                 gv,
                 codec=codec,
-                value_codec=self._value_codec,
+                value_codec=self._flush_value_codec,
                 layout=lay,
                 table=self._group_tables(plan, self._mask_bool) if codec.table_bits else None,
                 positions=positions,
                 rotary=self._rotary,
             )
             if fast is not None:
-                return fast, ok
+                return self._recode_values(plan, rope_keys, gv, fast, state), ok
         if positions is not None:
             gk = self._to_frame(gk, positions)
             ok = ok & torch.isfinite(gk).all()
@@ -452,16 +465,137 @@ class PNMixCache(CacheDecode):
             table = self._group_tables(plan, table_all)
         coded = codec.encode_groups(gk, dt, lay, table)
         ok = ok & torch.isfinite(coded.scalars).all()
-        vcodes, vscalars = self._value_codec.encode(gv, dt)
+        vcodes, vscalars = self._flush_value_codec.encode(gv, dt)
         ok = ok & torch.isfinite(vscalars).all()
         payload = coded.payload if coded.payload.shape[-1] else None
-        return EncodedGroups(
+        enc = EncodedGroups(
             codec.pack(coded.codes, lay, table),
             coded.scalars,
             pack_codes(vcodes.reshape(n, -1), self._config.bits, check=False),
             vscalars,
             payload,
-        ), ok
+        )
+        return self._recode_values(plan, rope_keys, gv, enc, state), ok
+
+    # ------------------------------------------------------------------ value choice
+    #: the last queries of an append that choose a row's value coding (at most; docs/design.md,
+    #: "Value codecs")
+    VALUE_CHOICE_QUERIES = 32
+
+    def _recode_values(
+        self,
+        plan: AppendPlan,
+        gk: Tensor,
+        gv: Tensor,
+        enc: EncodedGroups,
+        state: dict[str, Any],
+    ) -> EncodedGroups:
+        """With ``"hadamard_auto"`` values: choose the coding of rows flushing their first group
+        (to ``state``), and recode with squared-error ranges the groups of rows that use them;
+        ``enc`` (min-max values) otherwise. No device read."""
+        if not self._auto_values:
+            return enc
+        codec = self._value_codec
+        assert isinstance(codec, AutoHadamardValueCodec)
+        s = self._store
+        rows = plan.group_rows
+        dev = gv.device
+        new = ~s.value_choice_rows[rows[:, 0], rows[:, 1]]  # host [N]: first flush of the row
+        known = self._value_mse_known[rows[:, 0], rows[:, 1]]
+        maybe_mse = new | ~known | self._value_mse_host[rows[:, 0], rows[:, 1]]
+        if not maybe_mse.any():
+            return enc
+        dt = self._config.storage_dtype
+        mcodes, mscalars = codec.mse.encode(gv, dt)
+        use = self._value_mse[
+            torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)
+        ]
+        if new.any():
+            new_rows, choice = self._choose_values(plan, gk, gv, mcodes, mscalars, new, state)
+            state["value_rows"], state["value_mse"] = new_rows, choice
+            owner = {tuple(r): i for i, r in enumerate(new_rows.tolist())}
+            pick = np.flatnonzero(new)
+            at = torch.from_numpy(np.array([owner[tuple(r)] for r in rows[pick, :2].tolist()]))
+            use = use.clone()
+            use[torch.from_numpy(pick).to(dev)] = choice[at.to(dev)]
+        packed = pack_codes(mcodes.reshape(gv.shape[0], -1), self._config.bits, check=False)
+        return enc._replace(
+            value_codes=torch.where(use[:, None], packed, enc.value_codes),
+            value_scalars=torch.where(use[:, None], mscalars, enc.value_scalars),
+        )
+
+    def _choose_values(
+        self,
+        plan: AppendPlan,
+        gk: Tensor,
+        gv: Tensor,
+        mcodes: Tensor,
+        mscalars: Tensor,
+        new: np.ndarray,
+        state: dict[str, Any],
+    ) -> tuple[np.ndarray, Tensor]:
+        """The value coding of each row flushing its first group: ``(rows [n, 2], mse [n])``
+        (device bool: True = squared-error ranges), by
+        :func:`~kvlab.pnmix.values.attention_weighted_value_error` of each candidate over the
+        row's flushed groups, with the attention probabilities of the append's last
+        ``min(VALUE_CHOICE_QUERIES, residual_tokens)`` real queries (at least 1) of the row's
+        GQA group, under a softmax (scale ``1/sqrt(D)``, the models' default) over the append's
+        real keys, each query seeing the keys up to its own end-aligned position. Groups
+        precede the last ``residual_tokens`` tokens, so those queries see every group token.
+        Exact for a first prefill; later, tokens stored before the append are missing from the
+        softmax's denominator. Without queries a row keeps min-max (``mse`` False). Errors
+        (float64 ``[min-max, squared-error]``) go to :attr:`value_choice_errors`."""
+        codec = self._value_codec
+        assert isinstance(codec, AutoHadamardValueCodec)
+        rows = plan.group_rows
+        dev = gv.device
+        dt = self._config.storage_dtype
+        pick = np.flatnonzero(new)
+        new_rows = np.unique(rows[pick, :2], axis=0)
+        n = new_rows.shape[0]
+        queries = state.get("queries")
+        if queries is None:
+            return new_rows, torch.zeros(n, dtype=torch.bool, device=dev)
+        keys: Tensor = state["keys"]  # [B, H, T, D] storage-rounded
+        _, hq, tq, d = queries.shape
+        h = self._num_heads
+        rep = hq // h
+        t = keys.shape[2]
+        qlen = state.get("query_lengths")
+        w = max(1, min(self.VALUE_CHOICE_QUERIES, self._config.residual_tokens))
+        tv = codec.minmax.frame(gv, dt)  # [N, G, Dv] rotated, storage-rounded
+        dec_min = codec.decode(*codec.minmax.encode(gv, dt))  # the bytes `enc` holds
+        dec_mse = codec.decode(mcodes, mscalars)
+        errors = torch.zeros((n, 2), dtype=torch.float64, device=dev)
+        scale = 1.0 / math.sqrt(d)
+        for i, (rb, rh) in enumerate(new_rows.tolist()):
+            real_k = int(plan.lengths[rb, rh])
+            real_q = real_k if qlen is None else int(qlen[rb])
+            wq = min(w, real_q)
+            if wq == 0:
+                continue
+            q = queries[rb, rh * rep : (rh + 1) * rep, tq - wq :].to(dev).double()  # [rep, wq, D]
+            ks = keys[rb, rh].double()  # [T, D]
+            logits = torch.einsum("rqd,td->rqt", q, ks) * scale
+            idx = torch.arange(t, device=dev)
+            visible = (idx[None, :] >= t - real_k) & (
+                idx[None, :] <= (t - wq + torch.arange(wq, device=dev))[:, None]
+            )
+            lse = torch.where(visible[None], logits, torch.full_like(logits, -math.inf))
+            lse = torch.logsumexp(lse, dim=-1, keepdim=True)  # [rep, wq, 1]
+            mine = np.flatnonzero((rows[:, 0] == rb) & (rows[:, 1] == rh) & new)
+            sel = torch.from_numpy(mine).to(dev)
+            gkeys = gk.index_select(0, sel).reshape(-1, d).double()
+            probs = torch.exp(torch.einsum("rqd,td->rqt", q, gkeys) * scale - lse)
+            probs = probs.reshape(1, rep * wq, -1)
+            x = tv.index_select(0, sel).reshape(1, -1, tv.shape[-1])
+            for j, dec in enumerate((dec_min, dec_mse)):
+                y = dec.index_select(0, sel).reshape(1, -1, tv.shape[-1])
+                errors[i, j] = attention_weighted_value_error(probs, x, y, dt)[0]
+        self._value_choice_errors[
+            torch.from_numpy(new_rows[:, 0]).to(dev), torch.from_numpy(new_rows[:, 1]).to(dev)
+        ] = errors
+        return new_rows, errors[:, 1] < errors[:, 0]
 
     def _group_tables(self, plan: AppendPlan, table_all: Tensor) -> Tensor:
         """The per-pair table ``[N, P]`` of each flushed group's row, from the rows' tables
@@ -591,6 +725,11 @@ class PNMixCache(CacheDecode):
                 "mask_bool": self._mask_bool.clone(),
                 "mask_host": self._mask_host.copy(),
                 "mask_host_known": self._mask_host_known.copy(),
+                "value_choice_rows": s.value_choice_rows.copy(),
+                "value_mse": self._value_mse.clone(),
+                "value_mse_host": self._value_mse_host.copy(),
+                "value_mse_known": self._value_mse_known.copy(),
+                "value_choice_errors": self._value_choice_errors.clone(),
             }
         return UndoPoint(s.counts.copy(), snapshot)
 
@@ -618,6 +757,11 @@ class PNMixCache(CacheDecode):
             self._mask_bool = snapshot["mask_bool"]
             self._mask_host = snapshot["mask_host"]
             self._mask_host_known = snapshot["mask_host_known"]
+            s.value_choice_rows = snapshot["value_choice_rows"]
+            self._value_mse = snapshot["value_mse"]
+            self._value_mse_host = snapshot["value_mse_host"]
+            self._value_mse_known = snapshot["value_mse_known"]
+            self._value_choice_errors = snapshot["value_choice_errors"]
             self._active_pairs_valid = False
         s._set_counts(points[0].counts.copy())
 

@@ -159,6 +159,15 @@ class CacheState:
         self._active_pairs: Tensor | None = None
         self._active_pairs_valid = False
         self._pending_ok: Tensor | None = None
+        # a "hadamard_auto" value codec's per-row choice (True: squared-error ranges), its host
+        # copy (valid where known) and the errors it was chosen by
+        bh = (g.batch_size, g.num_key_value_heads)
+        self._value_mse = torch.zeros(bh, dtype=torch.bool, device=device)
+        self._value_mse_host = np.zeros(bh, dtype=bool)
+        self._value_mse_known = np.ones(bh, dtype=bool)
+        self._value_choice_errors = torch.full(
+            (*bh, 2), math.nan, dtype=torch.float64, device=device
+        )
 
     # ------------------------------------------------------------------ description
     @property
@@ -580,6 +589,37 @@ class CacheState:
         else:
             self._mask_host_known[rows[:, 0], rows[:, 1]] = False
 
+    def _record_value_choice(self, rows: np.ndarray, mse: Tensor, checks: Checks) -> None:
+        """Record the value coding of rows ``rows [n, 2]`` (``mse``: device bool ``[n]``, True =
+        squared-error ranges): device copy, counted bytes, and the host copy when the append
+        was eager (one device read)."""
+        dev = self.device
+        self._value_mse[
+            torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)
+        ] = mse.to(dev)
+        self._store.value_choice_rows[rows[:, 0], rows[:, 1]] = True
+        if checks == "eager":
+            self._value_mse_host[rows[:, 0], rows[:, 1]] = np.asarray(mse.tolist(), dtype=bool)
+            self._value_mse_known[rows[:, 0], rows[:, 1]] = True
+        else:
+            self._value_mse_known[rows[:, 0], rows[:, 1]] = False
+
+    @property
+    def value_mse_rows(self) -> np.ndarray | None:
+        """With ``value_coding="hadamard_auto"``: host bool ``[B, H_kv]``, True where the row
+        codes its values with squared-error ranges (False: min-max, or no group flushed yet);
+        one device read when a deferred append chose. ``None`` for other value codings."""
+        if self._geometry.value_choice_bytes == 0:
+            return None
+        return np.asarray(self._value_mse.tolist(), dtype=bool).reshape(self._value_mse.shape)
+
+    @property
+    def value_choice_errors(self) -> Tensor:
+        """float64 ``[B, H_kv, 2]`` (device): per row, the attention-weighted output errors of
+        min-max and squared-error value ranges its choice compared (squared value units;
+        ``nan`` where no choice was made from queries)."""
+        return self._value_choice_errors
+
     # ------------------------------------------------------------------ rows
     def select_batch(self, index: Tensor) -> None:
         """Keep/reorder sequences (beam search): sequence ``i`` becomes old ``index[i]``.
@@ -614,3 +654,7 @@ class CacheState:
         self._mask_host = self._mask_host[host].copy()
         self._mask_host_known = self._mask_host_known[host].copy()
         self._active_pairs_valid = False
+        self._value_mse = self._value_mse.index_select(0, dev_idx)
+        self._value_mse_host = self._value_mse_host[host].copy()
+        self._value_mse_known = self._value_mse_known[host].copy()
+        self._value_choice_errors = self._value_choice_errors.index_select(0, dev_idx)

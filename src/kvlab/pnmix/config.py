@@ -38,7 +38,7 @@ KeyCoding = Literal[
     "bit_alloc",
 ]
 _KEY_CODINGS = KEY_CODING_NAMES
-ValueCoding = Literal["per_token", "hadamard", "hadamard_mse"]
+ValueCoding = Literal["per_token", "hadamard", "hadamard_mse", "hadamard_auto"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,9 @@ class PNMixConfig:
         value_coding: ``"per_token"`` (default: per-token min-max), ``"hadamard_mse"`` (the
             Hadamard frame with the per-token range chosen by squared error) or ``"hadamard"``
             (per-token min-max of Hadamard-rotated values; the value head dim must be a power
-            of two), or a :class:`~kvlab.pnmix.values.ValueCodec` whose ``bits`` equal
-            ``bits``.
+            of two), ``"hadamard_auto"`` (one of the two Hadamard codings per kv head, chosen at
+            its first flush by the attention-weighted output error), or a
+            :class:`~kvlab.pnmix.values.ValueCodec` whose ``bits`` equal ``bits``.
         rotary_dim: rotary channels of a key (even; ``None`` = the head_dim); channels
             ``rotary_dim .. head_dim - 1`` are always Cartesian.
         rotary_layout: ``"half"`` pairs ``(i, i + rotary_dim/2)``, ``"interleaved"`` pairs

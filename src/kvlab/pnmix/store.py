@@ -62,6 +62,8 @@ class StoreGeometry:
         key_payload_bytes: ``E``, bytes of the key codec's per-group payload per row.
         table_bits: bits per entry of the packed per-pair table (0: no table).
         key_code_bytes: ``Kb`` (default ``ceil(T * D * bits / 8)``).
+        value_choice_bytes: bytes of a row's recorded value-coding choice (0: the value codec
+            makes none; 1 for ``"hadamard_auto"``), counted once the row has flushed a group.
     """
 
     batch_size: int
@@ -78,6 +80,7 @@ class StoreGeometry:
     key_payload_bytes: int = 0
     table_bits: int = 0
     key_code_bytes: int = -1
+    value_choice_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.key_code_bytes < 0:
@@ -217,6 +220,8 @@ class PackedStore:
         )
         self._set_counts(np.zeros((3, b, h), dtype=np.int64))
         self.mask_rows = np.zeros((b, h), dtype=bool)
+        #: rows whose value-coding choice is recorded (``value_choice_bytes`` each)
+        self.value_choice_rows = np.zeros((b, h), dtype=bool)
         self.position_offsets = np.zeros((b, h), dtype=np.int64)
 
     # ------------------------------------------------------------------ counts
@@ -335,6 +340,8 @@ class PackedStore:
         }
         if g.key_payload_bytes:  # only codecs that store one (the seed's dict is pinned)
             out["key_payload"] = groups * g.key_payload_bytes
+        if g.value_choice_bytes:  # only value codecs that choose per row
+            out["value_choice"] = int(self.value_choice_rows.sum()) * g.value_choice_bytes
         return out
 
     def reserved_bytes(self) -> dict[str, int]:
@@ -653,6 +660,7 @@ class PackedStore:
         if self.mask is not None:
             self.mask = self.mask.index_select(0, idx)
         self.mask_rows = self.mask_rows[index].copy()
+        self.value_choice_rows = self.value_choice_rows[index].copy()
         self.position_offsets = self.position_offsets[index].copy()
         self.geometry = dataclasses.replace(self.geometry, batch_size=int(index.shape[0]))
         self._set_counts(self.counts[:, index].copy())

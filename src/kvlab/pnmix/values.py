@@ -20,6 +20,12 @@ group. Two codecs share that storage layout and differ in the frame they code:
   head_dim-256 values). Decoding gives ``(v H)^``; attention multiplies the attention-weighted sum
   of a query row's decoded values by ``H^T`` once (``Σ_t p_t (v_t H)^ H^T = (Σ_t p_t (v_t
   H)^) H^T``), :meth:`ValueCodec.output_transform`.
+* :class:`AutoHadamardValueCodec` (``"hadamard_auto"``) — per kv head, min-max
+  (``"hadamard"``) or squared-error ranges (``"hadamard_mse"``), chosen once, at the head's first
+  flush, by the attention-weighted output error each gives on that append's last queries
+  (:func:`attention_weighted_value_error`); both decode alike, so the stored format and every
+  decode path are the Hadamard codec's (the choice is kept by the cache and counted as one byte
+  per kv head: docs/design.md, "Value codecs").
 
 A codec is device-free configuration; codes are chosen in float64 from storage-rounded inputs
 against the stored scalars (:func:`kvlab.pnmix.quantizers.minmax_quantize`).
@@ -39,10 +45,12 @@ from kvlab.pnmix.quantizers import minmax_dequantize, minmax_quantize
 __all__ = [
     "MSE_CLIP_RATIOS",
     "VALUE_CODING_NAMES",
+    "AutoHadamardValueCodec",
     "HadamardValueCodec",
     "MSEHadamardValueCodec",
     "PerTokenValueCodec",
     "ValueCodec",
+    "attention_weighted_value_error",
     "value_codec_from_name",
 ]
 
@@ -191,10 +199,64 @@ class MSEHadamardValueCodec(HadamardValueCodec):
         return best_codes.to(torch.uint8), scalars.to(storage_dtype)
 
 
+@dataclass(frozen=True)
+class AutoHadamardValueCodec(HadamardValueCodec):
+    """Per kv head, :class:`HadamardValueCodec` (min-max ranges) or
+    :class:`MSEHadamardValueCodec` (squared-error ranges), whichever gives the smaller
+    attention-weighted output error on the append that flushes the head's first group
+    (:func:`attention_weighted_value_error`; kvlab issue 19). Why not squared error alone: a
+    token's clipping error is biased toward the range's centre, and when the values of many
+    attended tokens share their extreme channels (a common offset), those biases add up in the
+    attention-weighted sum where min-max's rounding errors average out; the per-token squared
+    error cannot see that, the output error can.
+
+    Decoding, bytes per group and the output transform are the Hadamard codec's;
+    :meth:`encode` (no choice known) is min-max. :class:`~kvlab.pnmix.cache.PNMixCache` keeps
+    the per-row choice (:attr:`~kvlab.pnmix.cache.PNMixCache.value_mse_rows`)."""
+
+    name = "hadamard_auto"
+
+    @property
+    def minmax(self) -> HadamardValueCodec:
+        """The min-max candidate."""
+        return HadamardValueCodec(self.bits)
+
+    @property
+    def mse(self) -> MSEHadamardValueCodec:
+        """The squared-error candidate."""
+        return MSEHadamardValueCodec(self.bits)
+
+    def encode(self, values: Tensor, storage_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Min-max codes (:meth:`HadamardValueCodec.encode`): the choice of a row with none."""
+        return self.minmax.encode(values, storage_dtype)
+
+
+def attention_weighted_value_error(
+    probs: Tensor, values: Tensor, decoded: Tensor, storage_dtype: torch.dtype
+) -> Tensor:
+    """Attention-weighted output error of decoded values: ``Σ_q ||Σ_t p_qt (v_t - v̂_t)||²``.
+
+    Args:
+        probs: float ``[n, Q, T]``: per row, each query's attention probability on each coded
+            token (under the full softmax, so a row sums to at most 1).
+        values: ``[n, T, Dv]`` the values (any float dtype; taken to the codec's frame by the
+            caller, or not: the Hadamard rotation is orthonormal, so the error's norm is the
+            same in either frame).
+        decoded: float ``[n, T, Dv]``, the decoded values in the same frame.
+        storage_dtype: the values are rounded to it before the difference.
+
+    Returns:
+        float64 ``[n]``, in squared value units.
+    """
+    error = decoded.double() - values.to(storage_dtype).double()
+    return torch.einsum("nqt,ntd->nqd", probs.double(), error).pow(2).sum((-1, -2))
+
+
 _NAMED = {
     "per_token": PerTokenValueCodec,
     "hadamard": HadamardValueCodec,
     "hadamard_mse": MSEHadamardValueCodec,
+    "hadamard_auto": AutoHadamardValueCodec,
 }
 
 #: Every ``value_coding`` name.
@@ -202,8 +264,8 @@ VALUE_CODING_NAMES: tuple[str, ...] = tuple(_NAMED)
 
 
 def value_codec_from_name(name: str, bits: int) -> ValueCodec:
-    """The value codec ``name`` (``"per_token"``, ``"hadamard"`` or ``"hadamard_mse"``) at
-    ``bits`` bits.
+    """The value codec ``name`` (``"per_token"``, ``"hadamard"``, ``"hadamard_mse"`` or
+    ``"hadamard_auto"``) at ``bits`` bits.
 
     Raises:
         ValueError: an unknown name.

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from kvlab.pnmix.codecs import CartesianCodec, KeyCodec, MixCodec, PerTokenCodec, PhaseNormCodec
 from kvlab.pnmix.values import (
+    AutoHadamardValueCodec,
     HadamardValueCodec,
     MSEHadamardValueCodec,
     PerTokenValueCodec,
@@ -101,7 +102,7 @@ class KernelKeyDecode:
 def _value_step(value_codec: ValueCodec | None) -> bool | str:
     if value_codec is None or type(value_codec) is PerTokenValueCodec:
         return False
-    if type(value_codec) in (HadamardValueCodec, MSEHadamardValueCodec):  # the same decode
+    if type(value_codec) in (HadamardValueCodec, MSEHadamardValueCodec, AutoHadamardValueCodec):
         return True
     return f"value coding {value_codec} has no kernel step"
 
