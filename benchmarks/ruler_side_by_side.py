@@ -11,13 +11,17 @@ Inputs:
 * ``--samples``: the samples JSONL both sides ran (the format of benchmarks/ruler_kvpress.py).
   Each sample's digest (:func:`ruler_kvpress.sample_ids_sha256`, the sha256 of its
   ``[context_ids, question_ids, outputs]`` in canonical JSON) is recomputed from it.
-* ``--kvpress``: the kvpress side's JSON (``rows`` with ``ids_sha256``).
+* ``--kvpress``: the kvpress side's JSON (``rows`` with ``ids_sha256``); optional, for a table
+  of kvlab rows alone.
 * ``--kvlab`` (optional, repeatable): kvlab's RULER results — a JSON list of rows, an object
   with ``rows``, or a JSONL of rows. A row needs ``task``, ``length``, ``index``, ``method``
   and ``score`` (or ``prediction``, then scored here with the sample's metric); ``ratio`` is
   optional. Its ids are checked by a per-row ``ids_sha256`` or, failing that, a file-level
   ``samples_digest`` (top level or under ``provenance``) equal to the digest of the samples
   the file's rows name, in ``--samples`` order.
+
+A method in several files (``full``, which every kvlab RULER run includes) is merged: where two
+files hold the same sample they must give the same score and prediction.
 
 Any row whose digest differs from its sample's is refused (the tools fed different tokens);
 rows naming a (task, length, index) absent from ``--samples`` are refused too.
@@ -179,10 +183,39 @@ def render(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merge_repeated(
+    held: dict[Key, dict[str, Any]], more: dict[Key, dict[str, Any]], label: str, path: Path
+) -> None:
+    """Add ``more``'s samples of method ``label`` to ``held`` (the same method from another
+    run, e.g. ``full``, which every kvlab RULER run includes). Where both hold a sample they must
+    agree on its score and, when both carry it, its prediction.
+
+    Raises:
+        SystemExit: the two runs disagree on a shared sample.
+    """
+    for key, row in more.items():
+        if key in held:
+            old = held[key]
+            same = old["score"] == row["score"] and (
+                "prediction" not in old
+                or "prediction" not in row
+                or old["prediction"] == row["prediction"]
+            )
+            if not same:
+                raise SystemExit(
+                    f"{path}: {label} on sample {key} differs from another file's "
+                    f"({row.get('prediction')!r} vs {old.get('prediction')!r})"
+                )
+        else:
+            held[key] = row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--samples", required=True)
-    parser.add_argument("--kvpress", required=True, help="benchmarks/ruler_kvpress.py's JSON")
+    parser.add_argument(
+        "--kvpress", help="benchmarks/ruler_kvpress.py's JSON (optional: kvlab rows alone)"
+    )
     parser.add_argument("--kvlab", action="append", default=[], help="kvlab RULER rows")
     parser.add_argument("--json", help="also write the table here")
     args = parser.parse_args(argv)
@@ -190,13 +223,17 @@ def main(argv: list[str] | None = None) -> None:
     order = [(s["task"], int(s["length"]), int(s["index"])) for s in listed]
     samples = dict(zip(order, listed, strict=True))
     methods: dict[str, dict[Key, dict[str, Any]]] = {}
-    inputs = [(Path(args.kvpress), "kvpress")] + [(Path(p), "kvlab") for p in args.kvlab]
+    inputs = [(Path(args.kvpress), "kvpress")] if args.kvpress else []
+    inputs += [(Path(p), "kvlab") for p in args.kvlab]
+    if not inputs:
+        raise SystemExit("give --kvpress and/or --kvlab rows")
     for path, side in inputs:
         rows, digest = load_rows(path)
         for label, by_key in check_and_index(rows, digest, side, samples, order, path).items():
             if label in methods:
-                raise SystemExit(f"{path}: method {label} also comes from another file")
-            methods[label] = by_key
+                merge_repeated(methods[label], by_key, label, path)
+            else:
+                methods[label] = by_key
     table = paired_table(methods, samples)
     print(f"token ids identical to {args.samples} in every row ({len(methods)} methods)")
     print(f"paired samples (held by every method): {table['paired_samples']}\n")

@@ -219,3 +219,34 @@ def test_merge_pairs_on_shared_samples_and_checks_ids(tmp_path: Path, capsys: An
     kp.write_text(json.dumps(data))
     with pytest.raises(SystemExit, match="other token ids"):
         sbs.main(["--samples", str(spath), "--kvpress", str(kp)])
+
+
+def test_kvlab_rows_alone_and_a_method_from_two_runs(tmp_path: Path, capsys: Any) -> None:
+    """Without --kvpress the table pairs kvlab's rows alone; ``full`` from two runs is merged
+    where they agree and refused where they do not."""
+    samples = [_sample("niah", 0), _sample("niah", 1)]
+    spath = _write_jsonl(tmp_path / "s.jsonl", samples)
+
+    def rows(method: str, predictions: list[str]) -> list[dict[str, Any]]:
+        return [
+            {"task": "niah", "length": 1024, "index": i, "method": method, "prediction": p,
+             "ids_sha256": rk.sample_ids_sha256(samples[i])}
+            for i, p in enumerate(predictions)
+        ]  # fmt: skip
+
+    run_a = tmp_path / "a.json"
+    run_a.write_text(json.dumps(rows("full", ["alpha beta", "alpha"]) + rows("pn-mix", ["x", "y"])))
+    run_b = tmp_path / "b.json"
+    run_b.write_text(json.dumps(rows("full", ["alpha beta", "alpha"]) + rows("kvzip", ["a", "b"])))
+    out = tmp_path / "t.json"
+    sbs.main(["--samples", str(spath), "--kvlab", str(run_a), "--kvlab", str(run_b),
+              "--json", str(out)])  # fmt: skip
+    table = json.loads(out.read_text())
+    assert table["paired_samples"] == 2
+    assert set(table["rows"]) == {"kvlab:full", "kvlab:pn-mix", "kvlab:kvzip"}
+    assert table["rows"]["kvlab:full"]["mean"] == 75.0
+    run_b.write_text(json.dumps(rows("full", ["alpha beta", "beta"]) + rows("kvzip", ["a", "b"])))
+    with pytest.raises(SystemExit, match="differs from another file"):
+        sbs.main(["--samples", str(spath), "--kvlab", str(run_a), "--kvlab", str(run_b)])
+    with pytest.raises(SystemExit, match="give --kvpress"):
+        sbs.main(["--samples", str(spath)])
