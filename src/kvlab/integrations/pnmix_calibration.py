@@ -16,7 +16,10 @@ hidden states entering every decoder layer, then per layer ``l`` and candidate a
 layer ``l`` (:mod:`kvlab.integrations.calibration_capture`; the scored chunk attends to the
 packed prefix through the ``"kvlab"`` attention). The layers before ``l`` are exact in every
 such forward, so skipping them changes no bit of the result; it saves about half the decoder
-layers' work (``L (L - 1) / 2`` of ``L^2`` layer passes per candidate).
+layers' work (``L (L - 1) / 2`` of ``L^2`` layer passes per candidate). A layer's candidates
+share the rest: each runs layer ``l`` alone, and layers ``l+1 .. L-1`` and the head run once for
+all of them, stacked along the batch (``batch_candidates``; the same KL to the bit on one CPU
+thread).
 """
 
 from __future__ import annotations

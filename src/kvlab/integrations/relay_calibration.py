@@ -18,8 +18,10 @@ of the ``score`` tokens through layers ``l .. L-1`` and the head only, from the 
 of layer ``l`` (:mod:`kvlab.integrations.calibration_capture`: the layers before ``l`` are
 exact, so skipping them changes no bit of the result). Layer ``l``'s eviction is replayed on
 the recorded prefill keys, values and queries, which also recomputes that layer's prefill
-attention once and discards it. Several ratios measure the union of their fractions once
-(:func:`calibrate_layer_budgets_for_ratios`)."""
+attention once and discards it. A layer's fractions share the rest: each fraction runs layer
+``l`` alone, and layers ``l+1 .. L-1`` and the head run once for all of them, stacked along the
+batch (``batch_candidates``; the same KL to the bit on one CPU thread). Several ratios measure
+the union of their fractions once (:func:`calibrate_layer_budgets_for_ratios`)."""
 
 from __future__ import annotations
 
