@@ -129,7 +129,7 @@ def layer_group_sensitivity(
     groups = sorted(set(candidates))
     with use_attention(model, "kvlab"):
         reference = Cache(layers=[DynamicLayer() for _ in range(layers)])
-        model(head, cache=reference, use_cache=True)
+        model(head, cache=reference, use_cache=True, logits_to_keep=1)  # logits unused
         prefix = [(layer.keys, layer.values) for layer in reference.layers]
 
         def logits(cache: Cache) -> Tensor:
