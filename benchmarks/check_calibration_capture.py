@@ -1,6 +1,8 @@
 """Layers 0 and 1 of both per-layer calibrations on a real model, measured the new way (one
-capture, each measurement from the captured input of its layer) and by full forwards (the
-former way, every layer run), in one process: prints whether every float64 KL is the same.
+capture; each candidate's layer from the captured input of its layer, then the later layers and
+the head once for the layer's candidates stacked along the batch) and by full forwards (the
+former way, one forward of every layer per candidate), in one process: prints whether every
+float64 KL is the same.
 
     OMP_NUM_THREADS=1 python benchmarks/check_calibration_capture.py \\
         --model qwen2.5-coder-0.5b
@@ -52,39 +54,45 @@ def main() -> None:
     pn = dataclasses.replace(PNMixConfig(), bits=2, key_coding="cartesian", group_tokens=32)
     p = pn.sink_tokens + pn.residual_tokens + 3 * 128
     snapkv = EvictionConfig(ratio=0.5, relay=False, **default_policy("snapkv"))
-    jobs: dict[str, tuple[Any, Callable[[], Any]]] = {
+    jobs: dict[str, tuple[Any, Callable[[bool], Any]]] = {
         "kivi-2bit-calibrated": (
             pnmix_calibration,
-            lambda: pnmix_calibration.layer_group_sensitivity(
-                model, ids[:, 10_000 : 10_000 + p + 128], pn, prefill=p, progress=_stop
+            lambda batch: pnmix_calibration.layer_group_sensitivity(
+                model,
+                ids[:, 10_000 : 10_000 + p + 128],
+                pn,
+                prefill=p,
+                progress=_stop,
+                batch_candidates=batch,
             ),
         ),
         "snapkv@0.5": (
             relay_calibration,
-            lambda: relay_calibration.layer_eviction_sensitivity(
+            lambda batch: relay_calibration.layer_eviction_sensitivity(
                 model,
                 ids[:, 10_000:10_640],
                 snapkv,
                 prefill=512,
                 fractions=relay_calibration.fractions_around(0.5),
                 progress=_stop,
+                batch_candidates=batch,
             ),
         ),
     }
 
-    def measure(run: Callable[[], Any]) -> tuple[list[float], float]:
+    def measure(run: Callable[[bool], Any], batch: bool) -> tuple[list[float], float]:
         seen.clear()
         began = time.perf_counter()
         with contextlib.suppress(_Stop):
-            run()
+            run(batch)
         return list(seen), time.perf_counter() - began
 
     for name, (module, run) in jobs.items():
-        new, t_new = measure(run)
+        new, t_new = measure(run, True)
         capture = module.start_at_layer
         module.start_at_layer = lambda model, layer, hidden: contextlib.nullcontext()
         try:
-            old, t_old = measure(run)
+            old, t_old = measure(run, False)
         finally:
             module.start_at_layer = capture
         print(

@@ -20,6 +20,7 @@ from kvlab.integrations.calibration_capture import (
     ExactDistribution,
     capture_layer_inputs,
     decoder_layers,
+    layer_output,
     start_at_layer,
 )
 from kvlab.integrations.relay_cache import EvictionConfig
@@ -78,13 +79,69 @@ def test_a_replay_from_a_captured_layer_input_is_the_full_forward_bit_for_bit(ma
     assert torch.equal(again, exact)
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_layer_outputs_stacked_then_replayed_from_the_next_layer_are_full_forwards(
+    make_llama, layers
+):
+    """The batched path: each candidate's perturbed layer alone (layer_output), then the later
+    layers and the head once over the stacked outputs and exact caches: each row is the full
+    forward of its candidate, bit for bit (one CPU thread)."""
+    model = make_llama(seed=3, num_hidden_layers=layers)
+    ids = _ids(40, seed=4)
+    head, tail = ids[:, :28], ids[:, 28:]
+    positions = torch.arange(28, 40)[None]
+    prefix = _prefix(model, head)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            with capture_layer_inputs(model) as inputs:
+                model(tail, cache=_cache(prefix, None), position_ids=positions)
+            for layer in range(layers):
+                # three candidates: two perturbations of the layer and the exact layer
+                def forward(noisy: int | None, scale: float) -> Any:
+                    cache = _cache(prefix, noisy)
+                    if noisy is not None and scale != 1.0:
+                        k, v = cache.layers[noisy].keys, cache.layers[noisy].values
+                        cache.layers[noisy].keys, cache.layers[noisy].values = scale * k, v
+                    return model(tail, cache=cache, position_ids=positions)
+
+                runs = [(layer, 1.0), (layer, 0.5), (None, 1.0)]
+                full = [forward(*run).logits for run in runs]
+                outs = [
+                    layer_output(model, layer, inputs[layer], lambda run=run: forward(*run))
+                    for run in runs
+                ]
+                stacked = torch.cat(outs)
+                batch = len(runs)
+                exact = Cache(layers=[DynamicLayer() for _ in prefix])
+                for cache_layer, (k, v) in zip(exact.layers, prefix, strict=True):
+                    cache_layer.update(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1))
+                with start_at_layer(model, layer + 1, stacked):
+                    batched = model(
+                        tail.expand(batch, -1),
+                        cache=exact,
+                        position_ids=positions.expand(batch, -1),
+                    ).logits
+                for row, logits in zip(batched, full, strict=True):
+                    assert torch.equal(row, logits[0])
+                assert not torch.equal(batched[0], batched[2])  # the perturbation shows
+    finally:
+        torch.set_num_threads(threads)
+    assert all("forward" not in module.__dict__ for module in decoder_layers(model))
+
+
 def test_start_at_layer_refuses_bad_arguments(make_llama):
     model = make_llama(seed=5, num_hidden_layers=2)
     with (
-        pytest.raises(ValueError, match=r"layer must lie in 0\.\.1"),
-        start_at_layer(model, 2, None),
+        pytest.raises(ValueError, match=r"layer must lie in 0\.\.2"),
+        start_at_layer(model, 3, None),
     ):
         pass
+    with pytest.raises(ValueError, match=r"layer must lie in 0\.\.1"):
+        layer_output(model, 2, None, lambda: None)
+    with pytest.raises(RuntimeError, match="did not run decoder layer 1"):
+        layer_output(model, 1, torch.zeros(1, 3, model.config.hidden_size), lambda: None)
     with pytest.raises(ValueError, match="needs the captured"), start_at_layer(model, 1, None):
         pass
     wrong = torch.zeros(1, 3, model.config.hidden_size)
@@ -129,11 +186,14 @@ def test_group_sensitivity_equals_per_layer_full_forwards(make_llama):
     fast = pnmix_calibration.layer_group_sensitivity(
         model, ids, SMALL, prefill=56, candidates=(4, 8), progress=lambda d, n: calls.append((d, n))
     )
+    one_by_one = pnmix_calibration.layer_group_sensitivity(
+        model, ids, SMALL, prefill=56, candidates=(4, 8), batch_candidates=False
+    )
     with _every_layer(pnmix_calibration):
         slow = pnmix_calibration.layer_group_sensitivity(
-            model, ids, SMALL, prefill=56, candidates=(4, 8)
+            model, ids, SMALL, prefill=56, candidates=(4, 8), batch_candidates=False
         )
-    assert fast == slow  # bit-identical floats
+    assert fast == one_by_one == slow  # bit-identical floats
     assert all(v > 0 for row in fast for v in row.values())
     assert calls == [(i, 3) for i in range(4)]
 
@@ -151,11 +211,14 @@ def test_eviction_sensitivity_equals_per_layer_full_forwards(make_llama):
         fractions=(0.25, 0.5),
         progress=lambda d, n: calls.append((d, n)),
     )
+    one_by_one = relay_calibration.layer_eviction_sensitivity(
+        model, ids, config, prefill=48, fractions=(0.25, 0.5), batch_candidates=False
+    )
     with _every_layer(relay_calibration):
         slow = relay_calibration.layer_eviction_sensitivity(
-            model, ids, config, prefill=48, fractions=(0.25, 0.5)
+            model, ids, config, prefill=48, fractions=(0.25, 0.5), batch_candidates=False
         )
-    assert fast == slow
+    assert fast == one_by_one == slow
     assert all(v > 0 for row in fast for v in row.values())
     assert calls == [(i, 3) for i in range(4)]
 

@@ -12,6 +12,15 @@ its input; the last one returns the captured input of layer ``l``), so a measure
 ``L - l`` decoder layers and the head instead of ``L`` layers and the head (about half over all
 layers). The layers that run see the same inputs, caches and kernels as in a full forward, so
 the logits are bit-identical to the full forward's (``tests/test_calibration_capture.py``).
+
+Batched candidates (:func:`layer_output`, ``start_at_layer(model, l + 1, stacked)``): only
+layer ``l`` differs between a layer's candidates (its perturbed cache); its output for each
+candidate is taken alone (:func:`layer_output` stops the forward after layer ``l``), and layers
+``l+1 .. L-1`` and the head then run once for all ``C`` candidates stacked along the batch
+dimension over exact caches (``[C, S, hidden]``): the same flops, one forward per layer instead
+of ``C``, and larger matrix products. On one CPU thread every row of those products is the
+batch-1 row to the bit (``tests/integrations/test_calibration_capture.py``; oneDNN/MKL may split
+differently with more threads, a change in the last bits).
 """
 
 from __future__ import annotations
@@ -23,7 +32,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ExactDistribution", "capture_layer_inputs", "decoder_layers", "start_at_layer"]
+__all__ = [
+    "ExactDistribution",
+    "capture_layer_inputs",
+    "decoder_layers",
+    "layer_output",
+    "start_at_layer",
+]
 
 
 def decoder_layers(model: Any) -> nn.ModuleList:
@@ -88,17 +103,19 @@ def capture_layer_inputs(model: Any) -> Iterator[list[Tensor]]:
 def start_at_layer(model: Any, layer: int, hidden: Tensor | None) -> Iterator[None]:
     """Forwards inside skip decoder layers ``0 .. layer-1``: each returns its input, except
     layer ``layer - 1``, which returns ``hidden`` (the captured input of layer ``layer``,
-    ``[B, Q, hidden]``). ``layer == 0`` changes nothing (``hidden`` is then ignored).
+    ``[B, Q, hidden]``). ``layer == 0`` changes nothing (``hidden`` is then ignored);
+    ``layer == L`` skips every decoder layer (``hidden`` then enters the final norm and the
+    head: the output of the last layer).
 
     Skipped layers neither compute nor touch their cache layer. Decoder layers must return
     their hidden states tensor (``transformers`` 5.x).
 
     Raises:
-        ValueError: ``layer`` outside ``0 .. L-1``, or ``hidden`` missing for ``layer > 0``.
+        ValueError: ``layer`` outside ``0 .. L``, or ``hidden`` missing for ``layer > 0``.
     """
     layers = decoder_layers(model)
-    if not 0 <= layer < len(layers):
-        raise ValueError(f"layer must lie in 0..{len(layers) - 1}, got {layer}")
+    if not 0 <= layer <= len(layers):
+        raise ValueError(f"layer must lie in 0..{len(layers)}, got {layer}")
     if layer == 0:
         yield
         return
@@ -128,6 +145,46 @@ def start_at_layer(model: Any, layer: int, hidden: Tensor | None) -> Iterator[No
                 del module.forward  # back to the class's forward
             else:
                 module.forward = forward  # type: ignore[method-assign]
+
+
+class _Stopped(Exception):
+    """Raised by :func:`layer_output`'s hook to end a forward after the layer it wants."""
+
+
+def layer_output(
+    model: Any, layer: int, hidden: Tensor | None, forward: Callable[[], Any]
+) -> Tensor:
+    """The output of decoder layer ``layer`` in ``forward()`` (a call of ``model``), run from
+    ``hidden``, the captured input of that layer (:func:`start_at_layer`); the forward stops
+    after that layer, so the later layers and the head never run (their cache layers are not
+    touched).
+
+    Returns:
+        ``[B, Q, hidden]`` in the model's dtype, what the layer returned (bit for bit the
+        tensor a full forward passes to layer ``layer + 1``).
+
+    Raises:
+        ValueError: ``layer`` outside ``0 .. L-1``, or what :func:`start_at_layer` raises.
+        RuntimeError: ``forward()`` returned without running that layer.
+    """
+    layers = decoder_layers(model)
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"layer must lie in 0..{len(layers) - 1}, got {layer}")
+    output: list[Tensor] = []
+
+    def stop(module: Any, args: Any, result: Any) -> None:
+        output.append(result[0] if isinstance(result, tuple) else result)
+        raise _Stopped
+
+    handle = layers[layer].register_forward_hook(stop)
+    try:
+        with start_at_layer(model, layer, hidden), contextlib.suppress(_Stopped):
+            forward()
+    finally:
+        handle.remove()
+    if not output:
+        raise RuntimeError(f"the forward did not run decoder layer {layer}")
+    return output[0]
 
 
 class ExactDistribution:

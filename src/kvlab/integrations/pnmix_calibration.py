@@ -16,7 +16,10 @@ hidden states entering every decoder layer, then per layer ``l`` and candidate a
 layer ``l`` (:mod:`kvlab.integrations.calibration_capture`; the scored chunk attends to the
 packed prefix through the ``"kvlab"`` attention). The layers before ``l`` are exact in every
 such forward, so skipping them changes no bit of the result; it saves about half the decoder
-layers' work (``L (L - 1) / 2`` of ``L^2`` layer passes per candidate).
+layers' work (``L (L - 1) / 2`` of ``L^2`` layer passes per candidate). A layer's candidates
+share the rest: each runs layer ``l`` alone, and layers ``l+1 .. L-1`` and the head run once for
+all of them, stacked along the batch (``batch_candidates``; the same KL to the bit on one CPU
+thread).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from kvlab.integrations.attention import use_attention
 from kvlab.integrations.calibration_capture import (
     ExactDistribution,
     capture_layer_inputs,
+    layer_output,
     start_at_layer,
 )
 from kvlab.integrations.calibration_record import measurement_settings
@@ -58,7 +62,9 @@ def _prefix_cache(
     quantized: int | None,
     config: PNMixConfig | None,
     rotary: RotaryConfig | None = None,
+    rows: int = 1,
 ) -> Cache:
+    """The exact prefix (``rows`` copies along the batch; layer ``quantized`` PN-Mix)."""
     layers: list[Any] = []
     for i, (k, v) in enumerate(prefix):
         if i == quantized:
@@ -66,6 +72,8 @@ def _prefix_cache(
             layer: Any = PNMixLayer(config, exact_prefill=False, rotary=rotary)
         else:
             layer = DynamicLayer()
+        if rows != 1:
+            k, v = k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)
         layer.update(k, v)
         layers.append(layer)
     return Cache(layers=layers)
@@ -80,6 +88,7 @@ def layer_group_sensitivity(
     prefill: int,
     candidates: Sequence[int] = DEFAULT_GROUP_CANDIDATES,
     progress: Callable[[int, int], None] | None = None,
+    batch_candidates: bool = True,
 ) -> list[dict[int, float]]:
     """Per layer and candidate group size, the KL one PN-Mix layer alone causes.
 
@@ -92,6 +101,10 @@ def layer_group_sensitivity(
             are scored in one forward against that context.
         candidates: group sizes (tokens) to measure.
         progress: ``progress(done, total)`` in decoder layers, or ``None``.
+        batch_candidates: run layers ``l+1 .. L-1`` and the head once for all candidates of
+            layer ``l``, stacked along the batch (:func:`~kvlab.integrations.
+            calibration_capture.layer_output`; the same KL to the bit on one CPU thread);
+            ``False``: one forward per candidate from layer ``l``.
 
     Returns:
         ``[{group_tokens: mean KL in nats}, ...]``, one dict per decoder layer, KL(full ‖
@@ -116,7 +129,7 @@ def layer_group_sensitivity(
     groups = sorted(set(candidates))
     with use_attention(model, "kvlab"):
         reference = Cache(layers=[DynamicLayer() for _ in range(layers)])
-        model(head, cache=reference, use_cache=True)
+        model(head, cache=reference, use_cache=True, logits_to_keep=1)  # logits unused
         prefix = [(layer.keys, layer.values) for layer in reference.layers]
 
         def logits(cache: Cache) -> Tensor:
@@ -130,10 +143,34 @@ def layer_group_sensitivity(
             progress(0, layers)
         for layer in range(layers):
             row: dict[int, float] = {}
-            with start_at_layer(model, layer, inputs[layer]):
-                for g in groups:
-                    cfg = dataclasses.replace(config, group_tokens=g)
-                    row[g] = exact.kl(logits(_prefix_cache(prefix, layer, cfg, rotary)))
+            caches = {
+                g: lambda g=g, layer=layer: _prefix_cache(
+                    prefix, layer, dataclasses.replace(config, group_tokens=g), rotary
+                )
+                for g in groups
+            }
+            if batch_candidates:
+                stacked = torch.cat(
+                    [
+                        layer_output(model, layer, inputs[layer], lambda c=c: logits(c()))
+                        for c in caches.values()
+                    ]
+                )
+                rows = len(groups)
+                with start_at_layer(model, layer + 1, stacked):
+                    batched = model(
+                        tail.expand(rows, -1),
+                        cache=_prefix_cache(prefix, None, None, rows=rows),
+                        position_ids=positions.expand(rows, -1),
+                        use_cache=True,
+                    ).logits
+                for g, z in zip(groups, batched, strict=True):
+                    row[g] = exact.kl(z)
+                del batched
+            else:
+                with start_at_layer(model, layer, inputs[layer]):
+                    for g, cache in caches.items():
+                        row[g] = exact.kl(logits(cache()))
             result.append(row)
             if progress is not None:
                 progress(layer + 1, layers)

@@ -18,8 +18,10 @@ of the ``score`` tokens through layers ``l .. L-1`` and the head only, from the 
 of layer ``l`` (:mod:`kvlab.integrations.calibration_capture`: the layers before ``l`` are
 exact, so skipping them changes no bit of the result). Layer ``l``'s eviction is replayed on
 the recorded prefill keys, values and queries, which also recomputes that layer's prefill
-attention once and discards it. Several ratios measure the union of their fractions once
-(:func:`calibrate_layer_budgets_for_ratios`)."""
+attention once and discards it. A layer's fractions share the rest: each fraction runs layer
+``l`` alone, and layers ``l+1 .. L-1`` and the head run once for all of them, stacked along the
+batch (``batch_candidates``; the same KL to the bit on one CPU thread). Several ratios measure
+the union of their fractions once (:func:`calibrate_layer_budgets_for_ratios`)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from kvlab.integrations.attention import use_attention
 from kvlab.integrations.calibration_capture import (
     ExactDistribution,
     capture_layer_inputs,
+    layer_output,
     start_at_layer,
 )
 from kvlab.integrations.calibration_record import measurement_settings
@@ -82,6 +85,7 @@ def layer_eviction_sensitivity(
     prefill: int,
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
     progress: Callable[[int, int], None] | None = None,
+    batch_candidates: bool = True,
 ) -> list[dict[float, float]]:
     """Per layer and kept fraction, the KL that evicting that one layer causes.
 
@@ -99,6 +103,10 @@ def layer_eviction_sensitivity(
         prefill: context tokens; the other ``score`` tokens are scored in one forward.
         fractions: kept fractions in (0, 1] to measure.
         progress: ``progress(done, total)`` in decoder layers, or ``None``.
+        batch_candidates: run layers ``l+1 .. L-1`` and the head once for all fractions of
+            layer ``l``, stacked along the batch (:func:`~kvlab.integrations.
+            calibration_capture.layer_output`; the same KL to the bit on one CPU thread);
+            ``False``: one forward per fraction from layer ``l``.
 
     Returns:
         one ``{fraction: mean KL in nats}`` per full-attention layer, in decoder order
@@ -142,9 +150,11 @@ def layer_eviction_sensitivity(
         model(head, cache=reference, use_cache=True, logits_to_keep=1)
         model_prefix = [(layer.keys, layer.values) for layer in reference.layers]
 
-    def cache_with(evicted: int | None, kept: float) -> Cache:
+    def cache_with(evicted: int | None, kept: float, rows: int = 1) -> Cache:
         layers: list[Any] = []
         for i, (k, v) in enumerate(model_prefix):
+            if rows != 1:  # exact layers only: ``rows`` copies along the batch
+                k, v = k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)
             if i == evicted:
                 cfg = dataclasses.replace(config, ratio=1.0 - kept, layer_budget="uniform")
                 layer: Any = RelayLayer(cfg, keep_all.rotary, i)
@@ -170,9 +180,34 @@ def layer_eviction_sensitivity(
         progress(0, len(full_layers))
     for done, layer_idx in enumerate(full_layers, start=1):
         row = {}
-        with start_at_layer(model, layer_idx, inputs[layer_idx]):
-            for f in sorted(set(fractions)):
-                row[f] = exact.kl(logits(cache_with(layer_idx, f)), clamp=True)
+        kept = sorted(set(fractions))
+        if batch_candidates:
+            stacked = torch.cat(
+                [
+                    layer_output(
+                        model,
+                        layer_idx,
+                        inputs[layer_idx],
+                        lambda f=f, i=layer_idx: logits(cache_with(i, f)),
+                    )
+                    for f in kept
+                ]
+            )
+            rows = len(kept)
+            with start_at_layer(model, layer_idx + 1, stacked), use_attention(model, "kvlab"):
+                batched = model(
+                    tail.expand(rows, -1),
+                    cache=cache_with(None, 1.0, rows=rows),
+                    position_ids=positions.expand(rows, -1),
+                    use_cache=True,
+                ).logits
+            for f, z in zip(kept, batched, strict=True):
+                row[f] = exact.kl(z, clamp=True)
+            del batched
+        else:
+            with start_at_layer(model, layer_idx, inputs[layer_idx]):
+                for f in kept:
+                    row[f] = exact.kl(logits(cache_with(layer_idx, f)), clamp=True)
         result.append(row)
         if progress is not None:
             progress(done, len(full_layers))
