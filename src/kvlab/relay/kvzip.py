@@ -398,20 +398,8 @@ def reconstruction_attention_reference(
     large tensors per block: slow on CPU, simple to check.
 
     Args:
-        query: ``[1, H_q, Q, D]`` the pass's queries (rotated at the positions following the
-            cache).
-        keys: ``[1, H, S, D]`` the sequence's cached keys per kv head (padded view);
-            values: ``[1, H, S, Dv]``.
-        valid: bool ``[1, H, S]``: the cached slots (others never attended, scored 0).
-        own_keys: ``[1, H, Q, D]`` the pass's own keys (same rotation); own_values:
-            ``[1, H, Q, Dv]``. Query ``j`` sees own tokens ``0 .. j``.
-        scale: softmax scale of the logits.
-        score_columns: bool ``[1, H, S]`` or ``None``: the cached slots the *scores* are
-            normalized over (a later chunk: the first sinks and the chunk); ``None`` = every
-            valid slot (then the scores are the attention probabilities themselves). Slots
-            outside it score 0.
-        softcap: Gemma 2 attention-logit soft-cap, or ``None``; s_aux: ``[H_q]`` learned sink
-            logits (GPT-OSS), or ``None`` (both as in :mod:`kvlab.attention_logits`).
+        query, keys, values, valid, own_keys, own_values, scale, score_columns, softcap, s_aux:
+            as :func:`reconstruction_attention`.
         block_queries: queries per block (bounds the logits held at once).
         compute_dtype: the dtype of the arithmetic (``torch.float64`` for a test's
             reference); ``scores`` come in it too.
