@@ -68,6 +68,16 @@ def _tensors(root, max_depth: int = 4) -> list[torch.Tensor]:
     return out
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, with NaN equal to NaN in the same places (a state may hold NaN
+    placeholders, e.g. PN-Mix's ``value_choice_errors`` where no choice was made)."""
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point() or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
 def _layer0(cache) -> list[torch.Tensor]:
     """Every tensor of layer 0's state, flattened (any cache kind)."""
     return _tensors(cache.layers[0])
@@ -97,7 +107,7 @@ def test_replay_matches_own_prefill(family: str, name: str) -> None:
     assert replayed.storage == own.storage
     # layer 0 saw identical inputs: identical state
     for a, b in zip(_layer0(own.cache), _layer0(replayed.cache), strict=True):
-        assert torch.equal(a, b)
+        assert _same_bits(a, b)
     first_own = answer(model, own, question, max_new_tokens=1)
     first_replay = answer(model, replayed, question, max_new_tokens=1)
     assert first_own.tokens == first_replay.tokens
@@ -130,7 +140,7 @@ def test_skipped_outputs_store_the_same_bits(family: str, name: str) -> None:
     computed, skipped = (_tensors(c.layers, max_depth=6) for c in caches)
     assert computed and len(computed) == len(skipped)
     for a, b in zip(computed, skipped, strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        assert a.shape == b.shape and a.dtype == b.dtype and _same_bits(a, b)
 
 
 def test_skipped_outputs_run_no_prefill_attention(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -217,3 +227,42 @@ def test_stop_tokens_and_bad_input() -> None:
         compress_context(
             model, other, parse_method("full"), capture=capture_prefill(model, context)
         )
+
+
+def test_replay_refuses_another_model_and_a_used_cache() -> None:
+    """A capture replays only into the model it ran, and only into a fresh cache; both
+    refusals change nothing."""
+    model = FAMILIES["llama"].build(seed=2)
+    other = FAMILIES["llama"].build(seed=3)  # same shapes, other weights
+    context, _ = _inputs(9)
+    capture = capture_prefill(model, context)
+    method = parse_method("pn-mix")
+    cache = method.make_cache(other.config, None)
+    with pytest.raises(ValueError, match="another model"):
+        replay_prefill(other, capture, cache, attention="kvlab")
+    assert cache.get_seq_length() == 0
+    with pytest.raises(ValueError, match="another model"):
+        compress_context(other, context, method, capture=capture)
+    cache = method.make_cache(model.config, None)
+    replay_prefill(model, capture, cache, attention="kvlab")
+    before = [t.clone() for t in _tensors(cache.layers, max_depth=6)]
+    with pytest.raises(ValueError, match="fresh cache; this one holds 160 tokens"):
+        replay_prefill(model, capture, cache, attention="kvlab")
+    after = _tensors(cache.layers, max_depth=6)
+    assert len(before) == len(after) and all(
+        _same_bits(a, b) for a, b in zip(before, after, strict=True)
+    )
+
+
+def test_answer_on_a_cache_that_cannot_be_copied_says_how() -> None:
+    model = FAMILIES["llama"].build(seed=2)
+    context, question = _inputs(10)
+    compressed = compress_context(model, context, parse_method("full"))
+
+    class Uncopyable:
+        def __deepcopy__(self, memo):
+            raise RuntimeError("The default implementation of __deepcopy__() fails here")
+
+    compressed.cache = Uncopyable()
+    with pytest.raises(ValueError, match="copy_cache=False"):
+        answer(model, compressed, question, max_new_tokens=2)

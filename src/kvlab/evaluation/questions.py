@@ -147,6 +147,19 @@ def compress_context(
     )
 
 
+def _copy_cache(compressed: CompressedContext) -> Any:
+    """A deep copy of the compressed cache, or a ``ValueError`` saying how to answer without
+    one."""
+    try:
+        return copy.deepcopy(compressed.cache)
+    except RuntimeError as error:
+        raise ValueError(
+            f"method {compressed.method.name!r}: its cache ({type(compressed.cache).__name__}) "
+            f"cannot be copied ({str(error).splitlines()[0][:120]}); answer one question per "
+            "compression with answer(..., copy_cache=False)"
+        ) from None
+
+
 @torch.no_grad()
 def answer(
     model: Any,
@@ -167,12 +180,14 @@ def answer(
         copy_cache: answer on a deep copy of the compressed cache (``False``: consume it).
 
     Raises:
-        ValueError: ``question_ids`` not ``[1, Q]`` int64, or ``max_new_tokens < 1``.
+        ValueError: ``question_ids`` not ``[1, Q]`` int64, or ``max_new_tokens < 1``; a cache
+            that cannot be copied (``transformers``' ``QuantizedCache`` with quanto: its
+            tensors refuse ``deepcopy``) with ``copy_cache=True``.
     """
     _check_ids("question_ids", question_ids)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    cache = copy.deepcopy(compressed.cache) if copy_cache else compressed.cache
+    cache = _copy_cache(compressed) if copy_cache else compressed.cache
     key = cache_keyword(model)
     stops = {int(t) for t in stop_token_ids}
     tokens: list[int] = []

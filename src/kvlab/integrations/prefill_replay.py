@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -79,6 +80,8 @@ class PrefillCapture:
         logits: float ``[B, V]`` of the context's last token.
         cache_keyword: the model's cache keyword (``"cache"`` or ``"past_key_values"``).
         attention: the attention implementation the capture ran under.
+        model: a weak reference to the model the capture ran (a replay into another model's
+            cache is refused), or ``None``.
     """
 
     input_ids: Tensor
@@ -87,6 +90,7 @@ class PrefillCapture:
     logits: Tensor
     cache_keyword: str
     attention: str
+    model: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -147,6 +151,7 @@ def capture_prefill(model: Any, input_ids: Tensor, *, attention: str = "sdpa") -
         logits=out.logits[:, -1],
         cache_keyword=keyword,
         attention=attention,
+        model=weakref.ref(model),
     )
 
 
@@ -168,15 +173,22 @@ def replay_prefill(
     stores the same bits); ``False`` computes it as the method's own prefill does.
 
     Raises:
-        ValueError: ``capture`` was made on a model with another number of attention layers;
-            whatever the cache raises for the prefill (its own checks, e.g. a prompt too short
-            for its budget).
+        ValueError: ``capture`` was made on another model (or one with another number of
+            attention layers); ``cache`` already holds tokens; whatever the cache raises for
+            the prefill (its own checks, e.g. a prompt too short for its budget) — then layers
+            before the refusing one may have stored theirs: discard the cache.
     """
     modules = attention_modules(model)
+    source = capture.model() if capture.model is not None else model
+    if source is not model:
+        raise ValueError("the capture was made on another model; capture this model's prefill")
     if len(modules) != len(capture.calls):
         raise ValueError(
             f"the capture has {len(capture.calls)} attention layers, the model {len(modules)}"
         )
+    seen = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+    if seen:
+        raise ValueError(f"replay_prefill needs a fresh cache; this one holds {seen} tokens")
     unused = attention_outputs_unused() if skip_outputs else contextlib.nullcontext()
     with use_attention(model, attention), unused:
         for module, (args, kwargs) in zip(modules, capture.calls, strict=True):
