@@ -108,12 +108,15 @@ def compress_context(
             ``full`` its own ``DynamicCache`` is used as is (deep-copied).
 
     Raises:
-        ValueError: ``context_ids`` not ``[1, T]`` int64, or a capture of other tokens; what the
+        ValueError: ``context_ids`` not ``[1, T]`` int64, or a capture of other tokens or of
+            another model; what the
             method's cache raises for the prompt (e.g. too short for its budget).
     """
     _check_ids("context_ids", context_ids)
     if capture is not None and not torch.equal(capture.input_ids, context_ids):
         raise ValueError("the capture was made on other tokens than context_ids")
+    if capture is not None and capture.model is not None and capture.model() is not model:
+        raise ValueError("the capture was made on another model; capture this model's prefill")
     start = time.perf_counter()
     if capture is not None and method.family == "full":
         cache = copy.deepcopy(capture.cache)
