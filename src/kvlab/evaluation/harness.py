@@ -102,16 +102,20 @@ def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
         dtype=config.dtype,
         device=str(device),
     )
-    from kvlab.evaluation.support import check_methods, read_model_config
+    from kvlab.evaluation.support import check_lengths, check_methods, read_model_config
 
     # every method runs on this model's layer kinds, or is refused now (not after the load)
-    check_methods(methods, read_model_config(config.model), config.model)
+    model_config = read_model_config(config.model)
+    check_methods(methods, model_config, config.model)
     text_ref = TextRef(id=text.id, sha256=text.sha256, path=text.path, source_url=text.source_url)
     tokenizer = load_tokenizer(config.model)
     tokens = tokenize(tokenizer, text.data)
     plan = plan_eval(
         config, methods, model, text_ref, tokens, tokenizer, text_data=text.data.decode("utf-8")
     )
+    # the prompt lengths the plan feeds, for caches that cannot take every length
+    prompts = [int(t.unit.get("context_tokens", t.unit.get("prefill", 0))) for t in plan.tasks]
+    check_lengths(methods, model_config, [n for n in prompts if n], config.model)
     return EvalInputs(
         config=config,
         paths=paths,

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvlab.evaluation.methods import Method
 
-__all__ = ["check_methods", "method_refusal", "read_model_config"]
+__all__ = ["check_lengths", "check_methods", "method_refusal", "read_model_config"]
 
 
 def read_model_config(spec: str) -> Any:
@@ -112,3 +112,49 @@ def check_methods(methods: Sequence[Method], model_config: Any, spec: str = "") 
             f"{len(reasons)} method(s) cannot run on the model{where}, checked before it loads: "
             + " | ".join(reasons)
         )
+
+
+def quantized_length_refusal(method: Method, model_config: Any, tokens: int) -> str | None:
+    """Why ``method`` (a ``transformers`` ``QuantizedCache`` row) cannot quantize a prompt of
+    ``tokens`` tokens on this model, or ``None``: quanto's per-channel keys (``axis_key=-1``)
+    are grouped along the flattened (kv head, token) axis, so ``num_key_value_heads * tokens``
+    must be a multiple of ``q_group_size`` (optimum-quanto ``tensor/grouped.py``: "Group size
+    must be a divisor")."""
+    settings = method.settings
+    if method.family != "hf-quantized" or settings.get("backend") != "quanto":
+        return None
+    if settings.get("axis_key") != -1:
+        return None
+    heads = int(
+        getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    )
+    group = int(settings["q_group_size"])
+    if (heads * tokens) % group == 0:
+        return None
+    per_token = f"{method.name}-per-token"
+    return (
+        f"method {method.name!r} cannot quantize a {tokens}-token prompt: quanto groups its "
+        f"per-channel keys along {heads} kv heads x tokens, which must be a multiple of "
+        f"{group}; use {per_token!r} (per-token keys, any length)"
+    )
+
+
+def check_lengths(
+    methods: Sequence[Method], model_config: Any, lengths: Sequence[int], spec: str = ""
+) -> None:
+    """Refuse, before the model loads, a method that cannot take one of the prompt lengths
+    ``lengths`` (tokens) the plan feeds (:func:`quantized_length_refusal`).
+
+    Raises:
+        ValueError: one line per refused method, naming the first length it cannot take.
+    """
+    reasons = []
+    for method in methods:
+        for tokens in sorted(set(lengths)):
+            reason = quantized_length_refusal(method, model_config, tokens)
+            if reason is not None:
+                reasons.append(reason)
+                break
+    if reasons:
+        where = f" ({spec})" if spec else ""
+        raise ValueError(f"not runnable on this model{where}: " + "; ".join(reasons))
