@@ -298,7 +298,7 @@ def test_pn_mix_lean_composed_bytes_follow_the_documented_byte_model(
         ("relay:oracle@0.5+pn-mix", "unknown scorer", "prefill-score"),
         ("relay:snapkv@1.5+pn-mix", "R must lie", "prefill-score"),
         ("relay:snapkv@0.5+pn-mix", "evicts once after the prefill", "stream"),
-        ("evict-no-relay:kvzip@0.5+pn-mix-lean", "reconstruction pass", "prefill-score"),
+        ("evict-no-relay:kvzip@0.5+pn-mix-lean", "evicts once after the prefill", "stream"),
         ("streaming-llm@0.5+pn-mix", "unknown method", "prefill-score"),
     ],
 )

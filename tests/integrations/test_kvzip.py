@@ -168,14 +168,17 @@ def test_padded_batch_rows_evict_as_alone(make_llama, relay):
 
 
 def _state(cache: RelayModelCache):
+    relays = [getattr(layer, "relay_layer", layer) for layer in cache.layers]
     return [
         (
             layer.tokens_per_head(),
             list(layer.reconstruction_scores),
             list(layer.observation_scores),
             list(layer.evicted),
+            layer.seen_tokens,
+            list(layer.next_positions),
         )
-        for layer in cache.layers
+        for layer in relays
     ]
 
 
@@ -221,6 +224,158 @@ def test_configurations_kvzip_cannot_run_are_refused_at_construction(make_llama)
         EvictionConfig(ratio=0.5, scorer="kvzip", layer_budget="scores", scores_share=0.0)
     with pytest.raises(ValueError, match="prefill_queries"):
         KVzipScorer(prefill_queries=-1)
-    model = make_llama(seed=52)
-    with pytest.raises(ValueError, match="reconstruction pass"):
-        ComposedModelCache(model.config, EvictionConfig(ratio=0.5, scorer="kvzip"))
+
+
+# ------------------------------------------------------------------ KVzip composed with PN-Mix
+
+SMALL_PNMIX = dict(sink_tokens=4, residual_tokens=8, group_tokens=16)
+
+
+def _composed(model, config: EvictionConfig, pnmix, ids: torch.Tensor) -> ComposedModelCache:
+    cache = ComposedModelCache(model.config, config, pnmix, record_kept=True)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        model(ids, cache=cache)
+    return cache
+
+
+def _row_bytes(store, b: int) -> list[torch.Tensor]:
+    """Every used byte of sequence ``b`` of a PN-Mix store, per kv head at its own counts."""
+    s = store.store
+    out = []
+    for h in range(store.num_key_value_heads):
+        ns, ng, nr = (int(a[b, h]) for a in (s.sink_lengths, s.group_counts, s.residual_lengths))
+        parts = [
+            s.sink_keys[b, h, :ns],
+            s.sink_values[b, h, :ns],
+            s.key_codes[b, h, :ng],
+            s.key_scalars[b, h, :ng],
+            s.value_codes[b, h, :ng],
+            s.value_scalars[b, h, :ng],
+            s.key_payload[b, h, :ng],
+            s.residual_keys[b, h, :nr],
+            s.residual_values[b, h, :nr],
+        ]
+        out += [p.contiguous().view(torch.int16) if p.is_floating_point() else p for p in parts]
+    if s.mask is not None:
+        out.append(s.mask[b])
+    return out
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_composed_kvzip_packs_relay_model_caches_kvzip_kept_set_byte_for_byte(make_llama, relay):
+    """KVzip then PN-Mix: the composed cache keeps exactly the tokens RelayModelCache's KVzip
+    keeps (reconstruction scores, cross-layer budget, relay or not), and each layer's store is
+    a PNMixCache filled with those kept keys and values at the same position offsets, byte for
+    byte (a position-aware codec without a per-pair table, so the queries do not enter)."""
+    import numpy as np
+
+    from kvlab.pnmix import PNMixCache, PNMixConfig
+
+    model = make_llama(seed=80)
+    ids = torch.cat([_ids(96, seed=81), _ids(96, seed=82)])
+    prompt = ReconstructionPrompt(**PROMPT)
+    config = EvictionConfig(
+        ratio=0.5,
+        scorer=KVzipScorer(prompt=prompt, prefill_queries=4),
+        window_tokens=4,
+        relay=relay,
+        layer_budget="scores",
+    )
+    pnmix = PNMixConfig(
+        key_coding="prerope_cartesian",
+        key_outlier_fraction=0.02,
+        value_coding="hadamard",
+        **SMALL_PNMIX,
+    )
+    reference = _prefill(model, config, ids)
+    compress(model, reference, ids)
+    composed = _composed(model, config, pnmix, ids)
+    assert composed.awaiting_reconstruction() == [True, True]
+    assert all(layer.pnmix is None for layer in composed.layers)
+    compress(model, composed, ids)
+    assert composed.awaiting_reconstruction() == [False, False]
+    for mine, theirs in zip(composed.layers, reference.layers, strict=True):
+        assert mine.next_positions == theirs.next_positions
+        counts = np.array([theirs.tokens_per_head(b) for b in range(2)])
+        positions, kept = mine.kept_positions
+        assert np.array_equal(kept, counts)
+        width = int(counts.max())
+        keys = torch.zeros(2, 2, width, 16)
+        values = torch.zeros(2, 2, width, 16)
+        for b in range(2):
+            for h in range(2):
+                seg = theirs.segment(b, h)
+                n = len(seg.keys)
+                assert torch.equal(positions[b, h, :n], seg.original_positions)
+                keys[b, h, width - n :] = seg.keys
+                values[b, h, width - n :] = seg.values
+        alone = PNMixCache(
+            mine.pnmix_config, batch_size=2, num_key_value_heads=2, head_dim=16, rotary=mine.rotary
+        )
+        alone.set_position_offsets(np.asarray(theirs.next_positions)[:, None] - counts)
+        alone.append(keys, values, counts)
+        assert int(alone.group_counts.min()) > 0
+        for b in range(2):
+            for x, y in zip(_row_bytes(mine.pnmix, b), _row_bytes(alone, b), strict=True):
+                assert torch.equal(x, y)
+        assert mine.held_bytes() == sum(mine.pnmix.reserved_bytes().values())
+
+
+def test_composed_kvzip_keeping_everything_equals_the_prefill_composed_cache(make_llama):
+    """At ratio 0 KVzip keeps every token, so its deferred packing must store what a composed
+    cache that packs at the prefill stores — with pn-mix's query-aware per-pair tables, which
+    read the prefill's queries the deferred cache kept — bit for bit, and decode the same
+    logits."""
+    from kvlab.pnmix import PNMixConfig
+
+    model = make_llama(seed=83)
+    ids = _ids(80, seed=84)
+    pnmix = PNMixConfig(
+        key_coding="bit_alloc", key_outlier_fraction=0.02, value_coding="hadamard", **SMALL_PNMIX
+    )
+    prompt = ReconstructionPrompt(**PROMPT)
+    deferred = _composed(
+        model,
+        EvictionConfig(ratio=0.0, scorer=KVzipScorer(prompt=prompt), window_tokens=4, relay=False),
+        pnmix,
+        ids,
+    )
+    assert deferred.layers[0].held_bytes() > deferred.layers[0].relay_layer.held_bytes()
+    compress(model, deferred, ids)
+    direct = _composed(model, EvictionConfig(ratio=0.0, window_tokens=4, relay=False), pnmix, ids)
+    for a, b in zip(deferred.layers, direct.layers, strict=True):
+        assert a.pnmix.mask_packed is not None  # the per-pair table was built
+        assert torch.equal(a.pnmix.mask_packed, b.pnmix.mask_packed)
+        for x, y in zip(_row_bytes(a.pnmix, 0), _row_bytes(b.pnmix, 0), strict=True):
+            assert torch.equal(x, y)
+    nxt = _ids(3, seed=85)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        for j in range(3):
+            la = model(nxt[:, j : j + 1], cache=deferred).logits
+            lb = model(nxt[:, j : j + 1], cache=direct).logits
+            assert torch.equal(la, lb)
+
+
+def test_composed_kvzip_refuses_other_forwards_until_compressed(make_llama):
+    from kvlab.pnmix import PNMixConfig
+
+    model = make_llama(seed=86)
+    ids = _ids(64, seed=87)
+    prompt = ReconstructionPrompt(**PROMPT)
+    config = EvictionConfig(ratio=0.5, scorer=KVzipScorer(prompt=prompt), window_tokens=4)
+    cache = _composed(model, config, PNMixConfig(**SMALL_PNMIX), ids)
+    before = _state(cache)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        with pytest.raises(ValueError, match="compress"):
+            model(_ids(1, seed=88), cache=cache)
+        with pytest.raises(ValueError, match="compress"):
+            model(_ids(5, seed=89), cache=cache)
+    assert _state(cache) == before
+    assert cache.get_seq_length() == 64
+    compress(model, cache, ids)
+    assert all(layer.pnmix is not None for layer in cache.layers)
+    with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
+        out = model(_ids(1, seed=88), cache=cache)
+    assert torch.isfinite(out.logits).all()
+    with pytest.raises(ValueError, match="evicted already"):
+        compress(model, cache, torch.cat([ids, _ids(1, seed=88)], 1))

@@ -25,6 +25,7 @@ METHODS = (
     "evict-no-relay:expected-attention@0.5",
     "evict-no-relay:kvzip@0.5",
     "evict-no-relay:snapkv@0.5+pn-mix-lean",
+    "evict-no-relay:kvzip@0.5+pn-mix-lean",
 )
 
 

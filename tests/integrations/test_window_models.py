@@ -31,6 +31,7 @@ EXTRA_METHODS = (
     "evict-no-relay:kvzip@0.5",
     "relay:kvzip@0.5",
     "relay:snapkv@0.5+pn-mix-lean",
+    "evict-no-relay:kvzip@0.5+pn-mix-lean",
 )
 
 

@@ -35,6 +35,15 @@ PN-Mix". Per layer:
    head and layer (keys and queries re-rotated from the model's positions, as in
    ``RelayModelCache``).
 
+**KVzip** (a scorer with ``needs_reconstruction``, :mod:`kvlab.integrations.kvzip`): the
+prefill is stored, not evicted, and not packed; the layer keeps that forward's queries (at cache
+positions, ``[B, H_q, T, D]``, counted in :meth:`ComposedLayer.held_bytes` until packed) for
+the per-pair tables. :func:`kvlab.integrations.kvzip.compress` runs the reconstruction
+pass(es) through the relay stages, :meth:`ComposedModelCache.evict_reconstructed` evicts with
+their scores, and then packs every layer's kept tokens with those queries — the same
+:meth:`ComposedLayer._pack` as step 2, so the codes are those a composed cache would store for
+that kept set. Until then only reconstruction passes may follow the prefill.
+
 Ratio mode only: ``EvictionConfig.capacity`` (stream mode, evicting again and again) would
 evict tokens already packed into groups, which breaks groups; it is refused at construction.
 Bytes (:meth:`ComposedModelCache.nbytes`): the PN-Mix stores' used bytes — codes, scalars,
@@ -181,6 +190,9 @@ class ComposedLayer(CacheLayerMixin):
 
     def _clear_packed(self) -> None:
         self.pnmix: PNMixCache | None = None
+        # a deferred (KVzip) eviction: the prefill's queries at cache positions and real
+        # query counts per row, kept until evict_reconstructed packs the kept tokens
+        self._prefill_queries: tuple[Tensor, list[int]] | None = None
         self._inference = InferenceModeTracker()
         self.kept_positions: tuple[Tensor, np.ndarray] | None = None
         # while recording: an undo point per decode-phase token of the last forward
@@ -377,6 +389,10 @@ class ComposedLayer(CacheLayerMixin):
         relay = self.relay_layer
         if self.pnmix is None:
             relay.select_rows(rows)
+            if self._prefill_queries is not None:
+                queries, real = self._prefill_queries
+                index = torch.tensor(rows, dtype=torch.int64, device=queries.device)
+                self._prefill_queries = (queries.index_select(0, index), [real[b] for b in rows])
             return
         self.pnmix.select_batch(torch.tensor(rows, dtype=torch.int64))
         relay.select_rows(rows)  # its per-row state (its store, if any, is empty by now)
@@ -408,6 +424,13 @@ class ComposedLayer(CacheLayerMixin):
         state = self.forward_state
         assert isinstance(state, _ComposedState)
         relay = self.relay_layer
+        if self._prefill_queries is not None and not reconstruction:
+            raise ValueError(
+                "this ComposedModelCache's eviction waits for a reconstruction pass (scorer "
+                f"{relay.scorer.name!r}): after the prefill, run kvlab.integrations.kvzip."
+                "compress(model, cache, input_ids), which evicts and packs, before any other "
+                "forward; nothing was stored"
+            )
         if self.pnmix is not None and pending.keys.shape[2] == 1:
             return plan_decode(
                 pending,
@@ -485,15 +508,21 @@ class ComposedLayer(CacheLayerMixin):
         if self.forward_state.recording and self.forward_state.reconstruction is None:
             return self._attend_recording(query, scaling, attention_mask, kwargs)
         if self.pnmix is None:
+            reconstructing = self.forward_state.reconstruction is not None
             stash = relay.stash
-            if stash is not None:  # before the RelayStore commits anything
+            if stash is not None and not reconstructing:  # before the RelayStore commits
                 self._check_storable(stash.keys, stash.values)
             out = relay.attend(query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs)
+            if reconstructing:  # KVzip's pass: scored by the relay stage, nothing stored
+                return out
             plan = self.forward_state.plan
             assert plan is not None
             if plan.shift is not None and self.uses_rope:
                 query = rotate_by_delta(query, plan.shift, self.rotary)
-            self._pack(query, plan)
+            if relay.deferred:  # packed by pack_reconstructed, after the KVzip eviction
+                self._prefill_queries = (query, list(plan.real))
+            else:
+                self._pack(query, plan)
             return out
         pending, plan = relay.take_pending(attention_mask, kwargs)
         keys = pending.keys
@@ -632,7 +661,29 @@ class ComposedLayer(CacheLayerMixin):
         round_to_storage(keys, dtype, name="keys")
         round_to_storage(values, dtype, name="values")
 
+    def pack_reconstructed(self) -> None:
+        """Pack the kept tokens of a deferred (KVzip) eviction with the prefill's queries
+        (:meth:`_pack`); called by :meth:`ComposedModelCache.evict_reconstructed` once every
+        row has evicted.
+
+        Raises:
+            RuntimeError: no deferred prefill waits, or a row has not evicted yet.
+        """
+        if self._prefill_queries is None or self.pnmix is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: no deferred prefill waits to be packed")
+        if not all(self.relay_layer.evicted):
+            raise RuntimeError(
+                f"layer {self.layer_idx}: rows {[b for b, e in enumerate(self.evicted) if not e]} "
+                "have not evicted; a composed cache packs every row at once"
+            )
+        queries, real = self._prefill_queries
+        self._pack_rows(queries, real)
+        self._prefill_queries = None
+
     def _pack(self, query: Tensor, plan: ForwardPlan) -> None:
+        self._pack_rows(query, plan.real)
+
+    def _pack_rows(self, query: Tensor, real: list[int]) -> None:
         """Move every (row, head)'s tokens — after the eviction, its kept ones, relayed or
         not — from the RelayStore into a new PN-Mix cache, right-aligned with per-(row, head)
         lengths, at position offsets ``next_position - count``; the per-pair tables read the
@@ -659,7 +710,7 @@ class ComposedLayer(CacheLayerMixin):
         )
         if pnmix.codec.position_aware:
             pnmix.set_position_offsets(np.asarray(relay.next_positions)[:, None] - counts)
-        pnmix.append(keys, values, counts, checks="eager", queries=query, query_lengths=plan.real)
+        pnmix.append(keys, values, counts, checks="eager", queries=query, query_lengths=real)
         if self.record_kept:
             self.kept_positions = (view.original_positions, counts)
         self.pnmix = pnmix
@@ -719,7 +770,9 @@ class ComposedLayer(CacheLayerMixin):
         """Bytes of every buffer held: the PN-Mix storage's allocation (spare slots included)
         and the eviction stage's store while it has one."""
         packed = 0 if self.pnmix is None else sum(self.pnmix.reserved_bytes().values())
-        return packed + self.relay_layer.held_bytes()
+        waiting = self._prefill_queries
+        queries = 0 if waiting is None else waiting[0].numel() * waiting[0].element_size()
+        return packed + queries + self.relay_layer.held_bytes()
 
 
 class ComposedModelCache(RelayModelCache):
@@ -765,12 +818,6 @@ class ComposedModelCache(RelayModelCache):
                 "ComposedModelCache evicts once, after the prefill (EvictionConfig.ratio); "
                 "capacity (stream) mode would evict tokens already packed into PN-Mix groups, "
                 "which breaks the groups (docs/design.md, 'Eviction composed with PN-Mix')"
-            )
-        if eviction.resolved_scorer.needs_reconstruction:
-            raise ValueError(
-                f"ComposedModelCache evicts at its first forward; scorer "
-                f"{eviction.resolved_scorer.name!r} needs a reconstruction pass after the "
-                "prefill (kvlab.integrations.kvzip.compress), which it does not run"
             )
         text_config = model_config.get_text_config(decoder=True)
         config = pnmix or PNMixConfig()
@@ -829,6 +876,33 @@ class ComposedModelCache(RelayModelCache):
         """The eviction stages of the full-attention layers (each composed layer's
         :attr:`~ComposedLayer.relay_layer`: its counters and events)."""
         return [layer.relay_layer for layer in self._composed_layers()]
+
+    def evict_reconstructed(self) -> list[EvictionEvent]:
+        """:meth:`RelayModelCache.evict_reconstructed` (KVzip's eviction with the
+        reconstruction scores), then every composed layer packs its kept tokens
+        (:meth:`ComposedLayer.pack_reconstructed`). Every row must be evicted by this call (a
+        composed layer packs its rows together), which
+        :func:`kvlab.integrations.kvzip.compress` guarantees.
+
+        Raises:
+            ValueError: as :meth:`RelayModelCache.evict_reconstructed`, or a row without
+                complete scores (nothing changes).
+        """
+        layers = self._relay_layers()
+        missing = [
+            b
+            for b in range(len(layers[0].stream_lengths))
+            if any(layer.reconstruction_scores[b] is None for layer in layers)
+        ]
+        if missing:
+            raise ValueError(
+                f"rows {missing} have no reconstruction scores in every layer; a composed "
+                "cache evicts and packs all rows at once"
+            )
+        events = super().evict_reconstructed()
+        for layer in self._composed_layers():
+            layer.pack_reconstructed()
+        return events
 
     def check_values(self) -> None:
         """Check every single-token forward since the last check (values finite and within the

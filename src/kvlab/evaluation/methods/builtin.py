@@ -290,14 +290,8 @@ def build_composed(parsed: MethodName, context: MethodContext) -> Method:
             f"method {name!r}: {quantizer!r} needs its own calibration; compose an uncalibrated "
             "PN-Mix method (e.g. +pn-mix, +kivi-2bit)"
         )
+    # a KVzip eviction: the composed cache packs after compress()'s reconstruction pass
     eviction = build_eviction(parsed.eviction(), context)
-    if eviction.params.get("reconstruction"):
-        raise ValueError(
-            f"method {name!r}: the {eviction.settings['scorer']} scorer evicts after a "
-            "reconstruction pass that follows the prefill; eviction composed with PN-Mix packs "
-            "the kept tokens at the prefill itself (docs/design.md, 'Eviction composed with "
-            "PN-Mix'), so it takes a scorer that scores the prefill forward"
-        )
     pnmix = build_pnmix(quantizer, context)
     params = {**eviction.params, "pnmix": dict(pnmix.params), "pnmix_method": quantizer}
     settings = {

@@ -84,9 +84,9 @@ The names
   and, for SnapKV, its calibrated per-layer budgets (the same preparation
   ``"relay-layer-budgets"``, shared) — then the kept tokens stored by the PN-Mix method
   ``PNMIX`` (any uncalibrated name of :data:`PNMIX_METHODS`: ``pn-mix``, ``pn-mix-lean``,
-  ``kivi-2bit``, ...). Prefill-score protocol only (one eviction after the prefill), and not
-  with ``kvzip`` (its eviction waits for a reconstruction pass after the prefill; the composed
-  cache packs at the prefill).
+  ``kivi-2bit``, ...). Prefill-score and RULER protocols (one eviction after the prefill).
+  With ``kvzip`` (``evict-no-relay:kvzip@0.5+pn-mix-lean``) the cache stores the prefill,
+  KVzip's reconstruction pass scores it, and the kept tokens are packed after that eviction.
 * ``pn-mix-lean`` — ``pn-mix``'s coding with 4 sinks and an 8-token residual instead of 32 +
   32, meant for composition (``evict-no-relay:snapkv@0.5625+pn-mix-lean``): a kept stream of
   ``k`` tokens keeps ``4 + 8`` to ``4 + 39`` of them exact (docs/design.md, "Flush rule"), so
