@@ -6,6 +6,8 @@ add up (kvlab issue 19)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -240,6 +242,18 @@ def test_model_without_full_attention_layers_is_refused_naming_method_and_altern
     assert method_refusal(parse_method("full"), config) is None
     with pytest.raises(ValueError, match="2 method"):
         check_methods([parse_method("full"), parse_method("pn-mix"), parse_method("int4")], config)
+
+
+def test_transformers_quantized_cache_on_window_layers_is_refused_before_loading():
+    """transformers' QuantizedCache refuses sliding layers only once the model has loaded;
+    kvlab refuses the row from the config, naming kvlab's 2-bit alternatives."""
+    method = dataclasses.replace(
+        parse_method("full"), name="hf-quanto-2bit-per-token", family="hf-quantized"
+    )
+    reason = method_refusal(method, gemma_config())
+    assert reason is not None and "'hf-quanto-2bit-per-token'" in reason
+    assert "QuantizedCache" in reason and "'kivi-2bit'" in reason and "[0, 1, 3, 4]" in reason
+    assert method_refusal(method, gemma_config(layer_types=[F] * 6)) is None
 
 
 def test_relay_on_nope_layers_is_refused_with_the_no_relay_alternative():

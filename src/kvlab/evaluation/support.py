@@ -73,11 +73,22 @@ def method_refusal(method: Method, model_config: Any) -> str | None:
     """
     from kvlab.integrations.model_support import plan_model
 
-    if method.family in ("full", "hf-quantized"):
+    if method.family == "full":
         return None
     plan = plan_model(model_config)
     model = plan.model_type or "this"
     prefix = f"method {method.name!r} cannot run on this {model!r} model"
+    if method.family == "hf-quantized":
+        if not plan.window_layers:
+            return None
+        # transformers' QuantizedCache raises "only supported for models with only full
+        # attention layers" at its construction, after the model has loaded
+        return (
+            f"{prefix}: transformers' QuantizedCache supports only models whose layers are all "
+            f"full attention, and layers {list(plan.window_layers)} are sliding/chunked; use "
+            "'kivi-2bit' or 'pn-mix' (kvlab's 2-bit caches, which keep window layers as their "
+            "window)"
+        )
     relay = bool(method.params.get("relay", False))
     if plan.unsupported:
         return f"{prefix}: {'; '.join(plan.unsupported)}; use {_alternative(method, False)}"
