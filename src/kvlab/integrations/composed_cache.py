@@ -427,9 +427,10 @@ class ComposedLayer(CacheLayerMixin):
         if self._prefill_queries is not None and not reconstruction:
             raise ValueError(
                 "this ComposedModelCache's eviction waits for a reconstruction pass (scorer "
-                f"{relay.scorer.name!r}): after the prefill, run kvlab.integrations.kvzip."
-                "compress(model, cache, input_ids), which evicts and packs, before any other "
-                "forward; nothing was stored"
+                f"{relay.scorer.name!r}): feed the whole prompt in one forward, then run "
+                "kvlab.integrations.kvzip.compress(model, cache, input_ids), which evicts and "
+                "packs, before any other forward (a second prompt chunk or a decode step is "
+                "refused until then); nothing was stored"
             )
         if self.pnmix is not None and pending.keys.shape[2] == 1:
             return plan_decode(
