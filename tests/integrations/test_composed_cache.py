@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from pnmix_bytes import row_bytes
 
 from kvlab.evaluation.metrics import cache_storage
 from kvlab.integrations import (
@@ -62,29 +63,6 @@ def _left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 def _kept(layer: ComposedLayer, row: int, head: int) -> torch.Tensor:
     positions, counts = layer.kept_positions
     return positions[row, head, : counts[row, head]]
-
-
-def _row_bytes(store: PNMixCache, b: int) -> list[torch.Tensor]:
-    """Every used byte of sequence ``b``, per (b, h) row at its own counts."""
-    s = store.store
-    out = []
-    for h in range(store.num_key_value_heads):
-        ns, ng, nr = (int(a[b, h]) for a in (s.sink_lengths, s.group_counts, s.residual_lengths))
-        parts = [
-            s.sink_keys[b, h, :ns],
-            s.sink_values[b, h, :ns],
-            s.key_codes[b, h, :ng],
-            s.key_scalars[b, h, :ng],
-            s.value_codes[b, h, :ng],
-            s.value_scalars[b, h, :ng],
-            s.key_payload[b, h, :ng],
-            s.residual_keys[b, h, :nr],
-            s.residual_values[b, h, :nr],
-        ]
-        out += [p.contiguous().view(torch.int16) if p.is_floating_point() else p for p in parts]
-    if s.mask is not None:
-        out.append(s.mask[b])
-    return out
 
 
 def _packed(store: PNMixCache) -> list[torch.Tensor]:
@@ -169,7 +147,7 @@ def test_with_ratio_zero_it_equals_pnmix_model_cache(make_llama):
         assert mine.pnmix.group_counts.min() > 0 and mine.pnmix.pair_table is not None
         assert mine.pnmix.position_offsets.tolist() == [[0, 0], [0, 0]]
         for b in range(2):
-            for x, y in zip(_row_bytes(mine.pnmix, b), _row_bytes(theirs.store, b), strict=True):
+            for x, y in zip(row_bytes(mine.pnmix, b), row_bytes(theirs.store, b), strict=True):
                 assert torch.equal(x, y)
 
 
@@ -235,7 +213,7 @@ def test_storage_is_the_pnmix_store_of_the_kept_keys_byte_for_byte(make_llama):
         assert mine.pnmix.nbytes() == alone.nbytes()
         assert int(alone.group_counts.min()) > 0
         for b in range(2):
-            for x, y in zip(_row_bytes(mine.pnmix, b), _row_bytes(alone, b), strict=True):
+            for x, y in zip(row_bytes(mine.pnmix, b), row_bytes(alone, b), strict=True):
                 assert torch.equal(x, y)
         total += alone.persistent_bytes
     storage = cache_storage(composed)
@@ -400,7 +378,7 @@ def test_each_row_of_a_padded_batch_equals_the_row_run_alone(make_llama, name, e
         if explicit_positions:  # what generate passes: each row's own positions, pads at 0
             extra = {"position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
         logits = [model(ids, attention_mask=mask, cache=batched, **extra).logits]
-        packed = [_row_bytes(batched.layers[0].pnmix, b) for b in range(3)]  # after the prefill
+        packed = [row_bytes(batched.layers[0].pnmix, b) for b in range(3)]  # after the prefill
         for j in range(steps.shape[1]):
             mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
             if explicit_positions:
@@ -413,7 +391,7 @@ def test_each_row_of_a_padded_batch_equals_the_row_run_alone(make_llama, name, e
         for b, row in enumerate(rows):
             alone = ComposedModelCache(model.config, eviction, config, record_kept=True)
             expected = [model(row.view(1, -1), cache=alone).logits]
-            packed_alone = _row_bytes(alone.layers[0].pnmix, 0)
+            packed_alone = row_bytes(alone.layers[0].pnmix, 0)
             expected += [model(steps[b : b + 1, j : j + 1], cache=alone).logits for j in range(6)]
             pad = ids.shape[1] - len(row)
             torch.testing.assert_close(logits[0][b : b + 1, pad:], expected[0], atol=2e-5, rtol=0)
@@ -582,7 +560,7 @@ def _state(cache: ComposedModelCache) -> list:
         pnmix = layer.pnmix
         data = None
         if pnmix is not None:
-            data = [t.clone() for b in range(pnmix.batch_size) for t in _row_bytes(pnmix, b)]
+            data = [t.clone() for b in range(pnmix.batch_size) for t in row_bytes(pnmix, b)]
             data.append(torch.from_numpy(pnmix.position_offsets.copy()))
         out.append(
             (
@@ -700,14 +678,14 @@ def test_beam_reorder_selects_rows_bit_exactly(make_llama):
     cache = ComposedModelCache(model.config, POLICY, PNMixConfig(**ISSUE8), record_kept=True)
     with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
         model(ids, cache=cache)
-        rows = [_row_bytes(layer.pnmix, 1) for layer in cache.layers]
+        rows = [row_bytes(layer.pnmix, 1) for layer in cache.layers]
         kept = [_kept(layer, 1, 0).clone() for layer in cache.layers]
         cache.reorder_cache(torch.tensor([1, 1, 0]))
         for layer, row, positions in zip(cache.layers, rows, kept, strict=True):
             assert layer.pnmix.batch_size == 3
             for b in (0, 1):
                 assert all(
-                    torch.equal(x, y) for x, y in zip(_row_bytes(layer.pnmix, b), row, strict=True)
+                    torch.equal(x, y) for x, y in zip(row_bytes(layer.pnmix, b), row, strict=True)
                 )
                 assert torch.equal(_kept(layer, b, 0), positions)
         logits = model(torch.full((3, 1), 5), cache=cache).logits
@@ -776,7 +754,7 @@ def test_decode_in_one_call_gives_the_two_calls_bits(make_llama, monkeypatch, re
         for row in range(2):
             assert all(
                 torch.equal(x, y)
-                for x, y in zip(_row_bytes(a.pnmix, row), _row_bytes(b.pnmix, row), strict=True)
+                for x, y in zip(row_bytes(a.pnmix, row), row_bytes(b.pnmix, row), strict=True)
             )
     if cpu.load() is not None:
         assert fused_calls  # the one-call path ran

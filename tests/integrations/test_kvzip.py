@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pnmix_bytes import row_bytes
 from transformers import DynamicCache
 
 from kvlab.integrations import KVLAB_ATTENTION, EvictionConfig, RelayModelCache, use_attention
@@ -238,29 +239,6 @@ def _composed(model, config: EvictionConfig, pnmix, ids: torch.Tensor) -> Compos
     return cache
 
 
-def _row_bytes(store, b: int) -> list[torch.Tensor]:
-    """Every used byte of sequence ``b`` of a PN-Mix store, per kv head at its own counts."""
-    s = store.store
-    out = []
-    for h in range(store.num_key_value_heads):
-        ns, ng, nr = (int(a[b, h]) for a in (s.sink_lengths, s.group_counts, s.residual_lengths))
-        parts = [
-            s.sink_keys[b, h, :ns],
-            s.sink_values[b, h, :ns],
-            s.key_codes[b, h, :ng],
-            s.key_scalars[b, h, :ng],
-            s.value_codes[b, h, :ng],
-            s.value_scalars[b, h, :ng],
-            s.key_payload[b, h, :ng],
-            s.residual_keys[b, h, :nr],
-            s.residual_values[b, h, :nr],
-        ]
-        out += [p.contiguous().view(torch.int16) if p.is_floating_point() else p for p in parts]
-    if s.mask is not None:
-        out.append(s.mask[b])
-    return out
-
-
 @pytest.mark.parametrize("relay", [True, False])
 def test_composed_kvzip_packs_relay_model_caches_kvzip_kept_set_byte_for_byte(make_llama, relay):
     """KVzip then PN-Mix: the composed cache keeps exactly the tokens RelayModelCache's KVzip
@@ -316,7 +294,7 @@ def test_composed_kvzip_packs_relay_model_caches_kvzip_kept_set_byte_for_byte(ma
         alone.append(keys, values, counts)
         assert int(alone.group_counts.min()) > 0
         for b in range(2):
-            for x, y in zip(_row_bytes(mine.pnmix, b), _row_bytes(alone, b), strict=True):
+            for x, y in zip(row_bytes(mine.pnmix, b), row_bytes(alone, b), strict=True):
                 assert torch.equal(x, y)
         assert mine.held_bytes() == sum(mine.pnmix.reserved_bytes().values())
 
@@ -346,7 +324,7 @@ def test_composed_kvzip_keeping_everything_equals_the_prefill_composed_cache(mak
     for a, b in zip(deferred.layers, direct.layers, strict=True):
         assert a.pnmix.mask_packed is not None  # the per-pair table was built
         assert torch.equal(a.pnmix.mask_packed, b.pnmix.mask_packed)
-        for x, y in zip(_row_bytes(a.pnmix, 0), _row_bytes(b.pnmix, 0), strict=True):
+        for x, y in zip(row_bytes(a.pnmix, 0), row_bytes(b.pnmix, 0), strict=True):
             assert torch.equal(x, y)
     nxt = _ids(3, seed=85)
     with torch.no_grad(), use_attention(model, KVLAB_ATTENTION):
