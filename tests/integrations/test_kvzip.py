@@ -357,3 +357,64 @@ def test_composed_kvzip_refuses_other_forwards_until_compressed(make_llama):
     assert torch.isfinite(out.logits).all()
     with pytest.raises(ValueError, match="evicted already"):
         compress(model, cache, torch.cat([ids, _ids(1, seed=88)], 1))
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_kvzip_caches_of_one_prefill_share_its_reconstruction_scores(make_llama, relay):
+    """A scores memo: the first compress runs the pass and keeps its scores; another cache of
+    the same prefill (another ratio; the cache composed with PN-Mix) evicts from them with no
+    model forward, exactly as after its own pass; another context runs its own pass."""
+    from kvlab.pnmix import PNMixConfig
+
+    model = make_llama(seed=90)
+    ids = _ids(96, seed=91)
+    prompt = ReconstructionPrompt(**PROMPT)
+
+    def config(ratio: float) -> EvictionConfig:
+        return EvictionConfig(
+            ratio=ratio,
+            scorer=KVzipScorer(prompt=prompt, prefill_queries=4),
+            window_tokens=4,
+            relay=relay,
+            layer_budget="scores",
+        )
+
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        memo: dict = {}
+        compress(model, _prefill(model, config(0.5), ids), ids, scores=memo)
+        assert len(memo) == 1
+        own = _prefill(model, config(0.75), ids)
+        compress(model, own, ids)
+        shared = _prefill(model, config(0.75), ids)
+        forwards.clear()
+        compress(model, shared, ids, scores=memo)
+        assert forwards == []  # no reconstruction pass
+        for a, b in zip(shared.layers, own.layers, strict=True):
+            assert a.tokens_per_head() == b.tokens_per_head()
+            for h in range(2):
+                x, y = a.segment(0, h), b.segment(0, h)
+                assert torch.equal(x.original_positions, y.original_positions)
+                assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+        pnmix = PNMixConfig(
+            key_coding="prerope_cartesian",
+            key_outlier_fraction=0.02,
+            value_coding="hadamard",
+            **SMALL_PNMIX,
+        )
+        composed_own = _composed(model, config(0.5), pnmix, ids)
+        compress(model, composed_own, ids)
+        composed = _composed(model, config(0.5), pnmix, ids)
+        forwards.clear()
+        compress(model, composed, ids, scores=memo)
+        assert forwards == []
+        for a, b in zip(composed.layers, composed_own.layers, strict=True):
+            for x, y in zip(row_bytes(a.pnmix, 0), row_bytes(b.pnmix, 0), strict=True):
+                assert torch.equal(x, y)
+        other = _ids(96, seed=92)
+        forwards.clear()
+        compress(model, _prefill(model, config(0.5), other), other, scores=memo)
+        assert forwards and len(memo) == 2  # another context: its own pass
+    finally:
+        handle.remove()

@@ -105,7 +105,9 @@ def compress_context(
         model: a ``transformers`` causal LM in eval mode.
         prepared: the method's prepared state, if it has a preparation.
         capture: a capture of this context's prefill to replay instead of a forward; for
-            ``full`` its own ``DynamicCache`` is used as is (deep-copied).
+            ``full`` its own ``DynamicCache`` is used as is (deep-copied). KVzip methods
+            replaying one capture share its reconstruction scores (the first runs the pass;
+            :func:`kvlab.integrations.kvzip.compress`).
 
     Raises:
         ValueError: ``context_ids`` not ``[1, T]`` int64, or a capture of other tokens or of
@@ -136,7 +138,8 @@ def compress_context(
         if getattr(cache, "needs_reconstruction", False):
             from kvlab.integrations.kvzip import compress
 
-            compress(model, cache, context_ids)
+            memo = None if capture is None else capture.derived.setdefault("kvzip_scores", {})
+            compress(model, cache, context_ids, scores=memo)
     describe(cache).end_prompt()
     seconds = time.perf_counter() - start
     return CompressedContext(

@@ -13,6 +13,16 @@ recent window, per-head allocation, RoPE-Relay or not). Flow and rules: docs/des
 "RoPE-Relay: Reconstruction scoring". Cost: one extra forward over ``prompt + context``
 tokens per sequence (KVzip's 2-3x prefill cost), whose logits are not computed.
 
+Shared scores: the reconstruction scores depend on the stored prefill, the prompt, the
+protected sinks and the model, not on the eviction ratio or on what stores the kept tokens. A
+``scores`` mapping passed to :func:`compress` keeps each pass's scores under a key of those
+(the context's ids, the prompt, the sinks, the scorer's observation queries and every layer's
+score shape): a later :func:`compress` of another cache holding the same prefill (another
+ratio, or the cache composed with PN-Mix) takes them from it instead of running the pass, and
+evicts exactly as after its own pass (tests/integrations/test_kvzip.py). The evaluation keeps
+one such mapping per shared prefill capture (:attr:`kvlab.integrations.prefill_replay.
+PrefillCapture.derived`).
+
     cache = RelayModelCache(model.config, EvictionConfig(ratio=0.5, scorer=KVzipScorer()))
     with use_attention(model, "kvlab"):
         out = model(ids, cache=cache, use_cache=True)        # stores, does not evict
@@ -21,7 +31,9 @@ tokens per sequence (KVzip's 2-3x prefill cost), whose logits are not computed.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -31,7 +43,11 @@ from kvlab.integrations.attention import KVLAB_ATTENTION, use_attention
 from kvlab.integrations.relay_cache import EvictionEvent, ReconstructionSpan, RelayModelCache
 from kvlab.relay.kvzip import ReconstructionChunk, ReconstructionPrompt
 
-__all__ = ["compress", "reconstruction_prompt"]
+__all__ = ["ScoreMemo", "compress", "reconstruction_prompt"]
+
+#: Reconstruction scores kept across caches holding one prefill (module docstring): key ->
+#: per relay layer, per sequence, float32 ``[1, H, S]`` scores (or ``None``).
+ScoreMemo = MutableMapping[tuple[Any, ...], list[list[Tensor | None]]]
 
 
 def reconstruction_prompt(cache: RelayModelCache) -> ReconstructionPrompt | None:
@@ -54,6 +70,7 @@ def compress(
     input_ids: Tensor,
     *,
     prompt: ReconstructionPrompt | None = None,
+    scores: ScoreMemo | None = None,
 ) -> list[EvictionEvent]:
     """Score the cache's stored context by KVzip's reconstruction pass(es), then evict.
 
@@ -66,6 +83,9 @@ def compress(
             ``cache.stream_lengths[b]`` columns.
         prompt: KVzip's repeat request as token ids; default the scorer's
             (``KVzipScorer(prompt=...)``).
+        scores: a memo of reconstruction scores shared by caches holding the same prefill
+            (module docstring): scores found there replace the pass; a pass's scores are
+            added to it. ``None``: run the pass, keep nothing.
 
     Returns:
         the :class:`EvictionEvent` s of the eviction, layer by layer.
@@ -99,6 +119,15 @@ def compress(
             )
     cache.check_reconstruction_eviction(list(range(len(lengths))))
 
+    layers = cache._relay_layers()
+    memo_key = None if scores is None else _score_key(cache, input_ids, prompt)
+    if scores is not None and memo_key in scores:
+        for layer, saved in zip(layers, scores[memo_key], strict=True):
+            layer.reconstruction_scores = [None if t is None else t.clone() for t in saved]
+        try:
+            return cache.evict_reconstructed()
+        finally:
+            cache.discard_reconstruction()
     host = input_ids.tolist()
     plans: list[list[ReconstructionChunk]] = [
         prompt.chunks(row[seen - n :]) for row, n in zip(host, lengths, strict=True)
@@ -137,6 +166,30 @@ def compress(
                 ]
                 with cache.reconstruction_pass(spans):
                     model(ids.to(device), use_cache=True, **{key: cache}, **kwargs, **extra)
+        if scores is not None:
+            scores[memo_key] = [
+                [None if t is None else t.clone() for t in layer.reconstruction_scores]
+                for layer in layers
+            ]
         return cache.evict_reconstructed()
     finally:
         cache.discard_reconstruction()
+
+
+def _score_key(
+    cache: RelayModelCache, input_ids: Tensor, prompt: ReconstructionPrompt
+) -> tuple[Any, ...]:
+    """What decides a cache's reconstruction scores (module docstring, "Shared scores")."""
+    shapes = tuple(
+        tuple(None if t is None else tuple(t.shape) for t in layer.observation_scores)
+        for layer in cache._relay_layers()
+    )
+    observed = getattr(cache.eviction.resolved_scorer, "prefill_queries", None)
+    return (
+        tuple(map(tuple, input_ids.tolist())),
+        dataclasses.astuple(prompt),
+        cache.eviction.sink_tokens,
+        observed,
+        tuple(cache.stream_lengths),
+        shapes,
+    )

@@ -82,6 +82,9 @@ class PrefillCapture:
         attention: the attention implementation the capture ran under.
         model: a weak reference to the model the capture ran (a replay into another model's
             cache is refused), or ``None``.
+        derived: results derived from this prefill that the methods replaying it share, by
+            name (``"kvzip_scores"``: the reconstruction scores memo of
+            :func:`kvlab.integrations.kvzip.compress`).
     """
 
     input_ids: Tensor
@@ -91,6 +94,7 @@ class PrefillCapture:
     cache_keyword: str
     attention: str
     model: Any = field(default=None, repr=False, compare=False)
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
