@@ -15,12 +15,13 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.data import TextSource
-from kvlab.integrations import pnmix_calibration, relay_calibration
+from kvlab.integrations import calibration_capture, pnmix_calibration, relay_calibration
 from kvlab.integrations.calibration_capture import (
     ExactDistribution,
     capture_layer_inputs,
     decoder_layers,
     layer_output,
+    layer_sensitivities,
     start_at_layer,
 )
 from kvlab.integrations.relay_cache import EvictionConfig
@@ -183,15 +184,16 @@ def test_group_sensitivity_equals_per_layer_full_forwards(make_llama):
     model = make_llama(seed=7, num_hidden_layers=3)
     ids = _ids(72, seed=8)
     calls: list[tuple[int, int]] = []
+    exact = dict(prefill=56, candidates=(4, 8), measure="exact")
     fast = pnmix_calibration.layer_group_sensitivity(
-        model, ids, SMALL, prefill=56, candidates=(4, 8), progress=lambda d, n: calls.append((d, n))
+        model, ids, SMALL, progress=lambda d, n: calls.append((d, n)), **exact
     )
     one_by_one = pnmix_calibration.layer_group_sensitivity(
-        model, ids, SMALL, prefill=56, candidates=(4, 8), batch_candidates=False
+        model, ids, SMALL, batch_candidates=False, **exact
     )
-    with _every_layer(pnmix_calibration):
+    with _every_layer(calibration_capture):
         slow = pnmix_calibration.layer_group_sensitivity(
-            model, ids, SMALL, prefill=56, candidates=(4, 8), batch_candidates=False
+            model, ids, SMALL, batch_candidates=False, **exact
         )
     assert fast == one_by_one == slow  # bit-identical floats
     assert all(v > 0 for row in fast for v in row.values())
@@ -203,20 +205,16 @@ def test_eviction_sensitivity_equals_per_layer_full_forwards(make_llama):
     ids = _ids(64, seed=10)
     config = EvictionConfig(ratio=0.5, relay=False, sink_tokens=2, window_tokens=8)
     calls: list[tuple[int, int]] = []
+    exact = dict(prefill=48, fractions=(0.25, 0.5), measure="exact")
     fast = relay_calibration.layer_eviction_sensitivity(
-        model,
-        ids,
-        config,
-        prefill=48,
-        fractions=(0.25, 0.5),
-        progress=lambda d, n: calls.append((d, n)),
+        model, ids, config, progress=lambda d, n: calls.append((d, n)), **exact
     )
     one_by_one = relay_calibration.layer_eviction_sensitivity(
-        model, ids, config, prefill=48, fractions=(0.25, 0.5), batch_candidates=False
+        model, ids, config, batch_candidates=False, **exact
     )
-    with _every_layer(relay_calibration):
+    with _every_layer(calibration_capture):
         slow = relay_calibration.layer_eviction_sensitivity(
-            model, ids, config, prefill=48, fractions=(0.25, 0.5), batch_candidates=False
+            model, ids, config, batch_candidates=False, **exact
         )
     assert fast == one_by_one == slow
     assert all(v > 0 for row in fast for v in row.values())
@@ -237,10 +235,11 @@ TEXT = TextSource(
 )
 
 
-def test_all_ratios_at_once_equal_one_ratio_at_a_time(make_llama):
+@pytest.mark.parametrize("measure", ["exact", "scaled"])
+def test_all_ratios_at_once_equal_one_ratio_at_a_time(make_llama, measure):
     model = make_llama(seed=11, num_hidden_layers=3)
     config = EvictionConfig(ratio=0.5, relay=False, sink_tokens=2, window_tokens=8)
-    window = dict(text=TEXT, start=100, prefill=128, score=16)
+    window = dict(text=TEXT, start=100, prefill=128, score=16, measure=measure)
     calls: list[tuple[int, int]] = []
     ratios = (0.5, 0.25, 0.5625, 0.5)
     joint = relay_calibration.calibrate_layer_budgets_for_ratios(
@@ -252,7 +251,9 @@ def test_all_ratios_at_once_equal_one_ratio_at_a_time(make_llama):
         **window,
     )
     assert list(joint) == [0.5, 0.25, 0.5625]
-    assert calls == [(i, 3) for i in range(4)]  # one measurement for all three
+    # exact: one measurement of the union; scaled: one per distinct set of fractions
+    total = 3 if measure == "exact" else 9
+    assert calls == [(i, total) for i in range(total + 1)]
     for ratio, result in joint.items():
         alone = relay_calibration.calibrate_layer_budgets(
             model, _ByteTokenizer(), dataclasses.replace(config, ratio=ratio), **window
@@ -285,3 +286,97 @@ def test_group_calibration_reports_progress_through_its_preparation(make_llama):
         progress=lambda d, n: calls.append((d, n)),
     )
     assert calls == [(0, 2), (1, 2), (2, 2)]
+
+
+def _scaled_setup(model: Any, ids: torch.Tensor, prefill: int, layer: int, scales: list[float]):
+    """Candidates that perturb layer ``layer``'s prefix by Gaussian noise of the given scales,
+    with what :func:`layer_sensitivities` needs."""
+    head, tail = ids[:, :prefill], ids[:, prefill:]
+    positions = torch.arange(prefill, ids.shape[1])[None]
+    prefix = _prefix(model, head)
+
+    def cache(scale: float, rows: int = 1) -> Cache:
+        layers = []
+        for i, (k, v) in enumerate(prefix):
+            if i == layer and scale:
+                g = torch.Generator().manual_seed(5)
+                k = k + scale * torch.randn(k.shape, generator=g)
+                v = v + scale * torch.randn(v.shape, generator=g)
+            cache_layer = DynamicLayer()
+            cache_layer.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1))
+            layers.append(cache_layer)
+        return Cache(layers=layers)
+
+    def logits(c: Cache) -> torch.Tensor:
+        return model(tail, cache=c, position_ids=positions, use_cache=True).logits[0]
+
+    def downstream(stacked: torch.Tensor) -> torch.Tensor:
+        rows = stacked.shape[0]
+        with start_at_layer(model, layer + 1, stacked):
+            return model(
+                tail.expand(rows, -1),
+                cache=cache(0.0, rows),
+                position_ids=positions.expand(rows, -1),
+                use_cache=True,
+            ).logits
+
+    with torch.no_grad(), capture_layer_inputs(model) as inputs:
+        exact = ExactDistribution(logits(cache(0.0)))
+    forwards = [lambda s=s: logits(cache(s)) for s in scales]
+    return inputs[layer], exact, forwards, (lambda: logits(cache(0.0))), downstream
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_scaled_measure_is_exact_at_its_reference_and_scales_the_rest_by_output_error(
+    make_llama, layer
+):
+    model = make_llama(seed=15, num_hidden_layers=3)
+    ids = _ids(60, seed=16)
+    scales = [0.003, 0.01, 0.03, 0.0]
+    hidden, exact, forwards, unperturbed, downstream = _scaled_setup(model, ids, 44, layer, scales)
+    args = (model, layer, hidden, exact, forwards, unperturbed, downstream)
+    with torch.no_grad():
+        true = layer_sensitivities(*args, measure="exact")
+        scaled = layer_sensitivities(*args, measure="scaled")
+        base = layer_output(model, layer, hidden, unperturbed).double()
+        errors = [
+            float((layer_output(model, layer, hidden, f).double() - base).pow(2).sum())
+            for f in forwards
+        ]
+    assert errors[3] == 0.0 and scaled[3] == 0.0  # an unperturbed candidate costs nothing
+    # the geometric middle of the moved candidates is measured, bit for bit the exact value
+    assert scaled[1] == true[1]
+    for c in (0, 2):
+        assert scaled[c] == pytest.approx(true[1] * errors[c] / errors[1], rel=1e-12)
+        # small perturbations: the KL is quadratic in them, so the estimate is close
+        assert scaled[c] == pytest.approx(true[c], rel=0.15)
+    assert scaled[0] < scaled[1] < scaled[2]
+
+
+def test_layer_sensitivities_refuses_bad_arguments(make_llama):
+    model = make_llama(seed=17, num_hidden_layers=2)
+    hidden, exact, forwards, unperturbed, downstream = _scaled_setup(
+        model, _ids(40, seed=18), 30, 1, [0.01]
+    )
+    with pytest.raises(ValueError, match="measure must be one of"):
+        layer_sensitivities(
+            model, 1, hidden, exact, forwards, unperturbed, downstream, measure="fast"
+        )
+    with pytest.raises(ValueError, match="at least one candidate"):
+        layer_sensitivities(model, 1, hidden, exact, [], unperturbed, downstream)
+
+
+@pytest.mark.parametrize("measure", ["exact", "scaled"])
+def test_calibrations_record_their_measure(make_llama, measure):
+    model = make_llama(seed=19, num_hidden_layers=2)
+    window = dict(text=TEXT, start=100, score=16, measure=measure)
+    groups = pnmix_calibration.calibrate_group_tokens(
+        model, _ByteTokenizer(), SMALL, budget_group_tokens=8, candidates=(4, 8), **window
+    )
+    config = EvictionConfig(ratio=0.5, relay=False, sink_tokens=2, window_tokens=8)
+    budgets = relay_calibration.calibrate_layer_budgets(
+        model, _ByteTokenizer(), config, prefill=64, **window
+    )
+    assert groups.measure == budgets.measure == measure
+    assert groups.settings()["group_allocation"]["calibration_measure"] == measure
+    assert budgets.settings()["calibration_measure"] == measure

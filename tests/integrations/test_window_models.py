@@ -13,13 +13,16 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from kvlab.data import TextSource
 from kvlab.evaluation.methods import DEFAULT_METHODS, parse_method
+from kvlab.evaluation.methods.caches import pnmix_config
 from kvlab.evaluation.protocols import score_window
 from kvlab.evaluation.support import check_methods, method_refusal
 from kvlab.integrations.attention import use_attention
 from kvlab.integrations.cache_protocol import FULL_ATTENTION_KIND, WINDOW_KIND
 from kvlab.integrations.kvzip import compress
 from kvlab.integrations.model_support import WindowLayer, plan_model
+from kvlab.integrations.pnmix_calibration import calibrate_group_tokens
 from kvlab.integrations.relay_cache import EvictionConfig, RelayModelCache
 from kvlab.integrations.relay_calibration import layer_eviction_sensitivity
 from kvlab.relay.layer_budgets import allocate_layer_fractions
@@ -34,6 +37,7 @@ EXTRA_METHODS = (
     "relay:kvzip@0.5",
     "relay:snapkv@0.5+pn-mix-lean",
     "evict-no-relay:kvzip@0.5+pn-mix-lean",
+    "kivi-2bit-calibrated",  # per-layer PN-Mix group sizes calibrated on the full layers
 )
 
 
@@ -80,9 +84,53 @@ def fractions(model, ids):
     return allocate_layer_fractions(sens, 0.5, tokens=PREFILL)
 
 
-def prepared_for(method, fractions):
+class _ByteTokenizer:
+    def __call__(self, text: str, return_tensors: str = "pt"):
+        data = text.encode("utf-8")
+        return type("Encoding", (), {"input_ids": torch.tensor([[3 + b % 93 for b in data]])})()
+
+
+TEXT = TextSource(
+    data=b"Who's there? Nay, answer me: stand, and unfold yourself. " * 20,
+    id="test/text",
+    sha256="0" * 64,
+    source_url=None,
+)
+
+
+@pytest.fixture(scope="module")
+def groups(model):
+    """kivi-2bit-calibrated's group allocation, calibrated as its preparation does (group
+    sizes 16 / 32 here, so its 160-token window fits the tiny model)."""
+    config = pnmix_config(parse_method("kivi-2bit-calibrated").params)
+    return calibrate_group_tokens(
+        model,
+        _ByteTokenizer(),
+        config,
+        budget_group_tokens=config.group_tokens,
+        text=TEXT,
+        start=0,
+        score=16,
+        candidates=(16, 32),
+    )
+
+
+def test_group_calibration_measures_only_the_full_attention_layers(groups):
+    assert groups.layers == (2, 5)
+    assert len(groups.sensitivities) == 2
+    assert all(set(row) == {16, 32} and min(row.values()) > 0 for row in groups.sensitivities)
+    assert len(groups.layer_group_tokens) == len(LAYER_TYPES)
+    # the window layers' entries are the budget's (unused: they keep their window)
+    assert [groups.layer_group_tokens[i] for i in (0, 1, 3, 4)] == [32] * 4
+    assert groups.settings()["group_allocation"]["calibrated_layers"] == [2, 5]
+
+
+def prepared_for(method, fractions, groups=None):
     if method.preparation == "relay-layer-budgets":
         return {"layer_fractions": list(fractions)}
+    if method.preparation == "pnmix-group-allocation":
+        assert groups is not None
+        return groups.settings()
     if method.preparation == "kvzip-prompt":
         return {"kvzip_prompt": {"first_ids": [5, 6, 7], "next_ids": [8, 9], "suffix_ids": [10]}}
     assert method.preparation is None, method.preparation
@@ -139,10 +187,10 @@ def _window_bytes(cache) -> int:
 
 
 @pytest.mark.parametrize("name", [*DEFAULT_METHODS, *EXTRA_METHODS])
-def test_every_method_runs_prefill_and_decode(model, ids, fractions, name):
+def test_every_method_runs_prefill_and_decode(model, ids, fractions, groups, name):
     method = parse_method(name)
     assert method_refusal(method, model.config) is None
-    prepared = prepared_for(method, fractions)
+    prepared = prepared_for(method, fractions, groups)
     plan = plan_model(model.config)
     if method.params.get("reconstruction"):
         cache = method.make_cache(model.config, prepared)

@@ -19,6 +19,8 @@ class CalibrationMeasurement(Protocol):
         text_id, text_sha256: the calibration text.
         start, prefill, score: the calibration window (tokens).
         seconds: wall time of the calibration (s).
+        measure: how the sensitivities were measured (``"scaled"`` or ``"exact"``,
+            :func:`kvlab.integrations.calibration_capture.layer_sensitivities`).
     """
 
     @property
@@ -35,12 +37,15 @@ class CalibrationMeasurement(Protocol):
     def score(self) -> int: ...
     @property
     def seconds(self) -> float: ...
+    @property
+    def measure(self) -> str: ...
 
 
 def measurement_settings(result: CalibrationMeasurement) -> dict[str, Any]:
     """The JSON-ready record of ``result``'s measurement: ``calibration_text``,
-    ``calibration_window``, ``calibration_seconds`` (rounded to 0.1 s) and
-    ``sensitivity_kl_nats`` (per layer, candidate as a string -> KL rounded to 6 decimals)."""
+    ``calibration_window``, ``calibration_seconds`` (rounded to 0.1 s), ``calibration_measure``
+    and ``sensitivity_kl_nats`` (per layer, candidate as a string -> KL rounded to 6
+    decimals)."""
     return {
         "calibration_text": {"id": result.text_id, "sha256": result.text_sha256},
         "calibration_window": {
@@ -49,6 +54,7 @@ def measurement_settings(result: CalibrationMeasurement) -> dict[str, Any]:
             "score": result.score,
         },
         "calibration_seconds": round(result.seconds, 1),
+        "calibration_measure": result.measure,
         "sensitivity_kl_nats": [
             {str(g): round(v, 6) for g, v in s.items()} for s in result.sensitivities
         ],

@@ -26,24 +26,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvlab.data import TextSource, default_text
 from kvlab.integrations.attention import use_attention
 from kvlab.integrations.calibration_capture import (
     ExactDistribution,
     capture_layer_inputs,
-    layer_output,
+    layer_sensitivities,
     start_at_layer,
 )
 from kvlab.integrations.calibration_record import measurement_settings
-from kvlab.integrations.model_support import layer_rotary
+from kvlab.integrations.model_support import layer_rotary, plan_model
 from kvlab.integrations.pnmix_cache import PNMixLayer, pnmix_config_for_model
 from kvlab.pnmix.allocation import DEFAULT_GROUP_CANDIDATES, allocate_group_tokens
 from kvlab.pnmix.config import PNMixConfig
@@ -63,13 +63,19 @@ def _prefix_cache(
     config: PNMixConfig | None,
     rotary: RotaryConfig | None = None,
     rows: int = 1,
+    windows: Mapping[int, int] | None = None,
 ) -> Cache:
-    """The exact prefix (``rows`` copies along the batch; layer ``quantized`` PN-Mix)."""
+    """The exact prefix (``rows`` copies along the batch; layer ``quantized`` PN-Mix; the
+    window layers ``windows`` (decoder index -> window tokens) hold their window, as
+    ``DynamicCache`` does)."""
     layers: list[Any] = []
     for i, (k, v) in enumerate(prefix):
+        window = (windows or {}).get(i)
         if i == quantized:
             assert config is not None
             layer: Any = PNMixLayer(config, exact_prefill=False, rotary=rotary)
+        elif window is not None:
+            layer = DynamicSlidingWindowLayer(window)
         else:
             layer = DynamicLayer()
         if rows != 1:
@@ -89,11 +95,13 @@ def layer_group_sensitivity(
     candidates: Sequence[int] = DEFAULT_GROUP_CANDIDATES,
     progress: Callable[[int, int], None] | None = None,
     batch_candidates: bool = True,
+    measure: str = "scaled",
 ) -> list[dict[int, float]]:
     """Per layer and candidate group size, the KL one PN-Mix layer alone causes.
 
     Args:
-        model: a ``transformers`` causal LM with full-attention RoPE decoder layers.
+        model: a ``transformers`` causal LM with RoPE decoder layers (full-attention layers
+            are measured; window layers hold their window, as in ``DynamicCache``).
         input_ids: ``[1, prefill + score]`` calibration token ids (int64), ``score >= 1``.
         config: the PN-Mix configuration; only ``group_tokens`` is varied (rotary fields are
             set from the model).
@@ -105,13 +113,21 @@ def layer_group_sensitivity(
             layer ``l``, stacked along the batch (:func:`~kvlab.integrations.
             calibration_capture.layer_output`; the same KL to the bit on one CPU thread);
             ``False``: one forward per candidate from layer ``l``.
+        measure: ``"scaled"`` (default: the later layers and the head run for one group size
+            per layer, the others scaled by their layer-output error) or ``"exact"`` (every
+            group size through them; :func:`~kvlab.integrations.calibration_capture.
+            layer_sensitivities`).
 
     Returns:
-        ``[{group_tokens: mean KL in nats}, ...]``, one dict per decoder layer, KL(full ‖
-        quantized) of the next-token distributions averaged over the ``score`` tokens.
+        ``[{group_tokens: mean KL in nats}, ...]``, one dict per full-attention layer in
+        decoder order (``plan_model(config).full_layers``; every decoder layer on a model
+        without window layers), KL(full ‖ quantized) of the next-token distributions averaged
+        over the ``score`` tokens. Sliding/chunked window layers keep their window exact in a
+        PN-Mix cache and are not measured.
 
     Raises:
-        ValueError: ``input_ids`` not ``[1, N]`` with ``0 < prefill < N``.
+        ValueError: ``input_ids`` not ``[1, N]`` with ``0 < prefill < N``; a model with no
+            full-attention layer.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
@@ -126,6 +142,11 @@ def layer_group_sensitivity(
     head, tail = ids[:, :prefill], ids[:, prefill:]
     positions = torch.arange(prefill, n, device=device)[None]
     layers = text_config.num_hidden_layers
+    plan = plan_model(text_config)
+    measured = plan.full_layers  # window layers keep their window in every PN-Mix cache
+    if not measured:
+        raise ValueError("PN-Mix group calibration needs a full-attention layer; there is none")
+    windows = {i: plan.layers[i].window for i in plan.window_layers}
     groups = sorted(set(candidates))
     with use_attention(model, "kvlab"):
         reference = Cache(layers=[DynamicLayer() for _ in range(layers)])
@@ -137,43 +158,52 @@ def layer_group_sensitivity(
 
         # the exact scoring forward, recording the hidden states entering every layer
         with capture_layer_inputs(model) as inputs:
-            exact = ExactDistribution(logits(_prefix_cache(prefix, None, None)))
+            exact = ExactDistribution(logits(_prefix_cache(prefix, None, None, windows=windows)))
         result: list[dict[int, float]] = []
         if progress is not None:
-            progress(0, layers)
-        for layer in range(layers):
-            row: dict[int, float] = {}
-            caches = {
-                g: lambda g=g, layer=layer: _prefix_cache(
-                    prefix, layer, dataclasses.replace(config, group_tokens=g), rotary
-                )
-                for g in groups
-            }
-            if batch_candidates:
-                stacked = torch.cat(
-                    [
-                        layer_output(model, layer, inputs[layer], lambda c=c: logits(c()))
-                        for c in caches.values()
-                    ]
-                )
-                rows = len(groups)
+            progress(0, len(measured))
+
+        def downstream(layer: int) -> Callable[[Tensor], Tensor]:
+            def run(stacked: Tensor) -> Tensor:
+                rows = stacked.shape[0]
                 with start_at_layer(model, layer + 1, stacked):
-                    batched = model(
+                    return model(
                         tail.expand(rows, -1),
-                        cache=_prefix_cache(prefix, None, None, rows=rows),
+                        cache=_prefix_cache(prefix, None, None, rows=rows, windows=windows),
                         position_ids=positions.expand(rows, -1),
                         use_cache=True,
                     ).logits
-                for g, z in zip(groups, batched, strict=True):
-                    row[g] = exact.kl(z)
-                del batched
-            else:
-                with start_at_layer(model, layer, inputs[layer]):
-                    for g, cache in caches.items():
-                        row[g] = exact.kl(logits(cache()))
+
+            return run
+
+        for done, layer in enumerate(measured, start=1):
+            forwards = [
+                lambda g=g, layer=layer: logits(
+                    _prefix_cache(
+                        prefix,
+                        layer,
+                        dataclasses.replace(config, group_tokens=g),
+                        rotary,
+                        windows=windows,
+                    )
+                )
+                for g in groups
+            ]
+            kls = layer_sensitivities(
+                model,
+                layer,
+                inputs[layer],
+                exact,
+                forwards,
+                lambda: logits(_prefix_cache(prefix, None, None, windows=windows)),
+                downstream(layer),
+                measure=measure,
+                batch_candidates=batch_candidates,
+            )
+            row = dict(zip(groups, kls, strict=True))
             result.append(row)
             if progress is not None:
-                progress(layer + 1, layers)
+                progress(done, len(measured))
     return result
 
 
@@ -192,6 +222,11 @@ class GroupAllocation:
         text_id, text_sha256: the calibration text.
         start, prefill, score: the calibration window (tokens).
         seconds: wall time of the calibration (s).
+        measure: how the sensitivities were measured (``"scaled"`` or ``"exact"``,
+            :func:`layer_group_sensitivity`).
+        layers: the decoder indices of the measured (full-attention) layers when the model has
+            window layers (their ``layer_group_tokens`` entries are the budget's, unused);
+            empty: every decoder layer.
     """
 
     layer_group_tokens: tuple[int, ...]
@@ -203,16 +238,19 @@ class GroupAllocation:
     prefill: int
     score: int
     seconds: float
+    measure: str = "scaled"
+    layers: tuple[int, ...] = ()
 
     def settings(self) -> dict[str, Any]:
         """JSON-ready record for artifacts
-        (:func:`~kvlab.integrations.calibration_record.measurement_settings`)."""
+        (:func:`~kvlab.integrations.calibration_record.measurement_settings`;
+        ``calibrated_layers`` only when some decoder layers are window layers)."""
+        allocation: dict[str, Any] = {"budget_group_tokens": self.budget_group_tokens}
+        if self.layers:
+            allocation["calibrated_layers"] = list(self.layers)
         return {
             "layer_group_tokens": list(self.layer_group_tokens),
-            "group_allocation": {
-                "budget_group_tokens": self.budget_group_tokens,
-                **measurement_settings(self),
-            },
+            "group_allocation": {**allocation, **measurement_settings(self)},
         }
 
 
@@ -228,6 +266,7 @@ def calibrate_group_tokens(
     score: int = 128,
     candidates: Sequence[int] = DEFAULT_GROUP_CANDIDATES,
     progress: Callable[[int, int], None] | None = None,
+    measure: str = "scaled",
 ) -> GroupAllocation:
     """Measure :func:`layer_group_sensitivity` on a calibration text and allocate group sizes
     with :func:`kvlab.pnmix.allocate_group_tokens` under ``budget_group_tokens``.
@@ -246,6 +285,7 @@ def calibrate_group_tokens(
         score: tokens scored against that context.
         candidates: group sizes (tokens) to choose from.
         progress: ``progress(done, total)`` in decoder layers, or ``None``.
+        measure: ``"scaled"`` or ``"exact"`` (:func:`layer_group_sensitivity`).
 
     Raises:
         ValueError: a text shorter than ``prefill + score`` tokens, or bad arguments (see the
@@ -266,10 +306,19 @@ def calibrate_group_tokens(
     first = max(0, min(start, ids.shape[1] - prefill - score))
     window = ids[:, first : first + prefill + score]
     sens = layer_group_sensitivity(
-        model, window, config, prefill=prefill, candidates=candidates, progress=progress
+        model,
+        window,
+        config,
+        prefill=prefill,
+        candidates=candidates,
+        progress=progress,
+        measure=measure,
     )
-    groups = allocate_group_tokens(sens, budget_group_tokens)
+    plan = plan_model(model.config.get_text_config(decoder=True))
+    chosen = iter(allocate_group_tokens(sens, budget_group_tokens))
+    groups = [next(chosen) if layer.is_full else budget_group_tokens for layer in plan.layers]
     return GroupAllocation(
+        layers=plan.full_layers if plan.window_layers else (),
         layer_group_tokens=tuple(groups),
         budget_group_tokens=budget_group_tokens,
         sensitivities=tuple(sens),
@@ -279,4 +328,5 @@ def calibrate_group_tokens(
         prefill=prefill,
         score=score,
         seconds=time.perf_counter() - began,
+        measure=measure,
     )

@@ -40,7 +40,7 @@ from kvlab.integrations.attention import use_attention
 from kvlab.integrations.calibration_capture import (
     ExactDistribution,
     capture_layer_inputs,
-    layer_output,
+    layer_sensitivities,
     start_at_layer,
 )
 from kvlab.integrations.calibration_record import measurement_settings
@@ -86,6 +86,7 @@ def layer_eviction_sensitivity(
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
     progress: Callable[[int, int], None] | None = None,
     batch_candidates: bool = True,
+    measure: str = "scaled",
 ) -> list[dict[float, float]]:
     """Per layer and kept fraction, the KL that evicting that one layer causes.
 
@@ -107,6 +108,10 @@ def layer_eviction_sensitivity(
             layer ``l``, stacked along the batch (:func:`~kvlab.integrations.
             calibration_capture.layer_output`; the same KL to the bit on one CPU thread);
             ``False``: one forward per fraction from layer ``l``.
+        measure: ``"scaled"`` (default: the later layers and the head run for one fraction
+            per layer, the others scaled by their layer-output error) or ``"exact"`` (every
+            fraction through them; :func:`~kvlab.integrations.calibration_capture.
+            layer_sensitivities`).
 
     Returns:
         one ``{fraction: mean KL in nats}`` per full-attention layer, in decoder order
@@ -178,36 +183,35 @@ def layer_eviction_sensitivity(
     result: list[dict[float, float]] = []
     if progress is not None:
         progress(0, len(full_layers))
-    for done, layer_idx in enumerate(full_layers, start=1):
-        row = {}
-        kept = sorted(set(fractions))
-        if batch_candidates:
-            stacked = torch.cat(
-                [
-                    layer_output(
-                        model,
-                        layer_idx,
-                        inputs[layer_idx],
-                        lambda f=f, i=layer_idx: logits(cache_with(i, f)),
-                    )
-                    for f in kept
-                ]
-            )
-            rows = len(kept)
+
+    def downstream(layer_idx: int) -> Callable[[Tensor], Tensor]:
+        def run(stacked: Tensor) -> Tensor:
+            rows = stacked.shape[0]
             with start_at_layer(model, layer_idx + 1, stacked), use_attention(model, "kvlab"):
-                batched = model(
+                return model(
                     tail.expand(rows, -1),
                     cache=cache_with(None, 1.0, rows=rows),
                     position_ids=positions.expand(rows, -1),
                     use_cache=True,
                 ).logits
-            for f, z in zip(kept, batched, strict=True):
-                row[f] = exact.kl(z, clamp=True)
-            del batched
-        else:
-            with start_at_layer(model, layer_idx, inputs[layer_idx]):
-                for f in kept:
-                    row[f] = exact.kl(logits(cache_with(layer_idx, f)), clamp=True)
+
+        return run
+
+    for done, layer_idx in enumerate(full_layers, start=1):
+        kept = sorted(set(fractions))
+        kls = layer_sensitivities(
+            model,
+            layer_idx,
+            inputs[layer_idx],
+            exact,
+            [lambda f=f, i=layer_idx: logits(cache_with(i, f)) for f in kept],
+            lambda: logits(cache_with(None, 1.0)),
+            downstream(layer_idx),
+            measure=measure,
+            batch_candidates=batch_candidates,
+            clamp=True,
+        )
+        row = dict(zip(kept, kls, strict=True))
         result.append(row)
         if progress is not None:
             progress(done, len(full_layers))
@@ -226,6 +230,8 @@ class LayerBudgetCalibration:
         text_id, text_sha256: the calibration text.
         start, prefill, score: the calibration window (tokens).
         seconds: wall time (s).
+        measure: how the sensitivities were measured (``"scaled"`` or ``"exact"``,
+            :func:`layer_eviction_sensitivity`).
     """
 
     layer_fractions: tuple[float, ...]
@@ -237,6 +243,7 @@ class LayerBudgetCalibration:
     score: int
     seconds: float
     layers: tuple[int, ...] = ()
+    measure: str = "scaled"
 
     def settings(self) -> dict[str, Any]:
         """JSON-ready record for artifacts
@@ -273,12 +280,13 @@ def calibrate_layer_budgets(
     score: int = 128,
     fractions: Sequence[float] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    measure: str = "scaled",
 ) -> LayerBudgetCalibration:
     """Measure :func:`layer_eviction_sensitivity` on the calibration text and choose per-layer
     kept fractions with mean ``1 - config.ratio``
     (:func:`kvlab.relay.layer_budgets.allocate_layer_fractions`); ``progress(done, total)``
     reports full-attention layers. ``fractions`` defaults to :func:`fractions_around` the
-    mean.
+    mean; ``measure``: ``"scaled"`` or ``"exact"`` (:func:`layer_eviction_sensitivity`).
 
     Raises:
         ValueError: ``config.ratio`` unset, a text shorter than ``prefill + score`` tokens, or
@@ -291,7 +299,13 @@ def calibrate_layer_budgets(
     if fractions is None:
         fractions = fractions_around(1.0 - config.ratio)
     sens = layer_eviction_sensitivity(
-        model, window, config, prefill=prefill, fractions=fractions, progress=progress
+        model,
+        window,
+        config,
+        prefill=prefill,
+        fractions=fractions,
+        progress=progress,
+        measure=measure,
     )
     chosen = allocate_layer_fractions(sens, 1.0 - config.ratio, tokens=prefill)
     plan = plan_model(model.config.get_text_config(decoder=True))
@@ -305,6 +319,7 @@ def calibrate_layer_budgets(
         prefill=prefill,
         score=score,
         seconds=time.perf_counter() - began,
+        measure=measure,
     )
 
 
@@ -319,14 +334,18 @@ def calibrate_layer_budgets_for_ratios(
     prefill: int = 512,
     score: int = 128,
     progress: Callable[[int, int], None] | None = None,
+    measure: str = "scaled",
 ) -> dict[float, LayerBudgetCalibration]:
-    """:func:`calibrate_layer_budgets` for several eviction ratios from one measurement.
+    """:func:`calibrate_layer_budgets` for several eviction ratios, sharing what they can.
 
-    A layer's KL at a kept fraction does not depend on the ratio, so the union of every
-    ratio's :func:`fractions_around` is measured once (one capture of the window; ``progress``
-    in decoder layers), and each ratio keeps its own fractions' sensitivities and allocates
-    from them: each result equals ``calibrate_layer_budgets`` at that ratio (its ``seconds``
-    is the joint measurement's wall time). ``config.ratio`` is ignored.
+    Exact measure: a layer's KL at a kept fraction does not depend on the ratio, so the union
+    of every ratio's :func:`fractions_around` is measured once (one capture of the window;
+    ``progress`` in decoder layers), and each ratio keeps its own fractions' sensitivities.
+    Scaled measure: the candidate measured exactly is the middle of a ratio's own fractions,
+    so each ratio is measured on its own (``progress`` counts decoder layers over all ratios;
+    the expensive part, one exact measurement per layer, is per ratio either way). Each
+    result equals ``calibrate_layer_budgets`` at that ratio (its ``seconds`` is the joint
+    wall time). ``config.ratio`` is ignored.
 
     Returns:
         ``{ratio: LayerBudgetCalibration}`` in the order given (duplicates once).
@@ -341,14 +360,33 @@ def calibrate_layer_budgets_for_ratios(
     began = time.perf_counter()
     source, first, window = _calibration_window(tokenizer, text, start, prefill, score)
     own = {r: fractions_around(1.0 - r) for r in wanted}
-    union = sorted({f for fractions in own.values() for f in fractions})
-    sens = layer_eviction_sensitivity(
-        model, window, config, prefill=prefill, fractions=union, progress=progress
-    )
+    measured = {tuple(sorted({f for fractions in own.values() for f in fractions})): wanted}
+    if measure == "scaled":
+        measured = {}
+        for r in wanted:
+            measured.setdefault(own[r], []).append(r)
+    sens_of: dict[float, list[dict[float, float]]] = {}
+    for index, (fractions, members) in enumerate(measured.items()):
+
+        def report(done: int, total: int, index: int = index) -> None:
+            if progress is not None and (done or not index):
+                progress(index * total + done, total * len(measured))
+
+        sens = layer_eviction_sensitivity(
+            model,
+            window,
+            config,
+            prefill=prefill,
+            fractions=fractions,
+            progress=report,
+            measure=measure,
+        )
+        for r in members:
+            sens_of[r] = sens
     seconds = time.perf_counter() - began
     results: dict[float, LayerBudgetCalibration] = {}
     for r in wanted:
-        mine = tuple({f: row[f] for f in own[r]} for row in sens)
+        mine = tuple({f: row[f] for f in own[r]} for row in sens_of[r])
         results[r] = LayerBudgetCalibration(
             layer_fractions=tuple(allocate_layer_fractions(mine, 1.0 - r, tokens=prefill)),
             sensitivities=mine,
@@ -358,5 +396,6 @@ def calibrate_layer_budgets_for_ratios(
             prefill=prefill,
             score=score,
             seconds=seconds,
+            measure=measure,
         )
     return results
