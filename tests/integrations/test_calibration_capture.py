@@ -380,3 +380,22 @@ def test_calibrations_record_their_measure(make_llama, measure):
     assert groups.measure == budgets.measure == measure
     assert groups.settings()["group_allocation"]["calibration_measure"] == measure
     assert budgets.settings()["calibration_measure"] == measure
+
+
+def test_calibrations_refuse_an_unknown_measure_before_any_forward(make_llama):
+    model = make_llama(seed=21, num_hidden_layers=2)
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    config = EvictionConfig(ratio=0.5, relay=False, sink_tokens=2, window_tokens=8)
+    try:
+        with pytest.raises(ValueError, match="measure must be one of"):
+            pnmix_calibration.layer_group_sensitivity(
+                model, _ids(40), SMALL, prefill=30, measure="Exact"
+            )
+        with pytest.raises(ValueError, match="measure must be one of"):
+            relay_calibration.layer_eviction_sensitivity(
+                model, _ids(40), config, prefill=30, measure="fast"
+            )
+    finally:
+        handle.remove()
+    assert forwards == []

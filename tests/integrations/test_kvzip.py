@@ -418,3 +418,17 @@ def test_kvzip_caches_of_one_prefill_share_its_reconstruction_scores(make_llama,
         assert forwards and len(memo) == 2  # another context: its own pass
     finally:
         handle.remove()
+    # another model with the same context: its own pass, its own eviction
+    twin = make_llama(seed=93)
+    mine = _prefill(twin, config(0.75), ids)
+    passes = []
+    handle = twin.register_forward_pre_hook(lambda module, args: passes.append(1))
+    compress(twin, mine, ids, scores=memo)
+    handle.remove()
+    assert passes  # a miss: the memo's scores are another model's
+    fresh = _prefill(twin, config(0.75), ids)
+    compress(twin, fresh, ids)
+    for a, b in zip(mine.layers, fresh.layers, strict=True):
+        for h in range(2):
+            x, y = a.segment(0, h), b.segment(0, h)
+            assert torch.equal(x.original_positions, y.original_positions)

@@ -11,7 +11,8 @@ layer), and :func:`start_at_layer` makes a later forward skip layers ``0 .. l-1`
 its input; the last one returns the captured input of layer ``l``), so a measurement costs
 ``L - l`` decoder layers and the head instead of ``L`` layers and the head (about half over all
 layers). The layers that run see the same inputs, caches and kernels as in a full forward, so
-the logits are bit-identical to the full forward's (``tests/test_calibration_capture.py``).
+the logits are bit-identical to the full forward's
+(``tests/integrations/test_calibration_capture.py``).
 
 Batched candidates (:func:`layer_output`, ``start_at_layer(model, l + 1, stacked)``): only
 layer ``l`` differs between a layer's candidates (its perturbed cache); its output for each

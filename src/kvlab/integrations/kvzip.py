@@ -17,11 +17,12 @@ Shared scores: the reconstruction scores depend on the stored prefill, the promp
 protected sinks and the model, not on the eviction ratio or on what stores the kept tokens. A
 ``scores`` mapping passed to :func:`compress` keeps each pass's scores under a key of those
 (the context's ids, the prompt, the sinks, the scorer's observation queries and every layer's
-score shape): a later :func:`compress` of another cache holding the same prefill (another
-ratio, or the cache composed with PN-Mix) takes them from it instead of running the pass, and
-evicts exactly as after its own pass (tests/integrations/test_kvzip.py). The evaluation keeps
-one such mapping per shared prefill capture (:attr:`kvlab.integrations.prefill_replay.
-PrefillCapture.derived`).
+score shape), with the model they were computed on (a weak reference: another model, or one
+garbage-collected, is a miss; weights changed in place are not detected). A later
+:func:`compress` of another cache holding the same prefill (another ratio, or the cache
+composed with PN-Mix) takes them from it instead of running the pass, and evicts exactly as
+after its own pass (tests/integrations/test_kvzip.py). The evaluation keeps one such mapping
+per shared prefill capture (:attr:`kvlab.integrations.prefill_replay.PrefillCapture.derived`).
 
     cache = RelayModelCache(model.config, EvictionConfig(ratio=0.5, scorer=KVzipScorer()))
     with use_attention(model, "kvlab"):
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -46,8 +48,9 @@ from kvlab.relay.kvzip import ReconstructionChunk, ReconstructionPrompt
 __all__ = ["ScoreMemo", "compress", "reconstruction_prompt"]
 
 #: Reconstruction scores kept across caches holding one prefill (module docstring): key ->
-#: per relay layer, per sequence, float32 ``[1, H, S]`` scores (or ``None``).
-ScoreMemo = MutableMapping[tuple[Any, ...], list[list[Tensor | None]]]
+#: ``(weak reference to the model, per relay layer, per sequence, float32 [1, H, S] scores or
+#: None)``.
+ScoreMemo = MutableMapping[tuple[Any, ...], tuple[Any, list[list[Tensor | None]]]]
 
 
 def reconstruction_prompt(cache: RelayModelCache) -> ReconstructionPrompt | None:
@@ -121,8 +124,9 @@ def compress(
 
     layers = cache._relay_layers()
     memo_key = None if scores is None else _score_key(cache, input_ids, prompt)
-    if scores is not None and memo_key in scores:
-        for layer, saved in zip(layers, scores[memo_key], strict=True):
+    entry = None if scores is None else scores.get(memo_key)
+    if entry is not None and entry[0]() is model:  # scores of another model are not reused
+        for layer, saved in zip(layers, entry[1], strict=True):
             layer.reconstruction_scores = [None if t is None else t.clone() for t in saved]
         try:
             return cache.evict_reconstructed()
@@ -167,10 +171,13 @@ def compress(
                 with cache.reconstruction_pass(spans):
                     model(ids.to(device), use_cache=True, **{key: cache}, **kwargs, **extra)
         if scores is not None:
-            scores[memo_key] = [
-                [None if t is None else t.clone() for t in layer.reconstruction_scores]
-                for layer in layers
-            ]
+            scores[memo_key] = (
+                weakref.ref(model),
+                [
+                    [None if t is None else t.clone() for t in layer.reconstruction_scores]
+                    for layer in layers
+                ],
+            )
         return cache.evict_reconstructed()
     finally:
         cache.discard_reconstruction()

@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from kvlab.data import TextSource, default_text
 from kvlab.integrations.attention import use_attention
 from kvlab.integrations.calibration_capture import (
+    MEASURES,
     ExactDistribution,
     capture_layer_inputs,
     layer_sensitivities,
@@ -121,6 +122,8 @@ def layer_eviction_sensitivity(
         ValueError: ``input_ids`` not ``[1, N]`` with ``0 < prefill < N``, a fraction
             outside (0, 1], or a model with no full-attention layer.
     """
+    if measure not in MEASURES:  # before any forward
+        raise ValueError(f"measure must be one of {MEASURES}, got {measure!r}")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
     n = input_ids.shape[1]
