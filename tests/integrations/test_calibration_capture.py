@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from byte_text import ByteTokenizer, hamlet_text
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvlab.data import TextSource
 from kvlab.integrations import calibration_capture, pnmix_calibration, relay_calibration
 from kvlab.integrations.calibration_capture import (
     ExactDistribution,
@@ -221,18 +221,7 @@ def test_eviction_sensitivity_equals_per_layer_full_forwards(make_llama):
     assert calls == [(i, 3) for i in range(4)]
 
 
-class _ByteTokenizer:
-    def __call__(self, text: str, return_tensors: str = "pt"):
-        data = text.encode("utf-8")
-        return type("Encoding", (), {"input_ids": torch.tensor([[3 + b % 93 for b in data]])})()
-
-
-TEXT = TextSource(
-    data=b"Who's there? Nay, answer me: stand, and unfold yourself. " * 40,
-    id="test/text",
-    sha256="0" * 64,
-    source_url=None,
-)
+TEXT = hamlet_text(40)
 
 
 @pytest.mark.parametrize("measure", ["exact", "scaled"])
@@ -244,7 +233,7 @@ def test_all_ratios_at_once_equal_one_ratio_at_a_time(make_llama, measure):
     ratios = (0.5, 0.25, 0.5625, 0.5)
     joint = relay_calibration.calibrate_layer_budgets_for_ratios(
         model,
-        _ByteTokenizer(),
+        ByteTokenizer(),
         config,
         ratios,
         progress=lambda d, n: calls.append((d, n)),
@@ -256,16 +245,16 @@ def test_all_ratios_at_once_equal_one_ratio_at_a_time(make_llama, measure):
     assert calls == [(i, total) for i in range(total + 1)]
     for ratio, result in joint.items():
         alone = relay_calibration.calibrate_layer_budgets(
-            model, _ByteTokenizer(), dataclasses.replace(config, ratio=ratio), **window
+            model, ByteTokenizer(), dataclasses.replace(config, ratio=ratio), **window
         )
         assert result.layer_fractions == alone.layer_fractions
         assert result.sensitivities == alone.sensitivities
         assert set(result.sensitivities[0]) == set(relay_calibration.fractions_around(1 - ratio))
         assert (result.start, result.prefill, result.score) == (alone.start, 128, 16)
     with pytest.raises(ValueError, match="ratios must be"):
-        relay_calibration.calibrate_layer_budgets_for_ratios(model, _ByteTokenizer(), config, [])
+        relay_calibration.calibrate_layer_budgets_for_ratios(model, ByteTokenizer(), config, [])
     with pytest.raises(ValueError, match="ratios must be"):
-        relay_calibration.calibrate_layer_budgets_for_ratios(model, _ByteTokenizer(), config, [1.0])
+        relay_calibration.calibrate_layer_budgets_for_ratios(model, ByteTokenizer(), config, [1.0])
 
 
 def test_group_calibration_reports_progress_through_its_preparation(make_llama):
@@ -276,7 +265,7 @@ def test_group_calibration_reports_progress_through_its_preparation(make_llama):
     calls: list[tuple[int, int]] = []
     pnmix_calibration.calibrate_group_tokens(
         model,
-        _ByteTokenizer(),
+        ByteTokenizer(),
         SMALL,
         budget_group_tokens=8,
         text=TEXT,
@@ -371,11 +360,11 @@ def test_calibrations_record_their_measure(make_llama, measure):
     model = make_llama(seed=19, num_hidden_layers=2)
     window = dict(text=TEXT, start=100, score=16, measure=measure)
     groups = pnmix_calibration.calibrate_group_tokens(
-        model, _ByteTokenizer(), SMALL, budget_group_tokens=8, candidates=(4, 8), **window
+        model, ByteTokenizer(), SMALL, budget_group_tokens=8, candidates=(4, 8), **window
     )
     config = EvictionConfig(ratio=0.5, relay=False, sink_tokens=2, window_tokens=8)
     budgets = relay_calibration.calibrate_layer_budgets(
-        model, _ByteTokenizer(), config, prefill=64, **window
+        model, ByteTokenizer(), config, prefill=64, **window
     )
     assert groups.measure == budgets.measure == measure
     assert groups.settings()["group_allocation"]["calibration_measure"] == measure

@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 import transformers
+from byte_text import ByteTokenizer, hamlet_text
 from transformers import DynamicCache
 
-from kvlab.data import TextSource
 from kvlab.evaluation.methods import DEFAULT_METHODS, parse_method
 from kvlab.evaluation.methods.caches import pnmix_config
 from kvlab.evaluation.protocols import score_window
@@ -84,18 +84,7 @@ def fractions(model, ids):
     return allocate_layer_fractions(sens, 0.5, tokens=PREFILL)
 
 
-class _ByteTokenizer:
-    def __call__(self, text: str, return_tensors: str = "pt"):
-        data = text.encode("utf-8")
-        return type("Encoding", (), {"input_ids": torch.tensor([[3 + b % 93 for b in data]])})()
-
-
-TEXT = TextSource(
-    data=b"Who's there? Nay, answer me: stand, and unfold yourself. " * 20,
-    id="test/text",
-    sha256="0" * 64,
-    source_url=None,
-)
+TEXT = hamlet_text(20)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +94,7 @@ def groups(model):
     config = pnmix_config(parse_method("kivi-2bit-calibrated").params)
     return calibrate_group_tokens(
         model,
-        _ByteTokenizer(),
+        ByteTokenizer(),
         config,
         budget_group_tokens=config.group_tokens,
         text=TEXT,
