@@ -53,6 +53,7 @@ __all__ = [
     "ExactDistribution",
     "capture_layer_inputs",
     "decoder_layers",
+    "later_layers",
     "layer_output",
     "layer_sensitivities",
     "start_at_layer",
@@ -308,3 +309,30 @@ def layer_sensitivities(
     ref = min(moved, key=lambda i: abs(math.log(errors[i]) - middle))
     ref_kl = exact.kl(downstream(outputs[ref])[0], clamp=clamp)
     return [ref_kl * e / errors[ref] for e in errors]
+
+
+def later_layers(
+    model: Any,
+    layer: int,
+    tail: Tensor,
+    positions: Tensor,
+    exact_cache: Callable[[int], Any],
+    attention: str = "kvlab",
+) -> Callable[[Tensor], Tensor]:
+    """The ``downstream`` of :func:`layer_sensitivities`: layer outputs ``[C, S, hidden]`` ->
+    logits ``[C, S, V]`` of the scored tokens ``tail`` (``[1, S]`` ids at ``positions``,
+    ``[1, S]``) through layers ``layer + 1 ..`` and the head, over ``exact_cache(C)`` (the
+    exact prefix, ``C`` rows) under attention implementation ``attention``."""
+    from kvlab.integrations.attention import use_attention
+
+    def run(stacked: Tensor) -> Tensor:
+        rows = stacked.shape[0]
+        with start_at_layer(model, layer + 1, stacked), use_attention(model, attention):
+            return model(
+                tail.expand(rows, -1),
+                cache=exact_cache(rows),
+                position_ids=positions.expand(rows, -1),
+                use_cache=True,
+            ).logits
+
+    return run

@@ -127,7 +127,7 @@ def compress(
     entry = None if scores is None else scores.get(memo_key)
     if entry is not None and entry[0]() is model:  # scores of another model are not reused
         for layer, saved in zip(layers, entry[1], strict=True):
-            layer.reconstruction_scores = [None if t is None else t.clone() for t in saved]
+            layer.reconstruction_scores = _copied(saved)
         try:
             return cache.evict_reconstructed()
         finally:
@@ -173,10 +173,7 @@ def compress(
         if scores is not None:
             scores[memo_key] = (
                 weakref.ref(model),
-                [
-                    [None if t is None else t.clone() for t in layer.reconstruction_scores]
-                    for layer in layers
-                ],
+                [_copied(layer.reconstruction_scores) for layer in layers],
             )
         return cache.evict_reconstructed()
     finally:
@@ -200,3 +197,8 @@ def _score_key(
         tuple(cache.stream_lengths),
         shapes,
     )
+
+
+def _copied(scores: list[Tensor | None]) -> list[Tensor | None]:
+    """A copy of one layer's per-sequence scores (the memo and the caches never share them)."""
+    return [None if t is None else t.clone() for t in scores]

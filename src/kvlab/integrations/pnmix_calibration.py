@@ -40,8 +40,8 @@ from kvlab.integrations.calibration_capture import (
     MEASURES,
     ExactDistribution,
     capture_layer_inputs,
+    later_layers,
     layer_sensitivities,
-    start_at_layer,
 )
 from kvlab.integrations.calibration_record import measurement_settings
 from kvlab.integrations.model_support import layer_rotary, plan_model
@@ -166,18 +166,8 @@ def layer_group_sensitivity(
         if progress is not None:
             progress(0, len(measured))
 
-        def downstream(layer: int) -> Callable[[Tensor], Tensor]:
-            def run(stacked: Tensor) -> Tensor:
-                rows = stacked.shape[0]
-                with start_at_layer(model, layer + 1, stacked):
-                    return model(
-                        tail.expand(rows, -1),
-                        cache=_prefix_cache(prefix, None, None, rows=rows, windows=windows),
-                        position_ids=positions.expand(rows, -1),
-                        use_cache=True,
-                    ).logits
-
-            return run
+        def exact_rows(rows: int) -> Cache:
+            return _prefix_cache(prefix, None, None, rows=rows, windows=windows)
 
         for done, layer in enumerate(measured, start=1):
             forwards = [
@@ -199,7 +189,7 @@ def layer_group_sensitivity(
                 exact,
                 forwards,
                 lambda: logits(_prefix_cache(prefix, None, None, windows=windows)),
-                downstream(layer),
+                later_layers(model, layer, tail, positions, exact_rows),
                 measure=measure,
                 batch_candidates=batch_candidates,
             )

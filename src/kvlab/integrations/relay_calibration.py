@@ -41,8 +41,8 @@ from kvlab.integrations.calibration_capture import (
     MEASURES,
     ExactDistribution,
     capture_layer_inputs,
+    later_layers,
     layer_sensitivities,
-    start_at_layer,
 )
 from kvlab.integrations.calibration_record import measurement_settings
 from kvlab.integrations.model_support import plan_model
@@ -187,19 +187,6 @@ def layer_eviction_sensitivity(
     if progress is not None:
         progress(0, len(full_layers))
 
-    def downstream(layer_idx: int) -> Callable[[Tensor], Tensor]:
-        def run(stacked: Tensor) -> Tensor:
-            rows = stacked.shape[0]
-            with start_at_layer(model, layer_idx + 1, stacked), use_attention(model, "kvlab"):
-                return model(
-                    tail.expand(rows, -1),
-                    cache=cache_with(None, 1.0, rows=rows),
-                    position_ids=positions.expand(rows, -1),
-                    use_cache=True,
-                ).logits
-
-        return run
-
     for done, layer_idx in enumerate(full_layers, start=1):
         kept = sorted(set(fractions))
         kls = layer_sensitivities(
@@ -209,7 +196,9 @@ def layer_eviction_sensitivity(
             exact,
             [lambda f=f, i=layer_idx: logits(cache_with(i, f)) for f in kept],
             lambda: logits(cache_with(None, 1.0)),
-            downstream(layer_idx),
+            later_layers(
+                model, layer_idx, tail, positions, lambda rows: cache_with(None, 1.0, rows)
+            ),
             measure=measure,
             batch_candidates=batch_candidates,
             clamp=True,
