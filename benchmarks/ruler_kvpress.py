@@ -22,6 +22,11 @@ Usage::
         --samples ruler.jsonl --model $QWEN05 \\
         --press snapkv --press expected_attention --ratio 0.5 --ratio 0.75 \\
         --quant 4 --quant 2 --out runs/ruler/kvpress.json
+    # KVzip at several ratios from one scoring pass per sample (run_kvzip_shared), checked
+    # against a pass per ratio on the first 2 samples
+    OMP_NUM_THREADS=1 ~/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py run \\
+        --samples ruler.jsonl --model $QWEN05 --no-full --press kvzip --ratio 0.5 \\
+        --ratio 0.75 --share-kvzip --check-shared 2 --out runs/ruler/kvpress-kvzip.json
     # a tiny passkey fixture in the samples format (chat-templated as kvpress's pipeline does)
     ~/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py fixture \\
         --model $QWEN05 \\
@@ -415,6 +420,62 @@ def run_one(
     return ids, footprint, prefill_s, decode_s
 
 
+def run_kvzip_shared(
+    model: Any, sample: dict[str, Any], ratios: list[float], stops: list[int]
+) -> dict[float, tuple[list[int], dict[str, Any], float, float]]:
+    """``KVzipPress`` at every ratio of ``ratios`` from ONE prefill and ONE reconstruction pass.
+
+    kvpress 0.5.5's KVzip scores every (layer, kv head, token) in its reconstruction pass
+    (``score_val``, float [layers, 1, kv heads, context tokens]) and only then turns the ratio
+    into masked indices (``compress_post``: the lowest scores across layers, sinks kept); the
+    cache itself is the same at every ratio (KVzip masks, it does not evict). So one pass per
+    sample serves every ratio: the scores are kept as ``compress_post`` first sees them, the
+    cache is deep-copied per ratio before any answer is decoded (decoding writes kvpress's fake
+    keys into the cache at the masked indices), and each ratio's masks are set by a fresh
+    ``KVzipPress(ratio).compress_post`` on a copy of the kept scores. ``--check-shared N``
+    checks the answers against :func:`run_one` (a pass per ratio) on the first N samples.
+
+    Returns ratio -> (generated ids, cache footprint, the shared prefill + scoring seconds,
+    that ratio's decode seconds).
+    """
+    import kvpress as kp
+    from transformers import DynamicCache
+
+    context = torch.tensor([sample["context_ids"]], dtype=torch.int64)
+    question = torch.tensor([sample["question_ids"]], dtype=torch.int64)
+    cache = DynamicCache()
+    press = kp.KVzipPress(compression_ratio=ratios[0])
+    kept: dict[str, torch.Tensor] = {}
+    compress_post = press.compress_post
+
+    def keep_scores(m: Any) -> None:
+        kept["score_val"] = press.score_val.clone()
+        compress_post(m)
+
+    press.compress_post = keep_scores  # type: ignore[method-assign]
+    out: dict[float, tuple[list[int], dict[str, Any], float, float]] = {}
+    with torch.no_grad():
+        begin = time.perf_counter()
+        with press(model):
+            model.model(input_ids=context, past_key_values=cache)
+        prefill_s = time.perf_counter() - begin
+        if "score_val" not in kept:
+            raise RuntimeError("KVzipPress did not score the context (compress_post not called)")
+        copies = {ratio: copy.deepcopy(cache) for ratio in ratios}
+        for ratio in ratios:
+            masks = kp.KVzipPress(compression_ratio=ratio)
+            masks.score_val = kept["score_val"].clone()
+            masks.compress_post(model)
+            footprint = cache_footprint(copies[ratio], model)
+            begin = time.perf_counter()
+            ids = generate_answer(
+                model, copies[ratio], question, context.shape[1],
+                int(sample["max_new_tokens"]), stops,
+            )  # fmt: skip
+            out[ratio] = (ids, footprint, prefill_s, time.perf_counter() - begin)
+    return out
+
+
 def greedy_reference(model: Any, sample: dict[str, Any], stops: list[int]) -> list[int]:
     """``model.generate`` greedy on context + question ids (the no-press check)."""
     ids = torch.tensor([sample["context_ids"] + sample["question_ids"]], dtype=torch.int64)
@@ -495,12 +556,8 @@ def side_run(args: argparse.Namespace) -> None:
             if s is not None and s["ids_sha256"] != row["ids_sha256"]:
                 raise SystemExit(f"{out}: sample {row_key(row)[2:]} has other ids than --samples")
     done = {row_key(r) for r in result["rows"]}
-    todo = [
-        (m, s)
-        for m in methods
-        for s in samples
-        if (m[0], m[2], s["task"], s["length"], s["index"]) not in done
-    ]
+    jobs = plan_jobs(methods, samples, done, args.share_kvzip)
+    todo = [(m, s) for group, s in jobs for m in group]
     print(f"{len(todo)} (method, ratio, sample) to run, {len(done)} already in {out}", flush=True)
     if not todo:
         return
@@ -539,18 +596,16 @@ def side_run(args: argparse.Namespace) -> None:
         from kvpress import KVPressTextGenerationPipeline
 
         pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer)
-    for (method, press_name, ratio, nbits), sample in todo:
-        press = make_press(press_name, ratio) if press_name else None
-        if press is not None:
-            presses[f"{method}@{ratio}"] = repr(press)
+    checked_shared: set[tuple[str, int, int]] = set()
 
-        def guard(name: str | None = press_name) -> contextlib.AbstractContextManager:
-            if name == "kvzip":
-                return kvzip_tokenizer(tokenizer, templated)
-            return contextlib.nullcontext()
-
-        with guard():
-            ids, footprint, prefill_s, decode_s = run_one(model, sample, press, nbits, stops)
+    def emit(
+        m: tuple[str, str | None, float, int | None],
+        sample: dict[str, Any],
+        ran: tuple[list[int], dict[str, Any], float, float],
+        extra: dict[str, Any],
+    ) -> None:
+        method, press_name, ratio, nbits = m
+        ids, footprint, prefill_s, decode_s = ran
         prediction = tokenizer.decode(ids, skip_special_tokens=True)
         score = ruler_score(prediction, sample["outputs"], sample["metric"])
         row: dict[str, Any] = {
@@ -577,8 +632,9 @@ def side_run(args: argparse.Namespace) -> None:
             "prefill_seconds": prefill_s,
             "decode_seconds": decode_s,
             "seconds": prefill_s + decode_s,
+            **extra,
         }
-        if args.check_greedy and press is None and nbits is None:
+        if args.check_greedy and press_name is None and nbits is None:
             ref = greedy_reference(model, sample, stops)
             row["greedy_generate_ids"] = ref
             row["greedy_equal"] = ref == ids
@@ -588,11 +644,11 @@ def side_run(args: argparse.Namespace) -> None:
                 ptoks["context_ids"][0].tolist() == sample["context_ids"]
                 and ptoks["questions_ids"][0][0].tolist() == sample["question_ids"]
             )
-            with guard():
+            with guard(press_name):
                 answer = pipe(
                     sample["context"],
                     question=sample["question"],
-                    press=press if press_name is None else make_press(press_name, ratio),
+                    press=make_press(press_name, ratio) if press_name else None,
                     cache=make_cache(model, nbits),
                     max_new_tokens=int(sample["max_new_tokens"]),
                 )["answer"]
@@ -601,7 +657,9 @@ def side_run(args: argparse.Namespace) -> None:
         result["rows"].append(row)
         _write(out, result)
         checks = "".join(
-            f" {k}={row[k]}" for k in ("greedy_equal", "pipeline_answer_equal") if k in row
+            f" {k}={row[k]}"
+            for k in ("greedy_equal", "pipeline_answer_equal", "separate_equal")
+            if k in row
         )
         print(
             f"{method}@{ratio} {sample['task']}/{sample['length']}/{sample['index']}: "
@@ -609,6 +667,60 @@ def side_run(args: argparse.Namespace) -> None:
             f"({footprint['cache_bytes_16bit']} B at 16 bit) {row['seconds']:.1f} s{checks}",
             flush=True,
         )
+
+    def guard(name: str | None) -> contextlib.AbstractContextManager:
+        if name == "kvzip":
+            return kvzip_tokenizer(tokenizer, templated)
+        return contextlib.nullcontext()
+
+    for group, sample in jobs:
+        for _, press_name, ratio, _ in group:
+            if press_name is not None:
+                presses[f"kvpress:{press_name}@{ratio}"] = repr(make_press(press_name, ratio))
+        if args.share_kvzip and group[0][1] == "kvzip":
+            ratios = [m[2] for m in group]
+            with guard("kvzip"):
+                shared = run_kvzip_shared(model, sample, ratios, stops)
+            check = len(checked_shared) < args.check_shared
+            checked_shared.add((sample["task"], sample["length"], sample["index"]))
+            for m in group:
+                extra: dict[str, Any] = {
+                    "kvzip_scoring": f"shared: one reconstruction pass for ratios {ratios}"
+                }
+                if check:
+                    with guard("kvzip"):
+                        alone = run_one(model, sample, make_press("kvzip", m[2]), None, stops)
+                    extra["separate_ids"] = alone[0]
+                    extra["separate_equal"] = alone[0] == shared[m[2]][0]
+                emit(m, sample, shared[m[2]], extra)
+            continue
+        (m,) = group
+        press = make_press(m[1], m[2]) if m[1] else None
+        with guard(m[1]):
+            ran = run_one(model, sample, press, m[3], stops)
+        emit(m, sample, ran, {})
+
+
+def plan_jobs(
+    methods: list[tuple[str, str | None, float, int | None]],
+    samples: list[dict[str, Any]],
+    done: set[tuple[str, float, str, int, int]],
+    share_kvzip: bool,
+) -> list[tuple[list[tuple[str, str | None, float, int | None]], dict[str, Any]]]:
+    """The (methods, sample) jobs still to run, in order: one method per job, except that with
+    ``share_kvzip`` the KVzip ratios of a sample not yet in ``done`` form one job (one scoring
+    pass, :func:`run_kvzip_shared`), after the other methods."""
+
+    def todo(m: tuple[str, str | None, float, int | None], s: dict[str, Any]) -> bool:
+        return (m[0], m[2], s["task"], s["length"], s["index"]) not in done
+
+    shared = [m for m in methods if share_kvzip and m[1] == "kvzip"]
+    jobs = [([m], s) for m in methods if m not in shared for s in samples if todo(m, s)]
+    for s in samples:
+        group = [m for m in shared if todo(m, s)]
+        if group:
+            jobs.append((group, s))
+    return jobs
 
 
 # ----------------------------------------------------------------------------- fixture
@@ -677,6 +789,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=0, help="only the first N samples")
     p.add_argument("--check-greedy", action="store_true", help="baseline vs model.generate")
     p.add_argument("--check-pipeline", action="store_true", help="vs kvpress's own pipeline")
+    p.add_argument(
+        "--share-kvzip",
+        action="store_true",
+        help="one KVzip scoring pass per sample for all --ratio values (run_kvzip_shared)",
+    )
+    p.add_argument(
+        "--check-shared",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --share-kvzip: also run each ratio alone on the first N samples, compare",
+    )
     p.add_argument("--out", required=True, help="results JSON (resumed if present)")
     p = sub.add_parser("fixture", help="write a passkey-style samples JSONL")
     p.add_argument("--model", required=True)

@@ -162,6 +162,32 @@ def test_kvpress_flow_without_press_is_plain_greedy() -> None:
         assert cut == cut_at(stop)
 
 
+def test_plan_jobs_groups_kvzip_ratios_per_sample_after_the_rest() -> None:
+    kv5, kv75 = ("kvpress:kvzip", "kvzip", 0.5, None), ("kvpress:kvzip", "kvzip", 0.75, None)
+    snap = ("kvpress:snapkv", "snapkv", 0.5, None)
+    full = ("full", None, 0.0, None)
+    methods = [full, kv5, snap, kv75]
+    s0, s1 = _sample(index=0), _sample(index=1)
+    done = {("kvpress:kvzip", 0.5, "niah", 1024, 1), ("full", 0.0, "niah", 1024, 0)}
+
+    def named(jobs: list[Any]) -> list[tuple[list[float], int]]:
+        return [([m[2] for m in group], s["index"]) for group, s in jobs]
+
+    shared = rk.plan_jobs(methods, [s0, s1], done, share_kvzip=True)
+    assert [[m[0] for m in g] for g, _ in shared] == [
+        ["full"], ["kvpress:snapkv"], ["kvpress:snapkv"], ["kvpress:kvzip"] * 2, ["kvpress:kvzip"]
+    ]  # fmt: skip
+    # every not-done (method, sample) exactly once; KVzip ratios of one sample in one job, last
+    assert named(shared) == [([0.0], 1), ([0.5], 0), ([0.5], 1), ([0.5, 0.75], 0), ([0.75], 1)]
+    alone = rk.plan_jobs(methods, [s0, s1], done, share_kvzip=False)
+    assert all(len(group) == 1 for group, _ in alone)
+    pairs = sorted((m, s["index"]) for g, s in alone for m in g)
+    assert pairs == sorted((m, s["index"]) for g, s in shared for m in g)
+    assert rk.plan_jobs(methods, [s0, s1], {
+        (m[0], m[2], "niah", 1024, i) for m in methods for i in (0, 1)
+    }, share_kvzip=True) == []  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- merge
 def _kvpress_json(
     path: Path, samples: list[dict[str, Any]], scores: dict[str, list[float]]
