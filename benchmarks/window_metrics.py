@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvlab.evaluation.report import _window_metrics, window_score
+from kvlab.evaluation.report import window_metrics, window_score
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
         if task.get("protocol") != "prefill-score" or task.get("reference") is None:
             continue
         ref = by_key[task["reference"]]
-        m = _window_metrics(window_score(t["result"]), window_score(ref["result"]))
+        m = window_metrics(window_score(t["result"]), window_score(ref["result"]))
         w = task["where"]
         rows.append((w["window"], w["start"], task["method"], m))
     for window, start, method, m in sorted(rows, key=lambda r: (r[0], r[2])):

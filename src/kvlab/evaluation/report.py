@@ -46,6 +46,7 @@ __all__ = [
     "summarize_needle",
     "summarize_prefill_score",
     "summarize_stream",
+    "window_metrics",
     "window_score",
     "write_eval_report",
 ]
@@ -198,7 +199,11 @@ def _held(storage: CacheStorage) -> int:
     return storage.held_bytes
 
 
-def _window_metrics(score: WindowScore, reference: WindowScore) -> dict[str, float]:
+def window_metrics(score: WindowScore, reference: WindowScore) -> dict[str, float]:
+    """One scored window's figures against the ``full`` cache's on the same window: ``ppl``,
+    ``delta_ppl_pct`` (percent), ``kl_mean`` and ``kl_p95`` (nats per scored token; 0 where the
+    score holds no KL), the final and prefill KV bytes (stored and 16-bit), ``model_seconds``
+    and the storage's other counters."""
     import torch
 
     ppl = perplexity(score.nll)
@@ -479,7 +484,7 @@ def _prefill_score(
     for w in range(len(starts)):
         row: dict[str, float] = {}
         for m in methods:
-            for key, value in _window_metrics(scores[m.name][w], reference[w]).items():
+            for key, value in window_metrics(scores[m.name][w], reference[w]).items():
                 row[f"{m.name}/{key}"] = value
         per_seed.append(row)
     raw_results = {
@@ -487,7 +492,7 @@ def _prefill_score(
             {
                 "window": w,
                 "start": starts[w],
-                **_window_metrics(s, reference[w]),
+                **window_metrics(s, reference[w]),
                 "index_bytes": s.storage_final.index_bytes,
                 "details": s.details,
             }
