@@ -1,7 +1,7 @@
 """RULER side by side: one paired accuracy table from kvlab's RULER rows and the kvpress side's
 JSON (benchmarks/ruler_kvpress.py), after checking both ran the same token ids.
 
-Runs in kvlab's venv (or any Python with torch; it imports no kvlab)::
+Runs in kvlab's venv (or any Python with torch; it imports kvlab only for ``--diff``)::
 
     python benchmarks/ruler_side_by_side.py --samples ruler.jsonl \\
         --kvpress runs/ruler/kvpress.json --kvlab runs/ruler/kvlab.json [--json table.json]
@@ -29,6 +29,11 @@ rows naming a (task, length, index) absent from ``--samples`` are refused too.
 Pairing: only samples (task, length, index) that EVERY listed method has are scored, so each
 column compares the methods on the same samples; the count is printed. Accuracy per task is the
 mean score over its paired samples (x100); ``mean`` is the mean over tasks (RULER's average).
+``--diff A B`` (repeatable; labels as the table prints them) adds the paired difference of row
+``A``'s mean minus row ``B``'s on the paired samples with its 95 % percentile-bootstrap interval
+— kvlab's :func:`kvlab.evaluation.ruler_report.paired_bootstrap`, the interval of kvlab's own
+RULER table, so ``--diff`` needs kvlab importable (its venv).
+
 ``kv/full`` is the mean over paired samples of a row's ``cache_bytes_16bit_effective`` (else
 ``cache_bytes_16bit``) over the no-press row's, where both carry it: the fraction of the
 cache's entries kept, at 16 bits (a quantized cache: its real bits over 16). For masked
@@ -150,7 +155,12 @@ def paired_table(
         shared &= set(rows)
     tasks = sorted({k[0] for k in shared})
     full = next((m for m in methods if m.endswith(":full")), None)
-    table: dict[str, Any] = {"paired_samples": len(shared), "tasks": tasks, "rows": {}}
+    table: dict[str, Any] = {
+        "paired_samples": len(shared),
+        "samples": sorted(shared),
+        "tasks": tasks,
+        "rows": {},
+    }
     for label, rows in methods.items():
         per_task = {}
         for task in tasks:
@@ -170,6 +180,32 @@ def paired_table(
                 entry["kv_over_full"] = sum(fracs) / len(fracs)
         table["rows"][label] = entry
     return table
+
+
+def paired_differences(
+    methods: dict[str, dict[Key, dict[str, Any]]],
+    shared: list[Key],
+    diffs: list[tuple[str, str]],
+) -> list[dict[str, Any]]:
+    """``A − B`` in accuracy points for each pair of row labels over the ``shared`` samples,
+    with the paired bootstrap interval (module docstring).
+
+    Raises:
+        SystemExit: a label that is no row of the table, or no shared sample.
+    """
+    from kvlab.evaluation.ruler_report import paired_bootstrap
+
+    out = []
+    for a, b in diffs:
+        for label in (a, b):
+            if label not in methods:
+                raise SystemExit(f"--diff: no row {label!r}; rows: {', '.join(methods)}")
+        if not shared:
+            raise SystemExit("--diff: the rows share no sample")
+        score = {m: {k: float(methods[m][k]["score"]) for k in shared} for m in (a, b)}
+        delta, low, high = paired_bootstrap(score[a], score[b])
+        out.append({"a": a, "b": b, "delta": delta, "low": low, "high": high})
+    return out
 
 
 def render(table: dict[str, Any]) -> str:
@@ -217,6 +253,14 @@ def main(argv: list[str] | None = None) -> None:
         "--kvpress", help="benchmarks/ruler_kvpress.py's JSON (optional: kvlab rows alone)"
     )
     parser.add_argument("--kvlab", action="append", default=[], help="kvlab RULER rows")
+    parser.add_argument(
+        "--diff",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("A", "B"),
+        help="also print row A minus row B, paired, with its bootstrap interval (repeatable)",
+    )
     parser.add_argument("--json", help="also write the table here")
     args = parser.parse_args(argv)
     listed = rk.read_samples(Path(args.samples))
@@ -235,9 +279,13 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 methods[label] = by_key
     table = paired_table(methods, samples)
+    shared = [tuple(k) for k in table["samples"]]
+    table["differences"] = paired_differences(methods, shared, [tuple(d) for d in args.diff])
     print(f"token ids identical to {args.samples} in every row ({len(methods)} methods)")
     print(f"paired samples (held by every method): {table['paired_samples']}\n")
     print(render(table))
+    for d in table["differences"]:
+        print(f"{d['a']} − {d['b']}: {d['delta']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
 

@@ -234,6 +234,19 @@ def test_merge_pairs_on_shared_samples_and_checks_ids(tmp_path: Path, capsys: An
     assert rows["kvpress:snapkv@0.5"]["kv_over_full"] == 0.5
     assert "paired samples (held by every method): 2" in capsys.readouterr().out
 
+    # --diff: A − B on the paired samples, the interval from kvlab's paired bootstrap
+    sbs.main(["--samples", str(spath), "--kvpress", str(kp), "--kvlab", str(kl),
+              "--diff", "kvlab:relay:snapkv@0.5", "kvpress:full",
+              "--json", str(tmp_path / "t.json")])  # fmt: skip
+    (diff,) = json.loads((tmp_path / "t.json").read_text())["differences"]
+    assert (diff["a"], diff["b"]) == ("kvlab:relay:snapkv@0.5", "kvpress:full")
+    assert diff["delta"] == -50.0
+    assert diff["low"] == -100.0 and diff["high"] == 0.0  # resamples of the two differences 0, -1
+    assert "kvlab:relay:snapkv@0.5 − kvpress:full: -50.0 [-100.0, +0.0]" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"no row 'kvpress:tova@0\.5'"):
+        sbs.main(["--samples", str(spath), "--kvpress", str(kp), "--diff", "kvpress:tova@0.5",
+                  "kvpress:full"])  # fmt: skip
+
     # other ids on either side are refused
     kl.write_text(
         json.dumps({"samples_digest": rk.samples_digest(samples[1:]), "rows": kvlab_rows})
