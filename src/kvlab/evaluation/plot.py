@@ -34,39 +34,7 @@ def plot_kl_vs_bytes(summaries: Sequence[Mapping[str, Any]], path: Path, title: 
     Returns:
         ``path`` (parents created).
     """
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120)
-    colors = plt.get_cmap("tab20").colors
-    for i, s in enumerate(summaries):
-        kib = s["kv_bytes_16bit"] / 1024
-        if s["family"] == "full" or s["kl_mean"] <= 0:
-            ax.axvline(
-                kib, color="black", linestyle="--", linewidth=1, label=f"{s['method']} (KL 0)"
-            )
-            continue
-        _, marker = _FAMILY_STYLE.get(s["family"], ("gray", "o"))
-        ax.scatter(
-            [kib],
-            [s["kl_mean"]],
-            color=colors[i % len(colors)],
-            marker=marker,
-            s=44,
-            zorder=3,
-            edgecolors="black",
-            linewidths=0.4,
-            label=s["method"],
-        )
-    ax.set_yscale("log")
-    ax.set_xlabel("KV cache bytes at the end of scoring, normalized to 16-bit floats (KiB)")
-    ax.set_ylabel("mean KL(full ‖ method) per scored token (nats)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _plot_kl_bytes(summaries, path, title, pareto=False)
 
 
 def plot_stream(
@@ -168,13 +136,17 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 
 def plot_pareto(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
-    """Mean KL(full ‖ method) against KV bytes (16-bit normalized) for every method of one
-    model and text, with the Pareto front (fewest bytes for a given KL) as a line; the full
-    cache (KL 0) is a dashed vertical line.
+    """:func:`plot_kl_vs_bytes` with the Pareto front (fewest bytes for a given KL) as a line.
 
     Returns:
         ``path`` (parents created).
     """
+    return _plot_kl_bytes(summaries, path, title, pareto=True)
+
+
+def _plot_kl_bytes(
+    summaries: Sequence[Mapping[str, Any]], path: Path, title: str, *, pareto: bool
+) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120)
     colors = plt.get_cmap("tab20").colors
@@ -202,7 +174,7 @@ def plot_pareto(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) 
             linewidths=0.4,
             label=s["method"],
         )
-    front = pareto_front(points)
+    front = pareto_front(points) if pareto else []
     if front:
         ax.step(
             [points[i][0] for i in front],
