@@ -32,7 +32,8 @@ mean score over its paired samples (x100); ``mean`` is the mean over tasks (RULE
 ``--diff A B`` (repeatable; labels as the table prints them) adds the paired difference of row
 ``A``'s mean minus row ``B``'s on the paired samples with its 95 % percentile-bootstrap interval
 — kvlab's :func:`kvlab.evaluation.ruler_report.paired_bootstrap`, the interval of kvlab's own
-RULER table, so ``--diff`` needs kvlab importable (its venv).
+RULER table, so ``--diff`` needs kvlab importable (its venv) — and the number of those samples
+where the two rows' decoded answers are the same text.
 
 ``kv/full`` is the mean over paired samples of a row's ``cache_bytes_16bit_effective`` (else
 ``cache_bytes_16bit``) over the no-press row's, where both carry it: the fraction of the
@@ -204,7 +205,11 @@ def paired_differences(
             raise SystemExit("--diff: the rows share no sample")
         score = {m: {k: float(methods[m][k]["score"]) for k in shared} for m in (a, b)}
         delta, low, high = paired_bootstrap(score[a], score[b])
-        out.append({"a": a, "b": b, "delta": delta, "low": low, "high": high})
+        texts = [(methods[a][k].get("prediction"), methods[b][k].get("prediction")) for k in shared]
+        same = sum(x is not None and x == y for x, y in texts)
+        out.append(
+            {"a": a, "b": b, "delta": delta, "low": low, "high": high, "same_prediction": same}
+        )
     return out
 
 
@@ -285,7 +290,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"paired samples (held by every method): {table['paired_samples']}\n")
     print(render(table))
     for d in table["differences"]:
-        print(f"{d['a']} − {d['b']}: {d['delta']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]")
+        print(
+            f"{d['a']} − {d['b']}: {d['delta']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]; "
+            f"the same answer text on {d['same_prediction']} of {len(shared)} samples"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
 

@@ -199,6 +199,7 @@ def _kvpress_json(
             rows.append({
                 "method": name, "ratio": float(ratio or 0), "task": s["task"],
                 "length": s["length"], "index": s["index"], "score": score,
+                "prediction": "alpha beta" if score else "none",
                 "ids_sha256": rk.sample_ids_sha256(s),
                 "cache_bytes_16bit": 100 if name == "full" else 50,
             })  # fmt: skip
@@ -242,7 +243,12 @@ def test_merge_pairs_on_shared_samples_and_checks_ids(tmp_path: Path, capsys: An
     assert (diff["a"], diff["b"]) == ("kvlab:relay:snapkv@0.5", "kvpress:full")
     assert diff["delta"] == -50.0
     assert diff["low"] == -100.0 and diff["high"] == 0.0  # resamples of the two differences 0, -1
-    assert "kvlab:relay:snapkv@0.5 − kvpress:full: -50.0 [-100.0, +0.0]" in capsys.readouterr().out
+    # kvpress's full answered "alpha beta" on both samples, kvlab's row on sample 0 only
+    assert diff["same_prediction"] == 1
+    assert (
+        "kvlab:relay:snapkv@0.5 − kvpress:full: -50.0 [-100.0, +0.0]; "
+        "the same answer text on 1 of 2 samples"
+    ) in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"no row 'kvpress:tova@0\.5'"):
         sbs.main(["--samples", str(spath), "--kvpress", str(kp), "--diff", "kvpress:tova@0.5",
                   "kvpress:full"])  # fmt: skip
