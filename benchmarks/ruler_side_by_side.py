@@ -11,8 +11,8 @@ Inputs:
 * ``--samples``: the samples JSONL both sides ran (the format of benchmarks/ruler_kvpress.py).
   Each sample's digest (:func:`ruler_kvpress.sample_ids_sha256`, the sha256 of its
   ``[context_ids, question_ids, outputs]`` in canonical JSON) is recomputed from it.
-* ``--kvpress``: the kvpress side's JSON (``rows`` with ``ids_sha256``); optional, for a table
-  of kvlab rows alone.
+* ``--kvpress`` (optional, repeatable: e.g. one file per process): the kvpress side's JSON
+  (``rows`` with ``ids_sha256``); without it, a table of kvlab rows alone.
 * ``--kvlab`` (optional, repeatable): kvlab's RULER results — a JSON list of rows, an object
   with ``rows``, or a JSONL of rows. A row needs ``task``, ``length``, ``index``, ``method``
   and ``score`` (or ``prediction``, then scored here with the sample's metric); ``ratio`` is
@@ -20,7 +20,8 @@ Inputs:
   ``samples_digest`` (top level or under ``provenance``) equal to the digest of the samples
   the file's rows name, in ``--samples`` order.
 
-A method in several files (``full``, which every kvlab RULER run includes) is merged: where two
+A method in several files (``full``, which every kvlab RULER run includes, or a press split
+over processes) is merged: where two
 files hold the same sample they must give the same score and prediction.
 
 Any row whose digest differs from its sample's is refused (the tools fed different tokens);
@@ -255,7 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--samples", required=True)
     parser.add_argument(
-        "--kvpress", help="benchmarks/ruler_kvpress.py's JSON (optional: kvlab rows alone)"
+        "--kvpress",
+        action="append",
+        default=[],
+        help="benchmarks/ruler_kvpress.py's JSON (repeatable: one file per process; optional: "
+        "kvlab rows alone)",
     )
     parser.add_argument("--kvlab", action="append", default=[], help="kvlab RULER rows")
     parser.add_argument(
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     order = [(s["task"], int(s["length"]), int(s["index"])) for s in listed]
     samples = dict(zip(order, listed, strict=True))
     methods: dict[str, dict[Key, dict[str, Any]]] = {}
-    inputs = [(Path(args.kvpress), "kvpress")] if args.kvpress else []
+    inputs = [(Path(p), "kvpress") for p in args.kvpress]
     inputs += [(Path(p), "kvlab") for p in args.kvlab]
     if not inputs:
         raise SystemExit("give --kvpress and/or --kvlab rows")
