@@ -49,6 +49,7 @@ import importlib.util
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -186,8 +187,8 @@ def paired_table(
 
 def paired_differences(
     methods: dict[str, dict[Key, dict[str, Any]]],
-    shared: list[Key],
-    diffs: list[tuple[str, str]],
+    shared: Sequence[Key],
+    diffs: Sequence[Sequence[str]],
 ) -> list[dict[str, Any]]:
     """``A − B`` in accuracy points for each pair of row labels over the ``shared`` samples,
     with the paired bootstrap interval (module docstring).
@@ -197,13 +198,13 @@ def paired_differences(
     """
     from kvlab.evaluation.ruler_report import paired_bootstrap
 
+    if diffs and not shared:
+        raise SystemExit("--diff: the rows share no sample")
     out = []
     for a, b in diffs:
         for label in (a, b):
             if label not in methods:
                 raise SystemExit(f"--diff: no row {label!r}; rows: {', '.join(methods)}")
-        if not shared:
-            raise SystemExit("--diff: the rows share no sample")
         score = {m: {k: float(methods[m][k]["score"]) for k in shared} for m in (a, b)}
         delta, low, high = paired_bootstrap(score[a], score[b])
         texts = [(methods[a][k].get("prediction"), methods[b][k].get("prediction")) for k in shared]
@@ -289,8 +290,8 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 methods[label] = by_key
     table = paired_table(methods, samples)
-    shared = [tuple(k) for k in table["samples"]]
-    table["differences"] = paired_differences(methods, shared, [tuple(d) for d in args.diff])
+    shared = table["samples"]
+    table["differences"] = paired_differences(methods, shared, args.diff)
     print(f"token ids identical to {args.samples} in every row ({len(methods)} methods)")
     print(f"paired samples (held by every method): {table['paired_samples']}\n")
     print(render(table))
