@@ -68,12 +68,22 @@ def _reference_scores(
     return scores
 
 
+#: a chat template's prefix and suffix ids (ReconstructionPrompt.chat_prefix_ids / _suffix_ids)
+CHAT = dict(chat_prefix_ids=(1, 2, 3, 4, 3, 2), chat_suffix_ids=(4, 3))
+
+
+@pytest.mark.parametrize("templated", [False, True])
 @pytest.mark.parametrize("observe", [0, 6])
 @pytest.mark.parametrize("chunk_tokens", [2048, 16])
-def test_reconstruction_scores_match_float64_eager_reference(make_llama, chunk_tokens, observe):
+def test_reconstruction_scores_match_float64_eager_reference(
+    make_llama, chunk_tokens, observe, templated
+):
     model = make_llama(seed=41)
     ids = _ids(40, seed=42)
-    prompt = ReconstructionPrompt(**PROMPT, chunk_tokens=chunk_tokens, overlap=3)
+    prompt = ReconstructionPrompt(**PROMPT, **CHAT, chunk_tokens=chunk_tokens, overlap=3)
+    if templated:  # the context starts with the chat prefix: rebuilt after it, chat suffix
+        ids[0, :6] = torch.tensor(CHAT["chat_prefix_ids"])
+        assert prompt.chunks(ids[0].tolist())[0].start == 6
     scorer = KVzipScorer(prompt=prompt, prefill_queries=observe)
     config = EvictionConfig(ratio=0.5, scorer=scorer, window_tokens=0)
     cache = _prefill(model, config, ids)

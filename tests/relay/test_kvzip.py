@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvlab.relay.kvzip as kvzip_module
 from kvlab.relay import KVzipScorer, ReconstructionPrompt, reconstruction_attention
-from kvlab.relay.kvzip import reconstruction_attention_reference
+from kvlab.relay.kvzip import chat_template_parts, reconstruction_attention_reference
 from kvlab.relay.scorers import ScoreInputs
 
 
@@ -240,9 +240,58 @@ def test_prompt_chunks_follow_kvpress_layout():
     assert ReconstructionPrompt(**prompt.settings()) == prompt
 
 
+def test_prompt_chunks_of_a_templated_context_start_after_the_chat_prefix():
+    prompt = ReconstructionPrompt(
+        (7, 8), (9,), (5,), chunk_tokens=4, overlap=2, chat_prefix_ids=(1, 2), chat_suffix_ids=(3,)
+    )
+    chunks = prompt.chunks([1, 2, *range(100, 106)])
+    assert [(c.start, c.end) for c in chunks] == [(2, 6), (6, 8)]
+    assert chunks[0].ids == (7, 8, 3, 100, 101, 102, 103)
+    assert chunks[1].ids == (9, 102, 103, 3, 104, 105)
+    # a context without the prefix (raw text), or the prefix alone, is rebuilt whole as before
+    assert prompt.chunks([1, 9, 100])[0].ids == (7, 8, 5, 1, 9, 100)
+    assert prompt.chunks([1, 2])[0].ids == (7, 8, 5, 1, 2)
+    assert ReconstructionPrompt(**prompt.settings()) == prompt
+
+
+class _ChatMLTokenizer:
+    """A tokenizer stand-in with a ChatML chat template (Qwen2.5's layout) and one id per
+    character."""
+
+    chat_template = "chatml"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, enable_thinking):
+        assert not tokenize and add_generation_prompt
+        text = "<s>system\nYou help.</s>\n"
+        for m in messages:
+            text += f"<s>{m['role']}\n{m['content']}</s>\n"
+        return text + "<s>assistant\n"
+
+    def encode(self, text, add_special_tokens):
+        return [ord(c) for c in text]
+
+
+def test_from_tokenizer_takes_the_chat_templates_prefix_and_suffix():
+    assert chat_template_parts(_ChatMLTokenizer()) == (
+        "<s>system\nYou help.</s>\n<s>user\n",
+        "</s>\n<s>assistant\n",
+    )
+    prompt = ReconstructionPrompt.from_tokenizer(_ChatMLTokenizer())
+    assert prompt.chat_prefix_ids == tuple(map(ord, "<s>system\nYou help.</s>\n<s>user\n"))
+    assert prompt.chat_suffix_ids == tuple(map(ord, "</s>\n<s>assistant\n"))
+    assert prompt.suffix_ids == (ord("\n"),)
+    raw = ReconstructionPrompt.from_tokenizer(_ChatMLTokenizer(), chat=False)
+    assert raw.chat_prefix_ids == raw.chat_suffix_ids == ()
+    plain = _ChatMLTokenizer()
+    plain.chat_template = None
+    assert chat_template_parts(plain) is None
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
+        dict(first_ids=(1,), next_ids=(1,), suffix_ids=(), chat_prefix_ids=(1,)),
+        dict(first_ids=(1,), next_ids=(1,), suffix_ids=(), chat_suffix_ids=(1,)),
         dict(first_ids=(), next_ids=(1,), suffix_ids=()),
         dict(first_ids=(1,), next_ids=(1,), suffix_ids=(), chunk_tokens=0),
         dict(first_ids=(1,), next_ids=(1,), suffix_ids=(), overlap=-1),

@@ -19,6 +19,14 @@ are normalized over the first ``min(n_sink, s)`` context tokens, the chunk and t
 tokens only, and only the chunk's tokens are scored (kvpress's ``_compute_cross_attention``).
 The pass's tokens are never stored: the cache keeps the context only.
 
+A context rendered in the model's chat template (it starts with the template's text before a
+user message, as a chat model's prompt does in kvpress's pipeline and in RULER) is rebuilt as
+kvpress does for a tokenizer with a template: the request is followed by the template's end of
+the user turn and start of the assistant's (``"<|im_end|>\\n<|im_start|>assistant\\n"`` for
+Qwen2.5) instead of ``"\\n"``, and only the tokens after the template's prefix are rebuilt and
+scored (chunks start there; the prefix is never scored, so it stays only where the policy's
+sinks or protected window keep it).
+
 This module holds the model-free parts: the prompt (:class:`ReconstructionPrompt`), the
 attention of one pass over one sequence that also returns the scores
 (:func:`reconstruction_attention`) and the scorer (:class:`KVzipScorer`) that turns the scores
@@ -45,6 +53,7 @@ __all__ = [
     "KVzipScorer",
     "ReconstructionChunk",
     "ReconstructionPrompt",
+    "chat_template_parts",
     "reconstruction_attention",
     "reconstruction_attention_reference",
 ]
@@ -67,19 +76,34 @@ class ReconstructionChunk:
 
 @dataclass(frozen=True)
 class ReconstructionPrompt:
-    """The token ids of KVzip's repeat request, without a chat template (raw-text contexts).
+    """The token ids of KVzip's repeat request, for raw-text contexts and, when the tokenizer
+    has a chat template, for contexts rendered in it.
+
+    A context that starts with ``chat_prefix_ids`` (the template's text before a user message:
+    a chat model's prompt as kvpress's pipeline and RULER lay it out) is reconstructed the way
+    kvpress 0.5.5's ``KVzipPress`` does for a tokenizer with a chat template: the passes rebuild
+    the tokens after that prefix only (so the prefix is never scored: it stays where the
+    policy's sink tokens or protected window keep it), and the request is followed by
+    ``chat_suffix_ids`` (the template's end of the user turn and start of the assistant's) in
+    place of ``suffix_ids``. Any other context (raw text) uses ``suffix_ids`` and is rebuilt
+    whole.
 
     Attributes:
         first_ids: ``FIRST_PROMPT`` tokenized (no special tokens).
         next_ids: ``NEXT_PROMPT`` tokenized; later chunks append the previous chunk's last
             ``overlap`` tokens to it.
-        suffix_ids: what separates the request from the repeated text (KVzip's ``"\\n"`` for
-            models without a chat template).
+        suffix_ids: what separates the request from the repeated text of a raw-text context
+            (KVzip's ``"\\n"`` for models without a chat template).
         chunk_tokens: context tokens reconstructed per pass (KVzip's 2048).
         overlap: tokens of the previous chunk quoted in a later chunk's request (KVzip's 8).
+        chat_prefix_ids: the chat template's ids before a user message (kvpress's
+            ``prefix_length`` of them), or ``()`` without a template.
+        chat_suffix_ids: the chat template's ids after a user message with the generation
+            prompt (kvpress's ``_suffix_ids``), or ``()``; set with ``chat_prefix_ids``.
 
     Raises:
-        ValueError: empty ``first_ids``, ``chunk_tokens < 1`` or ``overlap < 0``.
+        ValueError: empty ``first_ids``, ``chunk_tokens < 1``, ``overlap < 0``, or only one of
+            ``chat_prefix_ids`` and ``chat_suffix_ids`` given.
     """
 
     first_ids: tuple[int, ...]
@@ -87,6 +111,8 @@ class ReconstructionPrompt:
     suffix_ids: tuple[int, ...]
     chunk_tokens: int = 2048
     overlap: int = 8
+    chat_prefix_ids: tuple[int, ...] = ()
+    chat_suffix_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.first_ids:
@@ -95,25 +121,37 @@ class ReconstructionPrompt:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if self.overlap < 0:
             raise ValueError(f"overlap must be >= 0, got {self.overlap}")
-        for name in ("first_ids", "next_ids", "suffix_ids"):
+        if bool(self.chat_prefix_ids) != bool(self.chat_suffix_ids):
+            raise ValueError("chat_prefix_ids and chat_suffix_ids are set together")
+        for name in ("first_ids", "next_ids", "suffix_ids", "chat_prefix_ids", "chat_suffix_ids"):
             object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: Any, *, suffix: str = "\n", chunk_tokens: int = 2048, overlap: int = 8
+        cls,
+        tokenizer: Any,
+        *,
+        suffix: str = "\n",
+        chunk_tokens: int = 2048,
+        overlap: int = 8,
+        chat: bool = True,
     ) -> ReconstructionPrompt:
         """KVzip's prompts tokenized by ``tokenizer`` (``tokenizer.encode(text,
-        add_special_tokens=False)``)."""
+        add_special_tokens=False)``), with the chat template's prefix and suffix when it has a
+        template and ``chat`` (:func:`chat_template_parts`)."""
 
         def encode(text: str) -> tuple[int, ...]:
             return tuple(int(i) for i in tokenizer.encode(text, add_special_tokens=False))
 
+        parts = chat_template_parts(tokenizer) if chat else None
         return cls(
             first_ids=encode(FIRST_PROMPT),
             next_ids=encode(NEXT_PROMPT),
             suffix_ids=encode(suffix),
             chunk_tokens=chunk_tokens,
             overlap=overlap,
+            chat_prefix_ids=encode(parts[0]) if parts else (),
+            chat_suffix_ids=encode(parts[1]) if parts else (),
         )
 
     def settings(self) -> dict[str, Any]:
@@ -124,24 +162,61 @@ class ReconstructionPrompt:
             "suffix_ids": list(self.suffix_ids),
             "chunk_tokens": self.chunk_tokens,
             "overlap": self.overlap,
+            "chat_prefix_ids": list(self.chat_prefix_ids),
+            "chat_suffix_ids": list(self.chat_suffix_ids),
         }
+
+    def templated(self, context: Sequence[int]) -> bool:
+        """Whether ``context`` starts with the chat template's prefix (and holds more)."""
+        p = len(self.chat_prefix_ids)
+        return bool(p) and len(context) > p and tuple(context[:p]) == self.chat_prefix_ids
 
     def chunks(self, context: Sequence[int]) -> list[ReconstructionChunk]:
         """The passes that reconstruct ``context`` (a sequence's stored tokens, stream order):
-        chunk ``c`` covers ``[c * chunk_tokens, (c + 1) * chunk_tokens)``; its ids are
-        ``first_ids`` (chunk 0) or ``next_ids`` + the previous chunk's last ``overlap`` ids,
-        then ``suffix_ids``, then the chunk's ids (kvpress's ``KVzipPress.prepare``)."""
+        with ``p`` the length of the chat prefix when the context is :meth:`templated` (else
+        0), chunk ``c`` covers ``[p + c * chunk_tokens, p + (c + 1) * chunk_tokens)``; its ids
+        are ``first_ids`` (chunk 0) or ``next_ids`` + the previous chunk's last ``overlap``
+        ids, then ``chat_suffix_ids`` (templated) or ``suffix_ids``, then the chunk's ids
+        (kvpress's ``KVzipPress.prepare``)."""
         ctx = [int(i) for i in context]
+        chat = self.templated(ctx)
+        first = len(self.chat_prefix_ids) if chat else 0
+        suffix = list(self.chat_suffix_ids if chat else self.suffix_ids)
         out = []
-        for start in range(0, len(ctx), self.chunk_tokens):
+        for start in range(first, len(ctx), self.chunk_tokens):
             end = min(start + self.chunk_tokens, len(ctx))
-            if start == 0:
+            if start == first:
                 request = list(self.first_ids)
             else:
-                request = list(self.next_ids) + ctx[max(0, start - self.overlap) : start]
-            ids = tuple(request + list(self.suffix_ids) + ctx[start:end])
+                request = list(self.next_ids) + ctx[max(first, start - self.overlap) : start]
+            ids = tuple(request + suffix + ctx[start:end])
             out.append(ReconstructionChunk(start=start, end=end, ids=ids))
         return out
+
+
+def chat_template_parts(tokenizer: Any) -> tuple[str, str] | None:
+    """The text a tokenizer's chat template puts before and after a user message (the latter
+    with the generation prompt), found as kvpress 0.5.5's ``KVzipPress`` finds them: render a
+    dummy message followed by a separator, split there. ``None`` without a chat template.
+
+    Raises:
+        ValueError: a template that does not render the dummy message as given.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": dummy + separator}],
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=False,
+    )
+    head, found, suffix = text.partition(separator)
+    prefix, dummy_found, _ = head.partition(dummy)
+    if not found or not dummy_found:
+        raise ValueError("the chat template does not render a user message as given")
+    return prefix, suffix
 
 
 #: PyTorch's CPU flash attention returning the log-sum-exp, or ``None`` in a build without it.
