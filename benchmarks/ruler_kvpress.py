@@ -476,6 +476,40 @@ def run_kvzip_shared(
     return out
 
 
+def kvzip_kept(model: Any, tokenizer: Any, sample: dict[str, Any], ratio: float) -> list[Any]:
+    """The context positions ``KVzipPress(ratio)`` keeps in one sample: per decoder layer, per
+    kv head, the sorted indices it does not mask (``masked_key_indices``' complement), the
+    sample's context chat-templated or not as :func:`side_run` decides."""
+    import kvpress as kp
+    from transformers import DynamicCache
+
+    context = torch.tensor([sample["context_ids"]], dtype=torch.int64)
+    prefix = chat_prefix_ids(tokenizer)
+    templated = bool(prefix) and sample["context_ids"][: len(prefix)] == prefix
+    press = kp.KVzipPress(compression_ratio=ratio)
+    with torch.no_grad(), kvzip_tokenizer(tokenizer, templated), press(model):
+        model.model(input_ids=context, past_key_values=DynamicCache())
+    n, heads = context.shape[1], model.config.num_key_value_heads
+    kept = []
+    for layer in model.model.layers:
+        _, head, seq = layer.self_attn.masked_key_indices
+        masked = [set(seq[head == h].tolist()) for h in range(heads)]
+        kept.append([[i for i in range(n) if i not in masked[h]] for h in range(heads)])
+    return kept
+
+
+def side_kept(args: argparse.Namespace) -> None:
+    """``kept``: :func:`kvzip_kept` of the samples named ``TASK:INDEX``, as JSON ``{"TASK:INDEX":
+    [layers][kv heads][positions]}`` (what benchmarks/kvzip_needle_retention.py compares)."""
+    samples = {f"{s['task']}:{s['index']}": s for s in read_samples(Path(args.samples))}
+    missing = [name for name in args.sample if name not in samples]
+    if missing:
+        raise SystemExit(f"not in {args.samples}: {missing}")
+    model, tokenizer = load(Path(args.model))
+    out = {name: kvzip_kept(model, tokenizer, samples[name], args.ratio) for name in args.sample}
+    Path(args.out).write_text(json.dumps(out))
+
+
 def greedy_reference(model: Any, sample: dict[str, Any], stops: list[int]) -> list[int]:
     """``model.generate`` greedy on context + question ids (the no-press check)."""
     ids = torch.tensor([sample["context_ids"] + sample["question_ids"]], dtype=torch.int64)
@@ -802,6 +836,12 @@ def main(argv: list[str] | None = None) -> None:
         help="with --share-kvzip: also run each ratio alone on the first N samples, compare",
     )
     p.add_argument("--out", required=True, help="results JSON (resumed if present)")
+    p = sub.add_parser("kept", help="KVzipPress's kept positions per layer and kv head")
+    p.add_argument("--samples", required=True, help="samples JSONL (module docstring)")
+    p.add_argument("--model", required=True, help="the .gguf file")
+    p.add_argument("--sample", action="append", required=True, help="TASK:INDEX (repeat)")
+    p.add_argument("--ratio", type=float, required=True, help="compression_ratio")
+    p.add_argument("--out", required=True, help="JSON output")
     p = sub.add_parser("fixture", help="write a passkey-style samples JSONL")
     p.add_argument("--model", required=True)
     p.add_argument("--tokens", type=int, default=1024, help="about this many context tokens")
@@ -813,6 +853,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.press and not args.ratio:
             args.ratio = list(RATIOS)
         side_run(args)
+    elif args.cmd == "kept":
+        side_kept(args)
     else:
         side_fixture(args)
 
