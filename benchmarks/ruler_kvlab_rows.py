@@ -7,7 +7,8 @@ the configuration the raw file records (tasks, lengths, samples, seed, chat temp
 default or ``--text`` haystack) through :func:`kvlab.evaluation.ruler_protocol.ruler_units`,
 checks every row's context and question token counts against them, and writes one row per
 (method, sample) with ``ids_sha256`` — the digest of ``[context_ids, question_ids, outputs]``
-that ruler_side_by_side.py compares with the samples file both tools ran::
+that ruler_side_by_side.py compares with the samples file both tools ran (``--suffix`` renames
+the methods, so two runs of other code can share a table)::
 
     python benchmarks/ruler_kvlab_rows.py runs/ruler-qwen05/raw-ruler-cpu.json \\
         --model qwen2.5-coder-0.5b --out runs/ruler-qwen05/kvlab-rows.json
@@ -35,6 +36,12 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="the model spec the run used")
     parser.add_argument("--text", type=Path, help="the --text the run used (default: none)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--suffix",
+        default="",
+        help="appended to every method name (rows of two code versions in one table, e.g. "
+        "' (2dfe3dc)')",
+    )
     args = parser.parse_args()
 
     from kvlab.data import load_text
@@ -66,7 +73,7 @@ def main() -> None:
                     "task": r["task"],
                     "length": r["length"],
                     "index": r["index"],
-                    "method": method,
+                    "method": method + args.suffix,
                     "score": r["score"],
                     "prediction": r["prediction"],
                     "cache_bytes": r["storage"]["kv_bytes"],
