@@ -254,6 +254,43 @@ def test_prompt_chunks_of_a_templated_context_start_after_the_chat_prefix():
     assert ReconstructionPrompt(**prompt.settings()) == prompt
 
 
+def _kvpress_layout(ctx, prompt, prefix_length, chunk_size):
+    """kvpress 0.5.5 ``KVzipPress.prepare`` on plain lists (an independent re-statement):
+    ``[(start, end, ids)]`` in context indices, the chunks of ``ctx[prefix_length:]``."""
+    body = ctx[prefix_length:]
+    pieces = [body[i : i + chunk_size] for i in range(0, len(body), chunk_size)]
+    out, start = [], prefix_length
+    for i, piece in enumerate(pieces):
+        if i == 0:
+            request = list(prompt.first_ids)
+        else:
+            request = list(prompt.next_ids) + pieces[i - 1][-prompt.overlap :]
+        suffix = prompt.chat_suffix_ids if prefix_length else prompt.suffix_ids
+        out.append((start, start + len(piece), tuple(request + list(suffix) + piece)))
+        start += len(piece)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prefix=st.integers(1, 5),
+    body=st.integers(1, 30),
+    chunk=st.integers(1, 9),
+    overlap=st.integers(1, 12),
+    templated=st.booleans(),
+)
+def test_prompt_chunks_equal_kvpress_prepare(prefix, body, chunk, overlap, templated):
+    prompt = ReconstructionPrompt(
+        (7, 8), (9,), (5,), chunk_tokens=chunk, overlap=overlap,
+        chat_prefix_ids=tuple(range(1, prefix + 1)), chat_suffix_ids=(3, 4),
+    )  # fmt: skip
+    head = list(range(1, prefix + 1)) if templated else [0] * prefix
+    ctx = head + list(range(100, 100 + body))
+    want = _kvpress_layout(ctx, prompt, prefix if templated else 0, chunk)
+    got = [(c.start, c.end, c.ids) for c in prompt.chunks(ctx)]
+    assert got == want
+
+
 class _ChatMLTokenizer:
     """A tokenizer stand-in with a ChatML chat template (Qwen2.5's layout) and one id per
     character."""
@@ -285,6 +322,16 @@ def test_from_tokenizer_takes_the_chat_templates_prefix_and_suffix():
     plain = _ChatMLTokenizer()
     plain.chat_template = None
     assert chat_template_parts(plain) is None
+
+
+def test_from_tokenizer_without_text_before_the_user_message_rebuilds_as_raw_text():
+    class Bare(_ChatMLTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize, enable_thinking):
+            return messages[0]["content"] + "\n\nAssistant:"
+
+    assert chat_template_parts(Bare()) == ("", "\n\nAssistant:")
+    prompt = ReconstructionPrompt.from_tokenizer(Bare())
+    assert prompt.chat_prefix_ids == prompt.chat_suffix_ids == ()
 
 
 @pytest.mark.parametrize(

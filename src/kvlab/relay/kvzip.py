@@ -138,12 +138,18 @@ class ReconstructionPrompt:
     ) -> ReconstructionPrompt:
         """KVzip's prompts tokenized by ``tokenizer`` (``tokenizer.encode(text,
         add_special_tokens=False)``), with the chat template's prefix and suffix when it has a
-        template and ``chat`` (:func:`chat_template_parts`)."""
+        template and ``chat`` (:func:`chat_template_parts`) and the template puts text before a
+        user message (without such text a templated context cannot be told from raw text: every
+        context is then rebuilt as raw text, where kvpress would use the template's suffix)."""
 
         def encode(text: str) -> tuple[int, ...]:
             return tuple(int(i) for i in tokenizer.encode(text, add_special_tokens=False))
 
         parts = chat_template_parts(tokenizer) if chat else None
+        if parts is not None and not parts[0]:
+            # no text before the user message: a templated context cannot be told from raw
+            # text, so every context is rebuilt as raw text
+            parts = None
         return cls(
             first_ids=encode(FIRST_PROMPT),
             next_ids=encode(NEXT_PROMPT),
@@ -176,8 +182,8 @@ class ReconstructionPrompt:
         with ``p`` the length of the chat prefix when the context is :meth:`templated` (else
         0), chunk ``c`` covers ``[p + c * chunk_tokens, p + (c + 1) * chunk_tokens)``; its ids
         are ``first_ids`` (chunk 0) or ``next_ids`` + the previous chunk's last ``overlap``
-        ids, then ``chat_suffix_ids`` (templated) or ``suffix_ids``, then the chunk's ids
-        (kvpress's ``KVzipPress.prepare``)."""
+        ids (the whole chunk when it is shorter), then ``chat_suffix_ids`` (templated) or
+        ``suffix_ids``, then the chunk's ids (kvpress's ``KVzipPress.prepare``)."""
         ctx = [int(i) for i in context]
         chat = self.templated(ctx)
         first = len(self.chat_prefix_ids) if chat else 0
@@ -188,7 +194,8 @@ class ReconstructionPrompt:
             if start == first:
                 request = list(self.first_ids)
             else:
-                request = list(self.next_ids) + ctx[max(first, start - self.overlap) : start]
+                quoted = min(self.overlap, self.chunk_tokens)  # from the previous chunk only
+                request = list(self.next_ids) + ctx[start - quoted : start]
             ids = tuple(request + suffix + ctx[start:end])
             out.append(ReconstructionChunk(start=start, end=end, ids=ids))
         return out
