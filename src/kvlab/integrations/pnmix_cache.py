@@ -318,9 +318,10 @@ class PNMixLayer(CacheLayerMixin):
         removes the tokens the last forward appended as decode steps."""
         return self._shared.recording
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: object) -> None:
         """Record decode-phase tokens so that :meth:`crop` can remove them (every PN-Mix layer
-        of the cache: they share the flag)."""
+        of the cache: they share the flag). ``kwargs`` (``transformers`` >= 5.25 passes
+        ``recurrent_states_to_keep``, which only linear-attention layers use) are ignored."""
         self._shared.recording = True
 
     def attend_plain(
@@ -761,14 +762,16 @@ class PNMixModelCache(Cache):
         shared.guard = ForwardGuard(self.layers)  # atomic failure with leading window layers
 
     # ---------------- speculative decoding (docs/design.md, "Cache life cycle": crop)
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: object) -> None:
         """Record from now on (``transformers``' ``generate(assistant_model=...)`` and
-        prompt-lookup decoding call this first): each forward's decode-phase tokens — every
-        token after the prompt's end (:meth:`expect_prompt`) — are appended as one-token decode
-        steps, so a multi-token forward attends and stores exactly as the one-token forwards
-        of a plain run would, and :meth:`crop` can remove them; window layers keep their
-        states until the next ``crop`` (``transformers``' own recording)."""
-        super().activate_past_recording()
+        prompt-lookup decoding call this first; ``kwargs``, such as ``transformers`` >=
+        5.25's ``recurrent_states_to_keep``, pass on to the layers): each forward's
+        decode-phase tokens — every token after the prompt's end (:meth:`expect_prompt`) — are
+        appended as one-token decode steps, so a multi-token forward attends and stores exactly
+        as the one-token forwards of a plain run would, and :meth:`crop` can remove them;
+        window layers keep their states until the next ``crop`` (``transformers``' own
+        recording)."""
+        super().activate_past_recording(**kwargs)
 
     def expect_prompt(self, tokens: int) -> None:
         """Mark where the prompt ends: token columns ``tokens`` (``input_ids.shape[1]`` of the

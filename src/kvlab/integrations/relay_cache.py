@@ -133,12 +133,13 @@ class RelayModelCache(Cache):
     #: why a subclass refuses speculative decoding (``None``: it does not)
     _speculative_refusal: str | None = None
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: object) -> None:
         """Record from now on (``transformers``' ``generate(assistant_model=...)`` and
-        prompt-lookup decoding call this first, before any forward): a forward's tokens
-        after the prompt's end (:meth:`expect_prompt`) are appended after the prompt's
-        eviction and attend as one-token forwards would, and :meth:`crop` can remove them;
-        window layers keep their states until the next ``crop`` (``transformers``' own
+        prompt-lookup decoding call this first, before any forward; ``kwargs``, such as
+        ``transformers`` >= 5.25's ``recurrent_states_to_keep``, pass on to the layers): a
+        forward's tokens after the prompt's end (:meth:`expect_prompt`) are appended after the
+        prompt's eviction and attend as one-token forwards would, and :meth:`crop` can remove
+        them; window layers keep their states until the next ``crop`` (``transformers``' own
         recording). Capacity mode runs decode-phase tokens one step at a time (each may evict)
         and copies a layer's state before each, so a crop may go past an eviction.
 
@@ -161,7 +162,7 @@ class RelayModelCache(Cache):
             )
         for layer in self._relay_layers():
             layer.forward_state.recording = True
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)
 
     def expect_prompt(self, tokens: int) -> None:
         """Mark where the prompt ends: token columns ``tokens`` (``input_ids.shape[1]`` of the
