@@ -4,12 +4,14 @@ attention kernel, and the same greedy answer (kvlab.evaluation.questions)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny_models import FAMILIES
 
 from kvlab.evaluation.methods import parse_method
-from kvlab.evaluation.questions import answer, compress_context
+from kvlab.evaluation.questions import answer, answer_nll, compress_context
 from kvlab.integrations.prefill_replay import attention_modules, capture_prefill, replay_prefill
 
 CONTEXT = 160
@@ -268,3 +270,60 @@ def test_answer_on_a_cache_that_cannot_be_copied_says_how() -> None:
     compressed.cache = Uncopyable()
     with pytest.raises(ValueError, match="copy_cache=False"):
         answer(model, compressed, question, max_new_tokens=2)
+
+
+def test_answer_nll_full_is_the_plain_forward_and_changes_nothing() -> None:
+    """``full``: the answer's NLL is the log-softmax of one plain forward over context +
+    question + answer (float64 of its logits); the compressed cache is not touched."""
+    model = FAMILIES["llama"].build(seed=2)
+    context, question = _inputs(9)
+    reply = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    compressed = compress_context(model, context, parse_method("full"))
+    before = compressed.cache.get_seq_length()
+    got = answer_nll(model, compressed, question, reply)
+    ids = torch.cat([context, question, reply], dim=1)
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()
+    start = context.shape[1] + question.shape[1] - 1
+    want = -torch.log_softmax(logits[start : start + 5], dim=-1)
+    want = want.gather(1, reply[0].view(-1, 1)).view(-1)
+    assert len(got) == 5
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=1e-4)
+    assert compressed.cache.get_seq_length() == before
+
+
+@pytest.mark.parametrize("name", ["relay:snapkv@0.5", "evict-no-relay:kvzip@0.5", "pn-mix"])
+def test_answer_nll_scores_what_the_greedy_decode_saw(name: str) -> None:
+    """On a compressed cache (own RoPE positions, a reconstruction pass, packed codes), the
+    one teacher-forced forward gives the distributions the decode steps saw: at every step
+    the probabilities of all vocabulary tokens after the greedy prefix sum to 1 and the
+    greedy token has the largest; a prefix's NLLs are the whole answer's first ones."""
+    model = FAMILIES["llama"].build(seed=3)
+    method = parse_method(name, protocol="ruler")
+    context, question = _inputs(10)
+    compressed = compress_context(model, context, method, prepared=_prepared(method, 2))
+    reply = answer(model, compressed, question, max_new_tokens=3)
+    ids = torch.tensor([reply.tokens], dtype=torch.int64)
+    nll = answer_nll(model, compressed, question, ids)
+    assert len(nll) == len(reply.tokens)
+    vocab = model.config.vocab_size
+    for step in range(len(reply.tokens)):
+        prefix = ids[:, :step]
+        last = [
+            answer_nll(model, compressed, question, torch.cat([prefix, torch.tensor([[t]])], 1))
+            for t in range(vocab)
+        ]
+        probs = torch.tensor([math.exp(-x[-1]) for x in last], dtype=torch.float64)
+        assert abs(float(probs.sum()) - 1.0) < 1e-6
+        assert int(probs.argmax()) == reply.tokens[step]
+        assert last[reply.tokens[step]] == pytest.approx(nll[: step + 1], abs=1e-4)
+
+
+def test_answer_nll_refuses_bad_ids() -> None:
+    model = FAMILIES["llama"].build(seed=2)
+    context, question = _inputs(11)
+    compressed = compress_context(model, context, parse_method("full"))
+    with pytest.raises(ValueError, match="answer_ids"):
+        answer_nll(model, compressed, question, torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="question_ids"):
+        answer_nll(model, compressed, question.float(), torch.ones(1, 2, dtype=torch.int64))

@@ -19,7 +19,10 @@ a question is a continuation, never part of the prompt an eviction cache evicts.
 :func:`answer` feeds the question's tokens in one forward (at the cache's own RoPE positions
 where it keeps them), then decodes greedily one token at a time until a stop token or
 ``max_new_tokens``; each answer runs on a deep copy of the compressed cache unless told
-otherwise, so several questions see the same compressed context.
+otherwise, so several questions see the same compressed context. :func:`answer_nll` scores a
+given answer instead (teacher forcing): the negative log-likelihood of its tokens after the
+question, a per-sample measure of how far a compressed cache moves the model from a reference
+answer (e.g. the full cache's own), finer than a right-or-wrong score.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kvlab.evaluation.protocols import _position_kwargs, cache_keyword
 from kvlab.integrations.attention import use_attention
 from kvlab.integrations.prefill_replay import PrefillCapture, replay_prefill
 
-__all__ = ["Answer", "CompressedContext", "answer", "compress_context"]
+__all__ = ["Answer", "CompressedContext", "answer", "answer_nll", "compress_context"]
 
 
 @dataclass
@@ -221,3 +224,42 @@ def answer(
         seconds=time.perf_counter() - start,
         storage=cache_storage(cache),
     )
+
+
+@torch.no_grad()
+def answer_nll(
+    model: Any,
+    compressed: CompressedContext,
+    question_ids: Tensor,
+    answer_ids: Tensor,
+) -> list[float]:
+    """Teacher-forced negative log-likelihood of ``answer_ids`` (int64 ``[1, A]``) after the
+    compressed context and ``question_ids`` (int64 ``[1, Q]``), on a deep copy of the cache:
+    one forward of the ``Q + A`` tokens (at the cache's own RoPE positions where it keeps
+    them), as :func:`answer`'s question forward followed by its decode steps would see them.
+
+    Returns:
+        ``A`` values in nats (float64 of the float32 logits' log-softmax): token ``i``'s
+        ``-log p(answer_ids[i] | context, question, answer_ids[:i])``.
+
+    Raises:
+        ValueError: ``question_ids`` or ``answer_ids`` not ``[1, n]`` int64; a cache that
+            cannot be copied (as :func:`answer`).
+    """
+    _check_ids("question_ids", question_ids)
+    _check_ids("answer_ids", answer_ids)
+    cache = _copy_cache(compressed)
+    ids = torch.cat([question_ids, answer_ids.to(question_ids.device)], dim=1)
+    a = answer_ids.shape[1]
+    with use_attention(model, compressed.method.attention):
+        out = model(
+            ids,
+            use_cache=True,
+            logits_to_keep=a + 1,
+            **{cache_keyword(model): cache},
+            **_position_kwargs(cache, ids.shape[1]),
+        )
+    # logits_to_keep=a+1 keeps positions q-1 .. q+a-1; the last one predicts past the answer
+    logits = out.logits[0, :a].double()
+    nll = -torch.log_softmax(logits, dim=-1).gather(1, answer_ids[0].view(-1, 1).to(logits.device))
+    return [float(x) for x in nll.view(-1)]
