@@ -28,7 +28,8 @@ count, ``kept_any`` (per layer, the fraction of answer tokens kept by at least o
 ``kept_mean`` (its mean over layers), ``layers_all_kept`` (layers keeping every answer token in
 some head), the tokens kept per layer (summed over kv heads) and ``recent_share``: the share of
 all kept tokens that lie in the context's last ``recent_tokens`` (the default policy's
-protected window under the uniform split, ``round(0.375 * round((1 - R) * T))``). A diagnostic: no
+protected window under the uniform split, ``round(f * round((1 - R) * T))`` with ``f`` its
+``window_fraction``, 0.375). A diagnostic: no
 setting is chosen from it.
 
     OMP_NUM_THREADS=2 python benchmarks/kvzip_needle_retention.py --samples samples-s2.jsonl \\
@@ -96,7 +97,7 @@ def kept_sets(cache: Any) -> list[list[set[int]]]:
             set(layer.segment(0, h).original_positions.tolist())
             for h in range(len(layer.tokens_per_head(0)))
         ]
-        for layer in cache._relay_layers()
+        for layer in cache.relay_layers()
     ]
 
 
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         question = torch.tensor([sample["question_ids"]], dtype=torch.int64)
         capture = capture_prefill(model, context, attention=CAPTURE_ATTENTION)
         # the default policy's protected window under the uniform split (docs above)
-        recent = round(0.375 * round((1 - args.ratio) * len(ids)))
+        fraction = float(base.params["window_fraction"])
+        recent = round(fraction * round((1 - args.ratio) * len(ids)))
         for policy in args.policy or ["kvlab", "kvpress"]:
             compressed = compress_context(
                 model, context, methods[policy], prepared=prepared, capture=capture

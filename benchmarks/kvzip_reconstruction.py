@@ -127,7 +127,7 @@ def main() -> None:
     )
     if args.kept:
         kept = []
-        for layer in compressed.cache._relay_layers():
+        for layer in compressed.cache.relay_layers():
             view = layer.store.padded([0])
             kept.append(
                 [

@@ -122,7 +122,7 @@ def compress(
             )
     cache.check_reconstruction_eviction(list(range(len(lengths))))
 
-    layers = cache._relay_layers()
+    layers = cache.relay_layers()
     memo_key = None if scores is None else _score_key(cache, input_ids, prompt)
     entry = None if scores is None else scores.get(memo_key)
     if entry is not None and entry[0]() is model:  # scores of another model are not reused
@@ -186,7 +186,7 @@ def _score_key(
     """What decides a cache's reconstruction scores (module docstring, "Shared scores")."""
     shapes = tuple(
         tuple(None if t is None else tuple(t.shape) for t in layer.observation_scores)
-        for layer in cache._relay_layers()
+        for layer in cache.relay_layers()
     )
     observed = getattr(cache.eviction.resolved_scorer, "prefill_queries", None)
     return (

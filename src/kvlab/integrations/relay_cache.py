@@ -232,8 +232,14 @@ class RelayModelCache(Cache):
             self.eviction, self.rotary, index, state, uses_rope=self.plan.layers[index].uses_rope
         )
 
+    def relay_layers(self) -> list[RelayLayer]:
+        """The eviction stage of every layer this cache evicts in, in decoder order: the
+        full-attention layers (a model's sliding-window layers are ``WindowLayer`` s, kept as
+        they are; a composed cache's are its layers' eviction stages)."""
+        return self._relay_layers()
+
     def _relay_layers(self) -> list[RelayLayer]:
-        """The full-attention layers (model-matrix: window layers are WindowLayer)."""
+        """:meth:`relay_layers` (a subclass with other layer classes overrides this)."""
         return [layer for layer in self.layers if isinstance(layer, RelayLayer)]
 
     def nbytes(self) -> int:

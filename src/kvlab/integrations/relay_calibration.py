@@ -141,7 +141,7 @@ def layer_eviction_sensitivity(
     if not full_layers:
         raise ValueError("per-layer eviction budgets need a full-attention layer; there is none")
     queries: dict[int, tuple[Tensor, float]] = {}
-    for layer in keep_all._relay_layers():
+    for layer in keep_all.relay_layers():
 
         def record(query: Tensor, scaling: float, row: int = 0, layer: RelayLayer = layer) -> Any:
             # the queries at cache positions, as the layer's attend passes them to evict
