@@ -4,30 +4,16 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmark_modules import load_benchmark
 
 from kvlab.evaluation.methods import parse_method
 from kvlab.evaluation.methods.caches import eviction_config
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sweep = _load("kvzip_policy_sweep")
-retention = _load("kvzip_needle_retention")
+sweep = load_benchmark("kvzip_policy_sweep")
+retention = load_benchmark("kvzip_needle_retention")
 PROMPT = {"kvzip_prompt": {"first_ids": [5, 6], "next_ids": [7], "suffix_ids": [8]}}
 
 

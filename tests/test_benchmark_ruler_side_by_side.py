@@ -5,30 +5,20 @@ lives in its own venv and is not imported here."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rk = _load("ruler_kvpress")
-sbs = _load("ruler_side_by_side")
+rk = load_benchmark("ruler_kvpress")
+sbs = load_benchmark("ruler_side_by_side")
 
 
 def _sample(task: str = "niah", index: int = 0, **kw: Any) -> dict[str, Any]:

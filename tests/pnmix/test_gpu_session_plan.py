@@ -4,25 +4,19 @@ kernel"): the plan, the peak bandwidths, and a dry run of the whole script."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def sweep_module():
-    spec = importlib.util.spec_from_file_location(
-        "splitk_decode", ROOT / "benchmarks" / "splitk_decode.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("splitk_decode")
 
 
 def test_plan_measures_every_cache_first_then_the_variants() -> None:
