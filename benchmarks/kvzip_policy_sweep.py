@@ -1,6 +1,6 @@
 """KVzip eviction policies and repeat prompts on RULER samples, from one prefill and one
 reconstruction pass per (sample, prompt): the tuning sweep behind ``evict-no-relay:kvzip``'s
-RULER rows (docs/results.md 12.7).
+RULER rows (docs/results.md 12.5.3).
 
 For each sample (a samples JSONL of benchmarks/ruler_samples.py: the token ids, answers and
 metric) the context's prefill is captured once
@@ -34,9 +34,10 @@ Policies (overrides of ``evict-no-relay:kvzip@R``'s params, the library default 
 Rows (JSON lines, appended to ``--out`` as they finish; a rerun skips the rows it holds):
 ``{"task", "length", "index", "config", "ratio", "prediction", "score", "nll_full_answer",
 "answer_tokens", "kv_bytes"}``; ``config`` ``"full"`` rows have ``ratio`` 0. ``--summary``
-prints per config and ratio the task-mean accuracy, the mean ``nll_full_answer`` and the
-paired difference against ``--baseline`` (percentile bootstrap over samples within tasks,
-kvlab.evaluation.ruler_report.paired_bootstrap).
+prints per config and ratio the accuracy (%) of each task and their mean, the mean
+``nll_full_answer`` and the paired difference against ``--baseline`` (percentile bootstrap over
+samples within tasks, kvlab.evaluation.ruler_report.paired_bootstrap), then per config the two
+averaged over the ratios (the metric of docs/results/runs/kvzip-prompt-seed1/DECISION_RULE.md).
 
     OMP_NUM_THREADS=1 python benchmarks/kvzip_policy_sweep.py --samples samples-s1.jsonl \\
         --indices 0-3 --ratio 0.5 --ratio 0.75 --config chat:kvlab --config chat:kvpress \\
@@ -120,10 +121,11 @@ def summarize(rows: Sequence[dict[str, Any]], baseline: str | None) -> str:
     lines = [
         f"samples held by every row: {len(common)} ({len(tasks)} tasks)",
         "",
-        "| config | ratio | mean | NLL of full's answer (nats/token) "
+        "| config | ratio | " + " | ".join(tasks) + " | mean | NLL of full's answer (nats/token) "
         f"| Δ vs {baseline} [95 % CI] |",
-        "|---|---:|---:|---:|---:|",
+        "|---|---:|" + "---:|" * len(tasks) + "---:|---:|---:|",
     ]
+    per_config: dict[str, list[tuple[float, float | None]]] = {}
     for (config, ratio), held in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         scores = {k: float(held[k]["score"]) for k in common}
         nll = [held[k]["nll_full_answer"] for k in common if held[k]["nll_full_answer"] is not None]
@@ -132,10 +134,25 @@ def summarize(rows: Sequence[dict[str, Any]], baseline: str | None) -> str:
         if ref is not None and config != baseline:
             d, lo, hi = paired_bootstrap(scores, {k: float(ref[k]["score"]) for k in common})
             diff = f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]"
-        mean_nll = f"{statistics.fmean(nll):.4f}" if nll else "—"
-        lines.append(
-            f"| {config} | {ratio:g} | {_task_means(scores, tasks):.1f} | {mean_nll} | {diff} |"
-        )
+        mean = _task_means(scores, tasks)
+        mean_nll = statistics.fmean(nll) if nll else None
+        if config != "full":
+            per_config.setdefault(config, []).append((mean, mean_nll))
+        nll_text = "—" if mean_nll is None else f"{mean_nll:.4f}"
+        cells = " | ".join(f"{_task_means(scores, [task]):.1f}" for task in tasks)
+        lines.append(f"| {config} | {ratio:g} | {cells} | {mean:.1f} | {nll_text} | {diff} |")
+    lines += [
+        "",
+        "averaged over the ratios (each ratio's task mean and mean NLL, then their mean):",
+        "",
+        "| config | ratios | mean | NLL of full's answer (nats/token) |",
+        "|---|---:|---:|---:|",
+    ]
+    for config, cells in sorted(per_config.items()):
+        nlls = [n for _, n in cells if n is not None]
+        nll_text = f"{statistics.fmean(nlls):.4f}" if len(nlls) == len(cells) else "—"
+        mean = statistics.fmean(m for m, _ in cells)
+        lines.append(f"| {config} | {len(cells)} | {mean:.2f} | {nll_text} |")
     return "\n".join(lines)
 
 

@@ -1,8 +1,9 @@
 """RULER side by side, kvpress side: kvpress 0.5.5 presses and transformers' QuantizedCache on
 the samples (and token ids) of kvlab's RULER protocol.
 
-Runs in its OWN venv (kvpress 0.5.5 needs ``transformers < 5.3``; kvlab runs on 5.24; kvpress
-is never a kvlab dependency) and does not import kvlab. The venv, as built for this script
+Runs in its OWN venv (kvpress 0.5.5 needs ``transformers < 5.3``; kvlab runs on the newer
+transformers its pyproject pins; kvpress is never a kvlab dependency) and does not import
+kvlab. The venv, as built for this script
 (docs/benchmarks.md, "RULER side by side with kvpress", has the same commands)::
 
     python3.11 -m venv ~/venvs/kvpress

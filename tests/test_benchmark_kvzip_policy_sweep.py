@@ -74,7 +74,20 @@ def test_summary_pairs_only_samples_every_row_holds() -> None:
     assert text.splitlines()[0] == "samples held by every row: 3 (2 tasks)"
     kvlab = next(line for line in text.splitlines() if line.startswith("| chat:kvlab |"))
     # task means: vt 0.5, cwe 0.5 -> 50.0; kvpress vt 0.0, cwe 0.5 -> 25.0; Δ +25 (vt +0.5/2)
-    assert kvlab.split("|")[3].strip() == "50.0"
-    assert kvlab.split("|")[5].strip().startswith("+25.0")
+    assert [c.strip() for c in kvlab.split("|")[3:6]] == ["50.0", "50.0", "50.0"]  # cwe, vt, mean
+    assert kvlab.split("|")[7].strip().startswith("+25.0")
     kvpress = next(line for line in text.splitlines() if line.startswith("| chat:kvpress |"))
-    assert kvpress.split("|")[3].strip() == "25.0" and kvpress.split("|")[5].strip() == ""
+    assert [c.strip() for c in kvpress.split("|")[3:6]] == ["50.0", "0.0", "25.0"]
+    assert kvpress.split("|")[7].strip() == ""
+
+
+def test_summary_averages_each_config_over_its_ratios() -> None:
+    rows = [_row("vt", 0, "full", 0.0, 1.0)]
+    rows += [_row("vt", 0, "chat:kvlab", 0.5, 1.0), _row("vt", 0, "chat:kvlab", 0.75, 0.0)]
+    rows += [_row("vt", 0, "raw:kvlab", 0.5, 1.0), _row("vt", 0, "raw:kvlab", 0.75, 1.0)]
+    text = sweep.summarize(rows, "chat:kvlab").split("averaged over the ratios")[1]
+    cells = {line.split("|")[1].strip(): line.split("|")[2:5] for line in text.splitlines()[4:]}
+    assert set(cells) == {"chat:kvlab", "raw:kvlab"}  # full is not a candidate
+    # chat:kvlab: (100 + 0) / 2 = 50, NLL (0.5 + 0) / 2; raw:kvlab: 100, NLL 0.5
+    assert [c.strip() for c in cells["chat:kvlab"]] == ["2", "50.00", "0.2500"]
+    assert [c.strip() for c in cells["raw:kvlab"]] == ["2", "100.00", "0.5000"]
