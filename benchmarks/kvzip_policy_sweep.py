@@ -148,11 +148,11 @@ def summarize(rows: Sequence[dict[str, Any]], baseline: str | None) -> str:
         "| config | ratios | mean | NLL of full's answer (nats/token) |",
         "|---|---:|---:|---:|",
     ]
-    for config, cells in sorted(per_config.items()):
-        nlls = [n for _, n in cells if n is not None]
-        nll_text = f"{statistics.fmean(nlls):.4f}" if len(nlls) == len(cells) else "—"
-        mean = statistics.fmean(m for m, _ in cells)
-        lines.append(f"| {config} | {len(cells)} | {mean:.2f} | {nll_text} |")
+    for config, by_ratio in sorted(per_config.items()):
+        nlls = [n for _, n in by_ratio if n is not None]
+        nll_text = f"{statistics.fmean(nlls):.4f}" if len(nlls) == len(by_ratio) else "—"
+        mean = statistics.fmean(m for m, _ in by_ratio)
+        lines.append(f"| {config} | {len(by_ratio)} | {mean:.2f} | {nll_text} |")
     return "\n".join(lines)
 
 
