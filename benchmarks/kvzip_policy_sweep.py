@@ -110,7 +110,7 @@ def read_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
 def summarize(rows: Sequence[dict[str, Any]], baseline: str | None) -> str:
     """The summary table (module docstring) as Markdown; only samples every (config, ratio)
     row holds are counted, so the columns compare the same samples."""
-    from kvlab.evaluation.ruler_report import _task_means, paired_bootstrap
+    from kvlab.evaluation.ruler_report import paired_bootstrap, task_mean_accuracy
 
     by: dict[tuple[str, float], dict[tuple[str, int, int], dict[str, Any]]] = {}
     for row in rows:
@@ -134,12 +134,12 @@ def summarize(rows: Sequence[dict[str, Any]], baseline: str | None) -> str:
         if ref is not None and config != baseline:
             d, lo, hi = paired_bootstrap(scores, {k: float(ref[k]["score"]) for k in common})
             diff = f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]"
-        mean = _task_means(scores, tasks)
+        mean = task_mean_accuracy(scores, tasks)
         mean_nll = statistics.fmean(nll) if nll else None
         if config != "full":
             per_config.setdefault(config, []).append((mean, mean_nll))
         nll_text = "—" if mean_nll is None else f"{mean_nll:.4f}"
-        cells = " | ".join(f"{_task_means(scores, [task]):.1f}" for task in tasks)
+        cells = " | ".join(f"{task_mean_accuracy(scores, [task]):.1f}" for task in tasks)
         lines.append(f"| {config} | {ratio:g} | {cells} | {mean:.1f} | {nll_text} | {diff} |")
     lines += [
         "",

@@ -103,6 +103,21 @@ def test_paired_bootstrap_is_paired_and_deterministic():
         paired_bootstrap(worse, {("u", 1, 0): 1.0})
 
 
+def test_task_mean_accuracy_weighs_tasks_equally_and_refuses_a_missing_task():
+    from kvlab.evaluation.ruler_report import task_mean_accuracy
+
+    # task a: 3 samples, 1 right (33.3 %); task b: 1 sample, right (100 %)
+    scores = {("a", 4096, 0): 1.0, ("a", 4096, 1): 0.0, ("a", 4096, 2): 0.0, ("b", 4096, 0): 1.0}
+    assert task_mean_accuracy(scores, ["a", "b"]) == pytest.approx(100.0 * (1 / 3 + 1) / 2)
+    assert task_mean_accuracy(scores, ["b"]) == 100.0
+    # partial scores (string_match_all) enter as they are
+    assert task_mean_accuracy({("c", 1, 0): 0.25, ("c", 1, 1): 0.5}, ["c"]) == 37.5
+    with pytest.raises(ValueError, match="no sample of task 'z'"):
+        task_mean_accuracy(scores, ["a", "z"])
+    with pytest.raises(ValueError, match="no task"):
+        task_mean_accuracy(scores, [])
+
+
 def test_ruler_summary_counts_bytes_per_layer_kind_and_flags_single_samples():
     from kvlab.evaluation.ruler_report import ruler_table, summarize_ruler
 

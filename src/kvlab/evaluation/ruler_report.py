@@ -26,6 +26,7 @@ __all__ = [
     "plot_ruler_heatmap",
     "ruler_table",
     "summarize_ruler",
+    "task_mean_accuracy",
 ]
 
 
@@ -33,10 +34,24 @@ def _sample_key(where: Mapping[str, Any]) -> tuple[str, int, int]:
     return (str(where["task"]), int(where["length"]), int(where["index"]))
 
 
-def _task_means(scores: Mapping[tuple[str, int, int], float], tasks: Sequence[str]) -> float:
+def task_mean_accuracy(scores: Mapping[tuple[str, int, int], float], tasks: Sequence[str]) -> float:
+    """RULER's average in percent: the mean over ``tasks`` (each weighed equally) of the mean
+    score of that task's samples.
+
+    Args:
+        scores: score in [0, 1] per sample key ``(task, length, index)``.
+        tasks: the tasks to average; one task gives that task's accuracy.
+
+    Raises:
+        ValueError: ``tasks`` is empty, or a task has no sample in ``scores``.
+    """
+    if not tasks:
+        raise ValueError("task_mean_accuracy: no task to average")
     per_task = []
     for task in tasks:
         values = [v for k, v in scores.items() if k[0] == task]
+        if not values:
+            raise ValueError(f"task_mean_accuracy: no sample of task {task!r} in the scores")
         per_task.append(sum(values) / len(values))
     return 100.0 * sum(per_task) / len(per_task)
 
@@ -105,7 +120,7 @@ def summarize_ruler(
 
     summary: dict[str, Any] = {
         "method": name,
-        "accuracy": _task_means(scores, tasks),
+        "accuracy": task_mean_accuracy(scores, tasks),
         "tasks": per_task,
         "samples": len(scores),
         "kv_bytes": mean("kv_bytes"),
