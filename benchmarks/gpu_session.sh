@@ -12,12 +12,15 @@
 #                  pip install -e ".[test,triton]" (needs a package index; the sources run from
 #                  src/ through PYTHONPATH either way)
 #   tests_splitk (60)  pytest -q -m triton tests/pnmix/test_triton_splitk.py (the new kernel)
-#   tests_triton (100) pytest -q -m triton tests/pnmix, the rest (the older kernel)
 #   bytes    (20)  benchmarks/decode_bytes.py at 64K x batch 8 for the device's bandwidth
 #   sweep   (230)  benchmarks/splitk_decode.py: old kernel vs split-K vs float16 SDPA under
 #                  CUDA graphs, SmolLM2 and Qwen2.5-1.5B shapes, seed / pn-mix / kivi-2bit;
 #                  its own budget stops new measurements at 190 s (partial results are kept)
-# Worst case 430 s of timeouts (7.2 min) when the install step finds everything installed.
+#   tests_triton (100) pytest -q -m triton tests/pnmix, the rest (the older kernel)
+#   agreement (60) benchmarks/pnmix_cpu_cuda_agreement.py --seeds 42: where the CUDA run of the
+#                  PN-Mix diagnostic parts from the CPU's (docs/benchmarks.md, the H200 run)
+# The measurements come first, so a slow machine loses the checks, not the sweep. Worst case
+# 490 s of timeouts (8.2 min) when the install step finds everything installed.
 set -u
 OUT=${OUT:-runs/gpu}
 PY=${PYTHON:-python}
@@ -43,7 +46,6 @@ step() {  # step NAME SECONDS COMMAND...
 step env 20 bash -c "nvidia-smi; $PY -c 'import torch, sys; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.is_available()); print(torch.cuda.get_device_name(0)); import triton; print(\"triton\", triton.__version__)'"
 step install 90 bash -c "$PY -c 'import torch, triton, pytest, hypothesis' 2>/dev/null && echo 'already installed' || $PY -m pip install --retries 0 --timeout 10 -e '.[test,triton]'"
 step tests_splitk 60 "$PY" -m pytest -q -m triton tests/pnmix/test_triton_splitk.py -p no:cacheprovider
-step tests_triton 100 "$PY" -m pytest -q -m triton tests/pnmix -p no:cacheprovider --ignore tests/pnmix/test_triton_splitk.py
 BW=$($PY - <<'PY' 2>/dev/null || echo 4.8e12
 import torch
 from kvlab.pnmix.kernels.bytes_model import PEAK_BANDWIDTH
@@ -58,4 +60,6 @@ else
   step sweep 230 "$PY" benchmarks/splitk_decode.py --out "$OUT/sweep" --budget-s 190
   cat "$OUT/sweep/results.md" 2>/dev/null
 fi
+step tests_triton 100 "$PY" -m pytest -q -m triton tests/pnmix -p no:cacheprovider --ignore tests/pnmix/test_triton_splitk.py
+step agreement 60 "$PY" benchmarks/pnmix_cpu_cuda_agreement.py --seeds 42
 echo "results in $OUT"

@@ -49,7 +49,7 @@ def test_gpu_session_dry_run(tmp_path: Path) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    for step in ("env", "install", "tests_splitk", "tests_triton", "bytes"):
+    for step in ("env", "install", "tests_splitk", "bytes", "tests_triton", "agreement"):
         assert f"== {step} (timeout" in proc.stdout
     assert "smollm2-135m seed splitk" in proc.stdout
     assert not (tmp_path / "gpu" / "status.txt").exists()
