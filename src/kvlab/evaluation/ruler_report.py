@@ -47,13 +47,21 @@ def task_mean_accuracy(scores: Mapping[tuple[str, int, int], float], tasks: Sequ
     """
     if not tasks:
         raise ValueError("task_mean_accuracy: no task to average")
-    per_task = []
+    per_task = _task_fractions(scores, tasks)
+    return 100.0 * sum(per_task.values()) / len(per_task)
+
+
+def _task_fractions(
+    scores: Mapping[tuple[str, int, int], float], tasks: Sequence[str]
+) -> dict[str, float]:
+    """Each task's mean score in [0, 1]; ValueError for a task with no sample."""
+    per_task = {}
     for task in tasks:
         values = [v for k, v in scores.items() if k[0] == task]
         if not values:
             raise ValueError(f"task_mean_accuracy: no sample of task {task!r} in the scores")
-        per_task.append(sum(values) / len(values))
-    return 100.0 * sum(per_task) / len(per_task)
+        per_task[task] = sum(values) / len(values)
+    return per_task
 
 
 def paired_bootstrap(
@@ -111,9 +119,7 @@ def summarize_ruler(
     task has a single sample: no interval)."""
     scores = {_sample_key(w): float(r["score"]) for w, r in zip(wheres, results, strict=True)}
     tasks = sorted({k[0] for k in scores})
-    per_task = {
-        t: 100.0 * float(np.mean([v for k, v in scores.items() if k[0] == t])) for t in tasks
-    }
+    per_task = {t: 100.0 * f for t, f in _task_fractions(scores, tasks).items()}
 
     def mean(field: str) -> float:
         return float(np.mean([r["storage"][field] or 0 for r in results]))
