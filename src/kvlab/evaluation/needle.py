@@ -159,11 +159,11 @@ def run_needle(
 
     from kvlab.evaluation.metrics import CacheStorage, cache_storage
     from kvlab.evaluation.protocols import (  # the stream protocol's position handling
-        _position_kwargs,
-        _rope_position,
         accepts_keyword,
         cache_details,
         cache_keyword,
+        position_kwargs,
+        rope_position_of,
     )
     from kvlab.integrations.attention import use_attention
 
@@ -186,7 +186,7 @@ def run_needle(
                 use_cache=True,
                 **{key: cache},
                 **extra,
-                **_position_kwargs(cache, piece.numel()),
+                **position_kwargs(cache, piece.numel()),
             )
             seconds += time.perf_counter() - began
             storage = cache_storage(cache)
@@ -205,7 +205,7 @@ def run_needle(
                 use_cache=True,
                 **{key: cache},
                 **extra,
-                **_position_kwargs(cache, 1),
+                **position_kwargs(cache, 1),
             )
             seconds += time.perf_counter() - began
     answer = tokenizer.decode(generated, skip_special_tokens=True)
@@ -213,7 +213,7 @@ def run_needle(
         "answer": answer,
         "correct": answer_is_correct(answer, passkey),
         "generated_tokens": generated,
-        "final_position": _rope_position(cache),
+        "final_position": rope_position_of(cache),
         "peak_kv_bytes": peak.kv_bytes,
         "peak_kv_bytes_16bit": peak.kv_bytes_16bit,
         "model_seconds": seconds,

@@ -6,7 +6,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["pareto_front", "plot_kl_vs_bytes", "plot_needle_heatmap", "plot_pareto", "plot_stream"]
+__all__ = [
+    "pareto_front",
+    "plot_kl_vs_bytes",
+    "plot_needle_heatmap",
+    "plot_pareto",
+    "plot_stream",
+    "pyplot",
+]
 
 _FAMILY_STYLE = {
     "full": ("black", "s"),
@@ -17,7 +24,8 @@ _FAMILY_STYLE = {
 }
 
 
-def _pyplot():
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -49,7 +57,7 @@ def plot_stream(
     Args:
         segments: method -> list of ``(segment_end_token, perplexity)``.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     for name, points in segments.items():
         xs = [p[0] for p in points]
@@ -91,7 +99,7 @@ def plot_needle_heatmap(
     Returns:
         ``path`` (parents created).
     """
-    plt = _pyplot()
+    plt = pyplot()
     n = len(summaries)
     fig, axes = plt.subplots(
         1, n, figsize=(3.2 * n + 1.2, 0.55 * len(lengths) + 2.2), dpi=120, squeeze=False
@@ -147,7 +155,7 @@ def plot_pareto(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) 
 def _plot_kl_bytes(
     summaries: Sequence[Mapping[str, Any]], path: Path, title: str, *, pareto: bool
 ) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120)
     colors = plt.get_cmap("tab20").colors
     rows = [s for s in summaries if s["family"] != "full" and s["kl_mean"] > 0]

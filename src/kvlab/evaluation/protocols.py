@@ -15,7 +15,7 @@ caches. The full-cache (``DynamicCache``) run of the same window is the referenc
 ``stream`` (:func:`stream_tokens`): ``N`` tokens go through the method's cache in chunks of
 ``chunk`` tokens (each chunk one forward); the logits of every chunk score the tokens that follow,
 so all ``N - 1`` next-token predictions are scored. Tokens are rotated at the cache's own RoPE
-positions (:func:`_position_kwargs`): the stream length for ``full`` and ``evict-no-relay``,
+positions (:func:`position_kwargs`): the stream length for ``full`` and ``evict-no-relay``,
 synchronized positions inside the cache for RoPE-Relay (``RelayModelCache.next_positions``,
 which differ from its ``get_seq_length``, the tokens seen).
 """
@@ -42,6 +42,8 @@ __all__ = [
     "accepts_keyword",
     "cache_details",
     "cache_keyword",
+    "position_kwargs",
+    "rope_position_of",
     "score_window",
     "stream_tokens",
 ]
@@ -89,7 +91,7 @@ def cache_details(cache: Any) -> dict[str, Any]:
     return describe(cache).details()
 
 
-def _position_kwargs(cache: Any, num_new: int) -> dict[str, Tensor]:
+def position_kwargs(cache: Any, num_new: int) -> dict[str, Tensor]:
     """``position_ids`` at the cache's own RoPE positions when it keeps its own
     (:attr:`~kvlab.integrations.cache_protocol.KVLabCache.explicit_positions`, e.g.
     :class:`~kvlab.integrations.RelayModelCache`: the model then rotates there directly, no
@@ -98,7 +100,7 @@ def _position_kwargs(cache: Any, num_new: int) -> dict[str, Tensor]:
     return {"position_ids": view.position_ids(num_new)} if view.explicit_positions else {}
 
 
-def _rope_position(cache: Any) -> int:
+def rope_position_of(cache: Any) -> int:
     """The RoPE position the next token would get."""
     return describe(cache).rope_position()
 
@@ -171,7 +173,7 @@ def score_window(
             use_cache=True,
             **{key: cache},
             **extra,
-            **_position_kwargs(cache, prefill),
+            **position_kwargs(cache, prefill),
         )
         if getattr(cache, "needs_reconstruction", False):
             # KVzip: the reconstruction pass scores the stored prefill, then the cache evicts
@@ -184,7 +186,7 @@ def score_window(
         for j in range(1, score):
             step = tokens[prefill + j - 1].view(1, 1)
             start = time.perf_counter()
-            out = model(step, use_cache=True, **{key: cache}, **extra, **_position_kwargs(cache, 1))
+            out = model(step, use_cache=True, **{key: cache}, **extra, **position_kwargs(cache, 1))
             seconds += time.perf_counter() - start
             consume(j, out.logits[0, -1])
     return WindowScore(
@@ -256,7 +258,7 @@ def stream_tokens(
                 piece.view(1, -1),
                 use_cache=True,
                 **{key: cache},
-                **_position_kwargs(cache, piece.numel()),
+                **position_kwargs(cache, piece.numel()),
             )
             seconds += time.perf_counter() - begin
             targets = tokens[start + 1 : start + 1 + piece.numel()]
@@ -270,7 +272,7 @@ def stream_tokens(
         nll=torch.cat(nll_parts),
         peak_storage=peak,
         final_storage=cache_storage(cache),
-        final_position=_rope_position(cache),
+        final_position=rope_position_of(cache),
         model_seconds=seconds,
         details=cache_details(cache),
     )

@@ -39,7 +39,7 @@ from torch import Tensor
 from kvlab.evaluation.foreign_cache import describe
 from kvlab.evaluation.methods import Method
 from kvlab.evaluation.metrics import CacheStorage, cache_storage
-from kvlab.evaluation.protocols import _position_kwargs, cache_keyword
+from kvlab.evaluation.protocols import cache_keyword, position_kwargs
 from kvlab.integrations.attention import use_attention
 from kvlab.integrations.prefill_replay import PrefillCapture, replay_prefill
 
@@ -136,7 +136,7 @@ def compress_context(
                     use_cache=True,
                     logits_to_keep=1,
                     **{cache_keyword(model): cache},
-                    **_position_kwargs(cache, context_ids.shape[1]),
+                    **position_kwargs(cache, context_ids.shape[1]),
                 )
         if getattr(cache, "needs_reconstruction", False):
             from kvlab.integrations.kvzip import compress
@@ -210,7 +210,7 @@ def answer(
                 use_cache=True,
                 logits_to_keep=1,
                 **{key: cache},
-                **_position_kwargs(cache, ids.shape[1]),
+                **position_kwargs(cache, ids.shape[1]),
             )
             token = int(out.logits[0, -1].argmax())
             tokens.append(token)
@@ -257,7 +257,7 @@ def answer_nll(
             use_cache=True,
             logits_to_keep=a + 1,
             **{cache_keyword(model): cache},
-            **_position_kwargs(cache, ids.shape[1]),
+            **position_kwargs(cache, ids.shape[1]),
         )
     # logits_to_keep=a+1 keeps positions q-1 .. q+a-1; the last one predicts past the answer
     logits = out.logits[0, :a].double()

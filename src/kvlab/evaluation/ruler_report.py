@@ -210,9 +210,9 @@ def ruler_table(summaries: Sequence[Mapping[str, Any]]) -> str:
         )
     table = markdown_table(headers, rows)
     if any("sliding_window" in s.get("kv_bytes_by_layer_kind", {}) for s in summaries):
-        from kvlab.evaluation.table import _layer_kind_note
+        from kvlab.evaluation.table import layer_kind_note
 
-        table += _layer_kind_note(summaries)
+        table += layer_kind_note(summaries)
     if any(s.get("delta_ci95", 0) is None for s in summaries):
         table += "\nOne sample per task: no bootstrap interval (`[n = 1]`).\n"
     return table
@@ -224,9 +224,9 @@ def plot_ruler_heatmap(summaries: Sequence[Mapping[str, Any]], path: Path, title
     Returns:
         ``path`` (parents created).
     """
-    from kvlab.evaluation.plot import _pyplot
+    from kvlab.evaluation.plot import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     tasks = sorted({t for s in summaries for t in s["tasks"]})
     grid = [[s["tasks"].get(t, np.nan) for t in tasks] + [s["accuracy"]] for s in summaries]
     fig, ax = plt.subplots(figsize=(0.75 * len(tasks) + 3.5, 0.42 * len(summaries) + 1.8), dpi=120)
@@ -251,9 +251,9 @@ def plot_accuracy_vs_bytes(summaries: Sequence[Mapping[str, Any]], path: Path, t
     Returns:
         ``path`` (parents created).
     """
-    from kvlab.evaluation.plot import _pyplot
+    from kvlab.evaluation.plot import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for s in summaries:
         x = s.get("fraction_of_full", np.nan)

@@ -7,6 +7,7 @@ from typing import Any
 
 __all__ = [
     "format_bytes",
+    "layer_kind_note",
     "markdown_table",
     "needle_table",
     "prefill_score_table",
@@ -95,13 +96,13 @@ def prefill_score_table(summaries: Sequence[Mapping[str, Any]]) -> str:
             f"{ratio:.3f}" if ratio is not None else None,
             format_bytes(window["kv_bytes_16bit"]) if window else None,
         ]
-    return markdown_table(headers, rows) + _layer_kind_note(summaries)
+    return markdown_table(headers, rows) + layer_kind_note(summaries)
 
 
 FULL, WINDOW = "full_attention", "sliding_window"
 
 
-def _layer_kind_note(summaries: Sequence[Mapping[str, Any]]) -> str:
+def layer_kind_note(summaries: Sequence[Mapping[str, Any]]) -> str:
     """The footnote of a model with window layers: how many layers each method compresses."""
     reference = next((s for s in summaries if s.get("family") == "full"), summaries[0])
     kinds = reference.get("kv_bytes_by_layer_kind", {})
