@@ -1,4 +1,4 @@
-"""benchmarks/kvzip_policy_sweep.py: its configs (each policy a valid KVzip eviction, the
+"""benchmarks/kvpress/kvzip_policy_sweep.py: its configs (each policy a valid KVzip eviction, the
 ``kvpress`` one kvpress's), its argument checks and the summary's pairing."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from benchmark_modules import load_benchmark
 from kvlab.evaluation.methods import parse_method
 from kvlab.evaluation.methods.caches import eviction_config
 
-sweep = load_benchmark("kvzip_policy_sweep")
-retention = load_benchmark("kvzip_needle_retention")
+sweep = load_benchmark("kvpress/kvzip_policy_sweep")
+retention = load_benchmark("kvpress/kvzip_needle_retention")
 PROMPT = {"kvzip_prompt": {"first_ids": [5, 6], "next_ids": [7], "suffix_ids": [8]}}
 
 
@@ -31,7 +31,7 @@ def test_every_policy_builds_an_eviction_config(policy: str) -> None:
 
 def test_the_kvpress_policy_is_the_retention_probe_s() -> None:
     """One statement of kvpress's KVzipPress policy: the one whose kept set matched kvpress's
-    (docs/results.md 12.5.2) is benchmarks/kvzip_needle_retention.py's."""
+    (docs/archive/results-history.md 12.5.2) is benchmarks/kvpress/kvzip_needle_retention.py's."""
     assert sweep.POLICIES["kvpress"] == {
         k: v for k, v in retention.KVPRESS_POLICY.items() if k != "scorer"
     }

@@ -1,6 +1,6 @@
-"""benchmarks/ruler_kvpress.py (the kvpress side's pure parts and decode flow, on a tiny random
-Qwen2) and benchmarks/ruler_side_by_side.py (the paired table and its id checks). kvpress itself
-lives in its own venv and is not imported here."""
+"""benchmarks/kvpress/ruler_kvpress.py (the kvpress side's pure parts and decode flow, on a tiny
+random Qwen2) and benchmarks/kvpress/ruler_side_by_side.py (the paired table and its id checks).
+kvpress itself lives in its own venv and is not imported here."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from benchmark_modules import load_benchmark
 ROOT = Path(__file__).resolve().parents[1]
 
 
-rk = load_benchmark("ruler_kvpress")
-sbs = load_benchmark("ruler_side_by_side")
+rk = load_benchmark("kvpress/ruler_kvpress")
+sbs = load_benchmark("kvpress/ruler_side_by_side")
 
 
 def _sample(task: str = "niah", index: int = 0, **kw: Any) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def test_speculative_generate_equals_plain(name, mode, monkeypatch):
 def test_multi_token_forward_logits_equal_one_token_steps():
     """Model level: a recording cache's 10-token forward after a 30-token prefill gives the
     logits of 10 one-token forwards to float32 rounding (the model's own projections over 10
-    rows vs 1: 1.49e-07 printed by benchmarks/speculative_logits.py, DynamicCache 1.79e-07);
+    rows vs 1: 1.49e-07 printed by experiments/speculative_logits.py, DynamicCache 1.79e-07);
     the plain multi-token path (store, then attend) differs by quantization (1.85e-02)."""
     model = _model("llama")
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(1))

@@ -67,9 +67,6 @@ from kvlab.evaluation.methods.builtin import (
     hf_quantized_backend_available,
 )
 from kvlab.evaluation.methods.caches import CACHE_FACTORIES, CacheFactory
-from kvlab.evaluation.methods.caches import (  # noqa: F401 (benchmarks/pnmix_explore.py)
-    pnmix_config as _pnmix_config,
-)
 from kvlab.evaluation.methods.grammar import MethodName, parse_name
 from kvlab.evaluation.methods.method import Method, MethodContext, method_backends
 from kvlab.evaluation.methods.preparations import PREPARATIONS, Preparation

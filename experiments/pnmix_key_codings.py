@@ -9,7 +9,7 @@ summed over the 30 layers. Codings: see ``CODINGS`` (4 bits per rotary pair, flo
 per group; "per-pair best" chooses per (kv head, pair) by the query-weighted error
 ``E_t[(q_t · (k - k_hat))^2]`` over the window's queries).
 
-    python benchmarks/pnmix_key_codings.py --text /work/shared/data/hamlet.txt --start 0
+    python experiments/pnmix_key_codings.py --text /work/shared/data/hamlet.txt --start 0
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-window figures of a finished prefill-score ``kvlab eval`` run (its task store), which
 the table averages over windows: window index, start token, method, ΔPPL %, KL mean and p95.
 
-    PYTHONPATH=src python benchmarks/window_metrics.py OUTPUT_DIR
+    PYTHONPATH=src python experiments/window_metrics.py OUTPUT_DIR
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ per-layer calibration (``snap``: SnapKV kept fractions 0.25/0.5/0.75; ``pn``: PN
 run in float32 then with ``model.to(torch.bfloat16)``, in one process, one thread: prints both
 times, the KLs, and their largest and median relative difference.
 
-    OMP_NUM_THREADS=1 python benchmarks/try_bfloat16_tail.py qwen2.5-coder-0.5b 2 snap pn
+    OMP_NUM_THREADS=1 python experiments/try_bfloat16_tail.py qwen2.5-coder-0.5b 2 snap pn
 """
 
 from __future__ import annotations

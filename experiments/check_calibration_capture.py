@@ -4,7 +4,7 @@ the head once for the layer's candidates stacked along the batch) and by full fo
 former way, one forward of every layer per candidate), in one process: prints whether every
 float64 KL is the same.
 
-    OMP_NUM_THREADS=1 python benchmarks/check_calibration_capture.py \\
+    OMP_NUM_THREADS=1 python experiments/check_calibration_capture.py \\
         --model qwen2.5-coder-0.5b
 """
 

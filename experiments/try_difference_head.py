@@ -6,7 +6,7 @@ products, AMX on recent Intel CPUs; the KL stays the library's float64 one). Pri
 times, the sensitivities' largest relative difference and whether the chosen per-layer values
 are the same.
 
-    OMP_NUM_THREADS=1 python benchmarks/try_difference_head.py --model smollm2-135m \\
+    OMP_NUM_THREADS=1 python experiments/try_difference_head.py --model smollm2-135m \\
         'relay:snapkv@0.5' kivi-2bit-calibrated
 
 Only for models whose logits are the output embedding's product (no soft-capping or scaling).

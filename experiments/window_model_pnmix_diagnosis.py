@@ -8,7 +8,7 @@ variant) for: keys only / values only / both, over all full-attention layers and
 a time, for several PN-Mix codings; and per-layer key statistics (pre-RoPE channel absmax
 spread, per-token key-norm spread, outlier channels).
 
-    PYTHONPATH=src python benchmarks/window_model_pnmix_diagnosis.py MODEL TEXT [P] [S]
+    PYTHONPATH=src python experiments/window_model_pnmix_diagnosis.py MODEL TEXT [P] [S]
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def main() -> None:
             cfg = pnmix_config(PNMIX_METHODS[name])
             cache = PNMixModelCache(model.config, cfg)
             model(head, cache=cache, use_cache=True, logits_to_keep=1)
-            decoded = {i: cache.layers[i]._store.dequantize() for i in full}
+            decoded = {i: cache.layers[i].store.dequantize() for i in full}
             both = {i: decoded[i] for i in full}
             keys = {i: (decoded[i][0], exact_kv[i][1]) for i in full}
             values = {i: (exact_kv[i][0], decoded[i][1]) for i in full}
@@ -130,7 +130,7 @@ def main() -> None:
                 clip = {}
                 for i in full:
                     v = exact_kv[i][1]
-                    store = cache.layers[i]._store
+                    store = cache.layers[i].store
                     first = store.sink_length
                     last = first + store.num_groups * cfg.group_tokens
                     where = torch.arange(v.shape[2])

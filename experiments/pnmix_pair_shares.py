@@ -4,7 +4,7 @@ Phase–Norm (the mixes: ``pn-mix-prerope-qmix``, ``pn-mix-uniform``), after the
 window `kvlab eval` picks (docs/design.md, "Per-pair tables"; the tables are computed once, in
 the append that flushes a row's first group).
 
-    OMP_NUM_THREADS=1 python benchmarks/pnmix_pair_shares.py --text hamlet.txt --windows 4 \
+    OMP_NUM_THREADS=1 python experiments/pnmix_pair_shares.py --text hamlet.txt --windows 4 \
         --methods pn-mix,pn-mix-prerope-qmix
 
 Prints one line per (method, window) and the share over all windows. Methods that need a

@@ -8,7 +8,7 @@ quantized tokens, and their *coherence*: ``T ||mean_t e_t||² / mean_t ||e_t||²
 per-token errors ``e_t`` (about 1 for independent zero-mean errors; large when the tokens'
 errors share a direction, which an attention-weighted sum does not average out).
 
-    PYTHONPATH=src python benchmarks/value_coding_choice.py MODEL TEXT [P] [START]
+    PYTHONPATH=src python experiments/value_coding_choice.py MODEL TEXT [P] [START]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main() -> None:
         "error min-max / mse (ratio) | squared error ratio mse/min-max | coherence min-max, mse"
     )
     for i in plan.full_layers:
-        store = cache.layers[i]._store
+        store = cache.layers[i].store
         choice = store.value_mse_rows
         errors = store.value_choice_errors[0].cpu()
         v = reference.layers[i].values[0]  # [H, P, Dv]

@@ -8,7 +8,7 @@ in one forward. Prints the max absolute logit difference from the 10 one-token f
 recording cache, for the plain multi-token path (store, then attend) and for ``DynamicCache``
 with the model's own attention.
 
-    PYTHONPATH=src:tests/fixtures OMP_NUM_THREADS=1 python benchmarks/speculative_logits.py
+    PYTHONPATH=src:tests/fixtures OMP_NUM_THREADS=1 python experiments/speculative_logits.py
 """
 
 from __future__ import annotations

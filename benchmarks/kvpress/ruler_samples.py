@@ -6,7 +6,7 @@ to generate (<= the length), the seconds per sample and the samples' digest; ``-
 prints one sample's context head and tail and its question. ``--out DIR`` writes the samples
 as ``DIR/<task>-<length>.jsonl``.
 
-    OMP_NUM_THREADS=1 python benchmarks/ruler_samples.py --model qwen2.5-coder-0.5b \\
+    OMP_NUM_THREADS=1 python benchmarks/kvpress/ruler_samples.py --model qwen2.5-coder-0.5b \\
         --lengths 4096,8192,16384 --show niah_single_1 --show vt
 """
 

@@ -14,7 +14,7 @@ per-layer measurements on the captured tensors — or by kvlab's end-to-end cali
   a budget of scalar + outlier bytes per quantized token: ``--budget-group`` tokens per group
   and ``--budget-outliers`` outliers everywhere.
 
-    python benchmarks/pnmix_calibrate.py proxy --codec pre+alloc --out alloc.json
+    python experiments/pnmix_calibrate.py proxy --codec pre+alloc --out alloc.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kvlab's RULER results as rows for benchmarks/ruler_side_by_side.py, with each row's ids
+"""kvlab's RULER results as rows for benchmarks/kvpress/ruler_side_by_side.py, with each row's ids
 digest recomputed from kvlab's own planner.
 
 ``kvlab eval --protocol ruler`` keeps each sample's token ids in its task (hashed into the
@@ -10,7 +10,7 @@ checks every row's context and question token counts against them, and writes on
 that ruler_side_by_side.py compares with the samples file both tools ran (``--suffix`` renames
 the methods, so two runs of other code can share a table)::
 
-    python benchmarks/ruler_kvlab_rows.py runs/ruler-qwen05/raw-ruler-cpu.json \\
+    python benchmarks/kvpress/ruler_kvlab_rows.py runs/ruler-qwen05/raw-ruler-cpu.json \\
         --model qwen2.5-coder-0.5b --out runs/ruler-qwen05/kvlab-rows.json
 """
 

@@ -1,16 +1,17 @@
 """RULER side by side: one paired accuracy table from kvlab's RULER rows and the kvpress side's
-JSON (benchmarks/ruler_kvpress.py), after checking both ran the same token ids.
+JSON (benchmarks/kvpress/ruler_kvpress.py), after checking both ran the same token ids.
 
 Runs in kvlab's venv (or any Python with torch; it imports kvlab only for ``--diff``)::
 
-    python benchmarks/ruler_side_by_side.py --samples ruler.jsonl \\
+    python benchmarks/kvpress/ruler_side_by_side.py --samples ruler.jsonl \\
         --kvpress runs/ruler/kvpress.json --kvlab runs/ruler/kvlab.json [--json table.json]
 
 Inputs:
 
-* ``--samples``: the samples JSONL both sides ran (the format of benchmarks/ruler_kvpress.py).
-  Each sample's digest (:func:`ruler_kvpress.sample_ids_sha256`, the sha256 of its
-  ``[context_ids, question_ids, outputs]`` in canonical JSON) is recomputed from it.
+* ``--samples``: the samples JSONL both sides ran (the format of
+  benchmarks/kvpress/ruler_kvpress.py). Each sample's digest
+  (:func:`ruler_kvpress.sample_ids_sha256`, the sha256 of its ``[context_ids, question_ids,
+  outputs]`` in canonical JSON) is recomputed from it.
 * ``--kvpress`` (optional, repeatable: e.g. one file per process): the kvpress side's JSON
   (``rows`` with ``ids_sha256``); without it, a table of kvlab rows alone.
 * ``--kvlab`` (optional, repeatable): kvlab's RULER results — a JSON list of rows, an object
@@ -260,8 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         "--kvpress",
         action="append",
         default=[],
-        help="benchmarks/ruler_kvpress.py's JSON (repeatable: one file per process; optional: "
-        "kvlab rows alone)",
+        help="benchmarks/kvpress/ruler_kvpress.py's JSON (repeatable: one file per process; "
+        "optional: kvlab rows alone)",
     )
     parser.add_argument("--kvlab", action="append", default=[], help="kvlab RULER rows")
     parser.add_argument(

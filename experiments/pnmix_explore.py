@@ -9,8 +9,8 @@ Subcommands (all on SmolLM2-135M, CPU, prefill-score windows as ``kvlab eval`` p
   final length (1,023 tokens for P = S = 512; float16 everywhere, so stored = 16-bit
   normalized), pooled KL, ΔPPL, per-window KL. Rows are appended to ``--log`` as JSON lines.
 
-    python benchmarks/pnmix_explore.py check --windows 1 --score 128
-    python benchmarks/pnmix_explore.py run --windows 4 --score 512 --config kivi-2bit
+    python experiments/pnmix_explore.py check --windows 1 --score 128
+    python experiments/pnmix_explore.py run --windows 4 --score 512 --config kivi-2bit
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from pnmix_sim import (
 HAMLET = "/work/shared/data/hamlet.txt"
 N_LAYERS, HEADS, DIM = 30, 3, 64
 
-#: kvlab eval's calibrated allocations (docs/results.md, run of commit 5bece64): pn-mix's.
+#: kvlab eval's calibrated allocations (docs/archive/results-history.md, run of commit 5bece64):
+#: pn-mix's.
 PNMIX_GROUPS = (128, 32, 32, 64, 64, 128, 64, 64, 64, 64, 64, 32, 16, 128, 32, 32, 32, 16, 8, 32,
                 8, 64, 32, 16, 32, 32, 64, 128, 128, 128)  # fmt: skip
 
@@ -233,7 +234,8 @@ def _same_input_check(model, window, prefill, score, methods) -> str:
     count after every append equals the simulation's flush rule."""
     from pnmix_sim import SINKS, LayerContext, capture_qkv, flushed_groups, rotary_of, round16
 
-    from kvlab.evaluation.methods import _pnmix_config, parse_method
+    from kvlab.evaluation.methods import parse_method
+    from kvlab.evaluation.methods.caches import pnmix_config
     from kvlab.integrations.model_support import layer_rotary
     from kvlab.integrations.pnmix_cache import pnmix_config_for_model
     from kvlab.pnmix import PNMixCache
@@ -243,7 +245,7 @@ def _same_input_check(model, window, prefill, score, methods) -> str:
     rotary = rotary_of(model)
     lines = []
     for name in methods:
-        cfg = pnmix_config_for_model(model.config, _pnmix_config(parse_method(name).params))
+        cfg = pnmix_config_for_model(model.config, pnmix_config(parse_method(name).params))
         layer_rope = layer_rotary(model.config) if cfg.key_codec.position_aware else None
         plan = configs()[METHOD_SIM[name]]()[0]
         same, schedule_ok = 0, True

@@ -3,7 +3,7 @@ its greedy tokens equal plain ``generate``'s with the same cache, and both wall 
 (docs/design.md, "Cache life cycle": crop). Default caches: ``PNMixConfig()``,
 ``EvictionConfig(ratio=0.5)``, both composed; a 210-token prompt, 40 new tokens.
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/speculative_smollm2.py
+    PYTHONPATH=src OMP_NUM_THREADS=1 python experiments/speculative_smollm2.py
 """
 
 from __future__ import annotations

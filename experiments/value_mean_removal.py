@@ -1,11 +1,11 @@
 """Does removing a per-head value mean before the Hadamard 2-bit coding cut the values-only KL?
 
-Section 10 of docs/results.md ends on a candidate fix for the clipped ranges' coherent bias:
-subtract a per-(layer, kv head) mean ``mu`` [Dv] from the values before the rotation and add it
-back after decoding. This probe measures it without touching the cache: for each window of
-``P = 512`` prefill tokens and ``S = 128`` scored tokens (the text's first window and its last),
-the keys stay exact and every compressed layer's quantized values (the tokens ``pn-mix`` stores
-as codes, between its sinks and its recent window) are re-coded as
+Section 10 of docs/archive/results-history.md ends on a candidate fix for the clipped ranges'
+coherent bias: subtract a per-(layer, kv head) mean ``mu`` [Dv] from the values before the
+rotation and add it back after decoding. This probe measures it without touching the cache: for
+each window of ``P = 512`` prefill tokens and ``S = 128`` scored tokens (the text's first window
+and its last), the keys stay exact and every compressed layer's quantized values (the tokens
+``pn-mix`` stores as codes, between its sinks and its recent window) are re-coded as
 ``decode(encode(v - mu)) + mu``; the score is the mean KL (nats per scored token) against the
 exact cache. ``mu`` is zero (``none``: the plain coding), the mean of the first group of
 ``group_tokens`` quantized tokens (``first-group``: what a streaming cache knows when it
@@ -14,7 +14,7 @@ ranges (:class:`kvlab.pnmix.values.HadamardValueCodec`) and squared-error ranges
 (:class:`~kvlab.pnmix.values.MSEHadamardValueCodec`). ``hadamard(pn-mix)`` decodes ``pn-mix``'s
 own stored values and must equal ``minmax-none`` (the check that the re-coding is the cache's).
 
-    PYTHONPATH=src python benchmarks/value_mean_removal.py MODEL TEXT
+    PYTHONPATH=src python experiments/value_mean_removal.py MODEL TEXT
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main() -> None:
 
             cache = PNMixModelCache(model.config, cfg)
             model(head, cache=cache, use_cache=True, logits_to_keep=1)
-            base = {i: cache.layers[i]._store.dequantize()[1] for i in plan.full_layers}
+            base = {i: cache.layers[i].store.dequantize()[1] for i in plan.full_layers}
             res = {"hadamard(pn-mix)": kl_nats(exact, logprobs_with(base))}
             for cname, codec in codecs:
                 for mode in ("none", "first-group", "all"):

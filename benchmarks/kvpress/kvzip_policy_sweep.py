@@ -1,8 +1,8 @@
 """KVzip eviction policies and repeat prompts on RULER samples, from one prefill and one
 reconstruction pass per (sample, prompt): the tuning sweep behind ``evict-no-relay:kvzip``'s
-RULER rows (docs/results.md 12.5.3).
+RULER rows (docs/archive/results-history.md 12.5.3).
 
-For each sample (a samples JSONL of benchmarks/ruler_samples.py: the token ids, answers and
+For each sample (a samples JSONL of benchmarks/kvpress/ruler_samples.py: the token ids, answers and
 metric) the context's prefill is captured once
 (:func:`kvlab.integrations.prefill_replay.capture_prefill`); ``full`` answers the question
 greedily; then each *config* ``PROMPT:POLICY`` at each ratio compresses the context from the
@@ -25,7 +25,8 @@ Policies (overrides of ``evict-no-relay:kvzip@R``'s params, the library default 
   recent window of 3/8 of each head's budget, 3/4 of the budget split across layers by the
   scores, the prefill's last 128 queries scored too;
 * ``kvpress`` — kvpress 0.5.5 ``KVzipPress``'s (no window, the whole budget to the top scores
-  over all layers and heads, reconstruction queries only: its kept set, docs/results.md 12.5.2);
+  over all layers and heads, reconstruction queries only: its kept set,
+  docs/archive/results-history.md 12.5.2);
 * ``nowindow`` — ``kvlab`` without the protected window;
 * ``nowindow-share1`` — no window, the whole budget split by the scores (``kvpress`` plus the
   128 prefill queries);
@@ -39,10 +40,10 @@ prints per config and ratio the accuracy (%) of each task and their mean, the me
 samples within tasks, kvlab.evaluation.ruler_report.paired_bootstrap), then per config the two
 averaged over the ratios (the metric of docs/results/runs/kvzip-prompt-seed1/DECISION_RULE.md).
 
-    OMP_NUM_THREADS=1 python benchmarks/kvzip_policy_sweep.py --samples samples-s1.jsonl \\
+    OMP_NUM_THREADS=1 python benchmarks/kvpress/kvzip_policy_sweep.py --samples samples-s1.jsonl \\
         --indices 0-3 --ratio 0.5 --ratio 0.75 --config chat:kvlab --config chat:kvpress \\
         --out sweep.jsonl
-    python benchmarks/kvzip_policy_sweep.py --summary sweep.jsonl --baseline chat:kvpress
+    python benchmarks/kvpress/kvzip_policy_sweep.py --summary sweep.jsonl --baseline chat:kvpress
 """
 
 from __future__ import annotations

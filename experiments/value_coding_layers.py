@@ -5,9 +5,9 @@ win in all of them at once?
 One prefill of ``P`` tokens (from token ``START``), then ``S`` tokens scored in ONE forward
 against a cache whose compressed layers hold exact keys and the values PN-Mix (``pn-mix``, or
 ``pn-mix`` with ``value_coding="hadamard_mse"``) decodes (``PNMixCache.dequantize``): the KL
-of ``benchmarks/window_model_pnmix_diagnosis.py``, not ``kvlab eval``'s.
+of ``experiments/window_model_pnmix_diagnosis.py``, not ``kvlab eval``'s.
 
-    PYTHONPATH=src python benchmarks/value_coding_layers.py MODEL TEXT [P] [S] [START]
+    PYTHONPATH=src python experiments/value_coding_layers.py MODEL TEXT [P] [S] [START]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main() -> None:
             cfg = pnmix_config({**PNMIX_METHODS["pn-mix"], "value_coding": coding})
             cache = PNMixModelCache(model.config, cfg)
             model(head, cache=cache, use_cache=True, logits_to_keep=1)
-            decoded[coding] = {i: cache.layers[i]._store.dequantize()[1] for i in full}
+            decoded[coding] = {i: cache.layers[i].store.dequantize()[1] for i in full}
         both = {c: kl(decoded[c]) for c in decoded}
         print(
             f"{spec}, tokens {start}..{start + prefill + score}, values only, all {len(full)} "

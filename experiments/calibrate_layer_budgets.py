@@ -4,10 +4,10 @@ Measures :func:`kvlab.integrations.relay_calibration.calibrate_layer_budgets_for
 default SnapKV policy (``kvlab.relay.policies.default_policy("snapkv")``, no relay) at each
 ``--ratio`` (default 50 % eviction; several ratios share one measurement) and writes, per ratio,
 the chosen per-layer kept fractions and the sensitivities as JSON (``{ratio: settings}``); pass
-the fractions to
-``benchmarks/eviction_vs_kvpress.py kvlab --policy 'NAME={"ratio":0.5,"layer_budget":[...]}'``.
+the fractions to ``benchmarks/kvpress/eviction_vs_kvpress.py kvlab --policy
+'NAME={"ratio":0.5,"layer_budget":[...]}'``.
 
-    OMP_NUM_THREADS=1 python benchmarks/calibrate_layer_budgets.py --out calibration.json \
+    OMP_NUM_THREADS=1 python experiments/calibrate_layer_budgets.py --out calibration.json \
         --ratio 0.5 --ratio 0.5625
 """
 

@@ -4,7 +4,7 @@ the samples (and token ids) of kvlab's RULER protocol.
 Runs in its OWN venv (kvpress 0.5.5 needs ``transformers < 5.3``; kvlab runs on the newer
 transformers its pyproject pins; kvpress is never a kvlab dependency) and does not import
 kvlab. The venv, as built for this script
-(docs/benchmarks.md, "RULER side by side with kvpress", has the same commands)::
+(benchmarks/kvpress/README.md has the same commands)::
 
     python3.11 -m venv ~/venvs/kvpress
     ~/venvs/kvpress/bin/pip install torch==2.13.0      # FIRST: the CPU wheel
@@ -19,17 +19,17 @@ accelerate 1.15.0, gguf 0.19.0.)
 
 Usage::
 
-    OMP_NUM_THREADS=1 ~/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py run \\
+    OMP_NUM_THREADS=1 ~/venvs/kvpress/bin/python benchmarks/kvpress/ruler_kvpress.py run \\
         --samples ruler.jsonl --model $QWEN05 \\
         --press snapkv --press expected_attention --ratio 0.5 --ratio 0.75 \\
         --quant 4 --quant 2 --out runs/ruler/kvpress.json
     # KVzip at several ratios from one scoring pass per sample (run_kvzip_shared), checked
     # against a pass per ratio on the first 2 samples
-    OMP_NUM_THREADS=1 ~/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py run \\
+    OMP_NUM_THREADS=1 ~/venvs/kvpress/bin/python benchmarks/kvpress/ruler_kvpress.py run \\
         --samples ruler.jsonl --model $QWEN05 --no-full --press kvzip --ratio 0.5 \\
         --ratio 0.75 --share-kvzip --check-shared 2 --out runs/ruler/kvpress-kvzip.json
     # a tiny passkey fixture in the samples format (chat-templated as kvpress's pipeline does)
-    ~/venvs/kvpress/bin/python benchmarks/ruler_kvpress.py fixture \\
+    ~/venvs/kvpress/bin/python benchmarks/kvpress/ruler_kvpress.py fixture \\
         --model $QWEN05 \\
         --tokens 1024 --count 2 --out fixture.jsonl
 
@@ -501,7 +501,8 @@ def kvzip_kept(model: Any, tokenizer: Any, sample: dict[str, Any], ratio: float)
 
 def side_kept(args: argparse.Namespace) -> None:
     """``kept``: :func:`kvzip_kept` of the samples named ``TASK:INDEX``, as JSON ``{"TASK:INDEX":
-    [layers][kv heads][positions]}`` (what benchmarks/kvzip_needle_retention.py compares)."""
+    [layers][kv heads][positions]}`` (what benchmarks/kvpress/kvzip_needle_retention.py
+    compares)."""
     samples = {f"{s['task']}:{s['index']}": s for s in read_samples(Path(args.samples))}
     missing = [name for name in args.sample if name not in samples]
     if missing:

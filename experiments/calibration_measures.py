@@ -9,7 +9,7 @@ exact measure on a second window (``--other-start``); it prints each one's wall 
 choices, and how many layers' choices differ between exact and scaled, and between the two
 exact windows::
 
-    OMP_NUM_THREADS=1 python benchmarks/calibration_measures.py --model qwen2.5-coder-0.5b \\
+    OMP_NUM_THREADS=1 python experiments/calibration_measures.py --model qwen2.5-coder-0.5b \\
         --out measures.json
 
 The JSON (``--out``) holds every calibration's settings (sensitivities included).

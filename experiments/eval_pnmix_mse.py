@@ -9,7 +9,7 @@ tests/evaluation/test_method_grammar.py pins every name and error message as bef
 (tests/fixtures/methods_before.json); promoting it means one line in
 ``kvlab.evaluation.methods.builtin.PNMIX_METHODS`` and regenerating that fixture.
 
-    PYTHONPATH=src python benchmarks/eval_pnmix_mse.py eval --model ... --method pn-mix-mse
+    PYTHONPATH=src python experiments/eval_pnmix_mse.py eval --model ... --method pn-mix-mse
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """Side by side: NVIDIA kvpress presses and kvlab eviction methods on token-identical windows.
 
 kvpress needs ``transformers < 5.3`` while kvlab runs on 5.24, so the two sides run in two
-virtual environments and meet in JSON files (docs/results.md, section 6, "Side by side with
-NVIDIA kvpress", has the install commands of the kvpress venv; kvpress is never a kvlab
-dependency):
+virtual environments and meet in JSON files (benchmarks/kvpress/README.md has the install
+commands of the kvpress venv; docs/archive/results-history.md, section 6, "Side by side with
+NVIDIA kvpress", the results; kvpress is never a kvlab dependency):
 
     # kvpress side (its own venv; does not import kvlab)
-    OMP_NUM_THREADS=1 venv-kvpress/bin/python benchmarks/eviction_vs_kvpress.py kvpress \\
+    OMP_NUM_THREADS=1 venv-kvpress/bin/python benchmarks/kvpress/eviction_vs_kvpress.py kvpress \\
         --text hamlet.txt --out runs/side-by-side/kvpress.json
     # kvlab side (kvlab's venv)
-    OMP_NUM_THREADS=1 python benchmarks/eviction_vs_kvpress.py kvlab \\
+    OMP_NUM_THREADS=1 python benchmarks/kvpress/eviction_vs_kvpress.py kvlab \\
         --text hamlet.txt --out runs/side-by-side/kvlab.json --method relay:snapkv@0.5 ...
     # one table from both, after checking that the windows' token ids are identical
-    python benchmarks/eviction_vs_kvpress.py compare runs/side-by-side/kvpress.json \\
+    python benchmarks/kvpress/eviction_vs_kvpress.py compare runs/side-by-side/kvpress.json \\
         runs/side-by-side/kvlab.json
 
 Protocol (the same as ``kvlab eval --protocol prefill-score``): SmolLM2-135M-Instruct from the
@@ -34,10 +34,10 @@ can show the two venvs' references agree.
 evict once after the prefill and never again (every row here) the cache is the same during the
 ``S`` tokens either way and attention over it is causal, so the logits agree up to float
 rounding (checked: kvlab's ``relay:snapkv@0.5`` gives the per-window KL and ΔPPL of the
-one-token-at-a-time ``kvlab eval`` run in docs/results.md to 4 digits). It saves the per-call
-overhead of 511 forwards, not the arithmetic. kvpress presses that leave layers of different
-lengths (PyramidKV) are always scored one token at a time: transformers 5.2 builds one mask for
-all layers of a multi-token forward.
+one-token-at-a-time ``kvlab eval`` run in docs/archive/results-history.md to 4 digits). It saves
+the per-call overhead of 511 forwards, not the arithmetic. kvpress presses that leave layers of
+different lengths (PyramidKV) are always scored one token at a time: transformers 5.2 builds one
+mask for all layers of a multi-token forward.
 
 kvlab policies beyond the method names: ``--policy NAME=JSON`` builds a
 :class:`kvlab.integrations.EvictionConfig` from ``{"ratio": 0.5, ...}`` (any field; a

@@ -2,7 +2,7 @@
 unless given): the head over 128 tokens (float32, per row when 3 candidates are stacked, and
 bfloat16), the library's float64 KL over the vocabulary and its pieces, one decoder MLP.
 
-    OMP_NUM_THREADS=1 python benchmarks/profile_calibration_parts.py qwen2.5-coder-0.5b 1
+    OMP_NUM_THREADS=1 python experiments/profile_calibration_parts.py qwen2.5-coder-0.5b 1
 """
 
 from __future__ import annotations

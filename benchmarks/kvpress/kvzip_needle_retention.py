@@ -1,25 +1,26 @@
 """Which answer tokens a KVzip eviction keeps, layer by layer: kvlab's default KVzip policy
 against kvpress's (``KVzipPress``'s) on the same RULER samples.
 
-Diagnoses where two selections part (docs/results.md 12.5.1: at 0.875 kvlab's KVzip answers
-6 points below kvpress's). For each sample (``TASK:INDEX`` of a samples JSONL written by
-benchmarks/ruler_samples.py, the token ids both tools ran) and each policy, one prefill is
-captured, the context compressed (:func:`kvlab.evaluation.questions.compress_context`) and the
-question answered greedily; then, per decoder layer, the *answer tokens* — every context token
-whose text overlaps an occurrence of one of the sample's reference answers (the needle values:
-``outputs``) — are looked up in the kept set of each kv head.
+Diagnoses where two selections part (docs/archive/results-history.md 12.5.1: at 0.875 kvlab's
+KVzip answers 6 points below kvpress's). For each sample (``TASK:INDEX`` of a samples JSONL
+written by benchmarks/kvpress/ruler_samples.py, the token ids both tools ran) and each policy,
+one prefill is captured, the context compressed
+(:func:`kvlab.evaluation.questions.compress_context`) and the question answered greedily; then,
+per decoder layer, the *answer tokens* — every context token whose text overlaps an occurrence
+of one of the sample's reference answers (the needle values: ``outputs``) — are looked up in the
+kept set of each kv head.
 
 Policies (both no relay, 4 sinks, adaptive heads; :class:`kvlab.relay.EvictionConfig`):
 
 * ``kvlab``: the library default (:func:`kvlab.relay.policies.default_policy_settings`
   ``("kvzip")``: protected recent window of 3/8 of each layer's per-head budget, three
   quarters of the budget split across layers by the scores, the prefill's last 128 queries
-  scored too; chosen on perplexity windows of *Hamlet*, docs/results.md section 7);
+  scored too; chosen on perplexity windows of *Hamlet*, docs/archive/results-history.md section 7);
 * ``kvpress``: kvpress 0.5.5's ``KVzipPress`` policy (no protected window, the whole budget to
   the top scores over every layer and kv head, reconstruction queries only), which reproduced
-  ``KVzipPress``'s KL to every printed digit (docs/results.md section 7, "Parity").
+  ``KVzipPress``'s KL to every printed digit (docs/archive/results-history.md section 7, "Parity").
 
-With ``--kvpress-kept`` (the JSON of ``benchmarks/ruler_kvpress.py kept``, kvpress's own
+With ``--kvpress-kept`` (the JSON of ``benchmarks/kvpress/ruler_kvpress.py kept``, kvpress's own
 ``KVzipPress`` kept positions at the same ratio, run in kvpress's venv) each row also holds
 ``kvpress_press``: that kept set's difference from the policy's and its answer-token retention.
 
@@ -32,8 +33,9 @@ protected window under the uniform split, ``round(f * round((1 - R) * T))`` with
 ``window_fraction``, 0.375). A diagnostic: no
 setting is chosen from it.
 
-    OMP_NUM_THREADS=2 python benchmarks/kvzip_needle_retention.py --samples samples-s2.jsonl \\
-        --sample niah_multikey_1:0 --sample niah_multiquery:3 --ratio 0.875 --out kept.jsonl
+    OMP_NUM_THREADS=2 python benchmarks/kvpress/kvzip_needle_retention.py \\
+        --samples samples-s2.jsonl --sample niah_multikey_1:0 --sample niah_multiquery:3 \\
+        --ratio 0.875 --out kept.jsonl
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 
-#: kvpress 0.5.5 ``KVzipPress``'s policy as ``kvlab eval`` method params (docs/results.md 7).
+#: kvpress 0.5.5 ``KVzipPress``'s policy as ``kvlab eval`` method params
+#: (docs/archive/results-history.md 7).
 KVPRESS_POLICY = {
     "scorer": "kvzip",
     "scorer_options": {},

@@ -10,9 +10,9 @@ JSON: ``compress_seconds`` (prefill + reconstruction pass + eviction), ``pass_se
 (the blockwise softmax) instead of the CPU flash path. ``--kept FILE`` writes the kept
 original positions per layer and kv head (JSON), which ``--compare A B`` compares.
 
-    OMP_NUM_THREADS=1 python benchmarks/kvzip_reconstruction.py --kept /tmp/fast.json
-    OMP_NUM_THREADS=1 python benchmarks/kvzip_reconstruction.py --reference --kept /tmp/ref.json
-    python benchmarks/kvzip_reconstruction.py --compare /tmp/ref.json /tmp/fast.json
+    OMP_NUM_THREADS=1 python experiments/kvzip_reconstruction.py --kept /tmp/fast.json
+    OMP_NUM_THREADS=1 python experiments/kvzip_reconstruction.py --reference --kept /tmp/ref.json
+    python experiments/kvzip_reconstruction.py --compare /tmp/ref.json /tmp/fast.json
 """
 
 from __future__ import annotations
