@@ -7,6 +7,12 @@ to the source, the flags, the torch version and this processor, so a rebuilt sou
 machine never loads a stale binary. The shared headers of :mod:`kvlab.kernels_common`
 (``kvlab_simd.h``) are on the include path of every build and part of that name.
 
+A build interrupted (Ctrl-C, a killed process) leaves torch's build lock (its file ``lock`` in
+the build folder) behind, and torch then waits on it forever. kvlab therefore builds under its
+own lock first — ``fcntl.flock`` on ``kvlab.flock`` in the same folder, which the kernel
+releases when its holder dies — and, holding it, removes a ``lock`` file left there: no other
+kvlab process can be building that name then, so the file is stale by construction.
+
 Used by :mod:`kvlab.pnmix.kernels.cpu` and :mod:`kvlab.relay.kernels.cpu`; each keeps its own
 "compiled once, or the reason it could not be" state (:class:`CompiledModule`). This module
 only compiles: which backend runs, and loading the kernels a method needs, is
@@ -15,13 +21,19 @@ only compiles: which backend runs, and loading the kernels a method needs, is
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: torch's own lock only
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 
@@ -30,6 +42,7 @@ from kvlab.kernels_common import INCLUDE_DIR, header_sources
 __all__ = [
     "FLAGS",
     "CompiledModule",
+    "build_lock",
     "compile_module",
     "module_name",
 ]
@@ -56,13 +69,43 @@ def module_name(prefix: str, source: str, flags: Sequence[str]) -> str:
     return f"{prefix}_{digest[:16]}"
 
 
-def _built(name: str) -> bool:
+def _build_directory(name: str) -> str | None:
+    """torch's build folder of extension ``name`` (created), or ``None`` if torch's private
+    helper moved."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
-    except Exception:  # a private helper: if it moved, just announce the build
-        return False
+        return _get_build_directory(name, False)
+    except Exception:
+        return None
+
+
+def _built(name: str) -> bool:
+    folder = _build_directory(name)
+    # a private helper: if it moved, just announce the build
+    return folder is not None and os.path.exists(os.path.join(folder, f"{name}.so"))
+
+
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Hold kvlab's lock of build ``name`` and clear a stale torch build lock (module
+    docstring). Without ``fcntl`` (not POSIX) or a build folder, does nothing."""
+    folder = _build_directory(name)
+    if fcntl is None or folder is None:
+        yield
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "kvlab.flock"), "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(folder, "lock")
+            if os.path.exists(stale):
+                _LOG.warning("kvlab: removing the build lock an interrupted build left: %s", stale)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def compile_module(
@@ -91,15 +134,16 @@ def compile_module(
             _LOG.warning(announcement)  # once, also when the OpenMP build fails first
             announced = True
         try:
-            return load_inline(
-                name,
-                cpp_sources=[source],
-                functions=list(functions),
-                extra_cflags=flags,
-                extra_ldflags=openmp,
-                extra_include_paths=[str(INCLUDE_DIR)],
-                verbose=False,
-            )
+            with build_lock(name):
+                return load_inline(
+                    name,
+                    cpp_sources=[source],
+                    functions=list(functions),
+                    extra_cflags=flags,
+                    extra_ldflags=openmp,
+                    extra_include_paths=[str(INCLUDE_DIR)],
+                    verbose=False,
+                )
         except Exception as err:  # compiler missing, flags refused, headers absent, ...
             lines = str(err).strip().splitlines() or [type(err).__name__]
             errors.append(f"{' '.join(flags)}: {lines[-1]}")
