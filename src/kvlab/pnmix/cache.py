@@ -763,7 +763,7 @@ class PNMixCache(CacheDecode):
             self._value_mse_known = snapshot["value_mse_known"]
             self._value_choice_errors = snapshot["value_choice_errors"]
             self._active_pairs_valid = False
-        s._set_counts(points[0].counts.copy())
+        s.restore_counts(points[0].counts.copy())
 
     def pending_check(self) -> Tensor | None:
         """The device flag of appends not yet checked (True = all valid), or ``None``."""

@@ -530,7 +530,9 @@ class CacheState:
         """Calls of :func:`kvlab.pnmix.attention.pnmix_attention` on this cache."""
         return self._attention_calls
 
-    def _record_attention_call(self) -> None:
+    def note_attention_call(self) -> None:
+        """Count one attention call (:func:`kvlab.pnmix.attention.pnmix_attention` and the
+        fused decode step call it)."""
         self._attention_calls += 1
 
     # ------------------------------------------------------------------ bytes

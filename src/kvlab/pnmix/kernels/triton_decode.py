@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,9 +50,7 @@ from kvlab.pnmix.kernels.triton_common import (
     pow2,
     softcap_tile,
 )
-
-if TYPE_CHECKING:
-    from kvlab.pnmix.attention import PackedKV
+from kvlab.pnmix.store import PackedKV
 
 __all__ = ["packed_attention_triton", "triton_launcher"]
 
