@@ -421,6 +421,8 @@ PAPER = Paper(
         "kvlab.pnmix.config",
         "kvlab.pnmix.cache",
         "kvlab.pnmix.cache_state",
+        "kvlab.pnmix.cache_tables",
+        "kvlab.pnmix.cache_flush",
         "kvlab.pnmix.cache_decode",
         "kvlab.pnmix.attention",
         "kvlab.pnmix.reference",

@@ -76,6 +76,8 @@ IMPLEMENTATION_MODULES = (
     "kvlab.relay.reconstruction",
     "kvlab.pnmix.cache",
     "kvlab.pnmix.cache_state",
+    "kvlab.pnmix.cache_tables",
+    "kvlab.pnmix.cache_flush",
     "kvlab.pnmix.cache_decode",
     "kvlab.pnmix.attention",
     "kvlab.pnmix.reference",

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvlab.pnmix.cache_state import CacheState
+from kvlab.pnmix.cache_tables import CacheTables
 from kvlab.pnmix.packing import unpack_codes
 from kvlab.pnmix.store import PackedKV
 from kvlab.rope import rotate_by_delta
@@ -21,8 +21,8 @@ from kvlab.rope import rotate_by_delta
 __all__ = ["CacheDecode"]
 
 
-class CacheDecode(CacheState):
-    """Decoding of a :class:`~kvlab.pnmix.cache_state.CacheState` (a base of
+class CacheDecode(CacheTables):
+    """Decoding of a :class:`~kvlab.pnmix.cache_tables.CacheTables` (a base of
     :class:`kvlab.pnmix.cache.PNMixCache`)."""
 
     def packed_kv(self) -> PackedKV:

@@ -180,6 +180,8 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.pnmix.reference",
             "kvlab.pnmix.cache",
             "kvlab.pnmix.cache_state",
+            "kvlab.pnmix.cache_tables",
+            "kvlab.pnmix.cache_flush",
             "kvlab.pnmix.cache_decode",
             "kvlab.pnmix.codecs",
             "kvlab.pnmix.key_codec",
