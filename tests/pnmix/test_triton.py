@@ -32,9 +32,9 @@ def _interpreter():
         mp.delenv("KVLAB_PNMIX_BACKEND", raising=False)
         if DEVICE.type == "cpu":
             mp.setenv("TRITON_INTERPRET", "1")
-            from kvlab.pnmix.kernels import triton_decode
+            from kvlab.pnmix.kernels import triton_decode_kernels
 
-            if not isinstance(triton_decode._split_kernel, _interpreted_type()):
+            if not isinstance(triton_decode_kernels.split_kernel, _interpreted_type()):
                 pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
         yield
 
