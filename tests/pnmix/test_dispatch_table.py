@@ -87,7 +87,7 @@ def test_a_backend_without_a_covering_kernel_is_refused_with_each_reason(
     decode = cache.kernel_decode
     assert isinstance(decode, KernelKeyDecode)
     picky = KernelEntry(
-        "triton", "picky", "kvlab.pnmix.kernels.cpu", "x", covers=lambda kv, d: "no"
+        "triton", "picky", "kvlab.pnmix.kernels.cpu", "x", unsupported=lambda kv, d: "no"
     )
     monkeypatch.setattr(dispatch, "KERNELS", (picky,))
     with pytest.raises(ValueError, match=r"no 'triton' kernel runs this cache \(picky: no\)"):

@@ -213,10 +213,11 @@ class KernelEntry:
         backend: the backend it serves (``"cpu"``, ``"triton"``).
         name: the kernel's name (logs, tests).
         module: the module holding its functions, imported when the entry is first chosen.
-        attention: that module's :class:`AttentionKernel`.
-        decode_step: that module's :class:`DecodeStepKernel`, or ``None`` (no fused step).
-        covers: why it cannot run a store (``(kv, decode) -> reason | None``; host metadata
-            only, asked on every call), or ``None``: every
+        attention: the name of that module's :class:`AttentionKernel`.
+        decode_step: the name of that module's :class:`DecodeStepKernel`, or ``None`` (no
+            fused step).
+        unsupported: why it cannot run a store (``(kv, decode) -> reason | None``; host
+            metadata only, asked on every call), or ``None``: it runs every
             :class:`~kvlab.pnmix.kernels.spec.KernelKeyDecode` on any store.
     """
 
@@ -225,11 +226,11 @@ class KernelEntry:
     module: str
     attention: str
     decode_step: str | None = None
-    covers: Callable[[PackedKV, KernelKeyDecode], str | None] | None = None
+    unsupported: Callable[[PackedKV, KernelKeyDecode], str | None] | None = None
 
     def why_not(self, kv: PackedKV, decode: KernelKeyDecode) -> str | None:
         """``None`` when this kernel runs ``kv``, else why not."""
-        return None if self.covers is None else self.covers(kv, decode)
+        return None if self.unsupported is None else self.unsupported(kv, decode)
 
     def function(self, name: str) -> Callable[..., Tensor]:
         """Function ``name`` of :attr:`module` (looked up on every call: a test may replace
@@ -252,7 +253,7 @@ KERNELS: tuple[KernelEntry, ...] = (
         name="triton-splitk",
         module="kvlab.pnmix.kernels.triton_splitk",
         attention="packed_attention_splitk",
-        covers=splitk_unsupported,
+        unsupported=splitk_unsupported,
     ),
     KernelEntry(
         backend="triton",
