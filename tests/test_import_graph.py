@@ -2,11 +2,13 @@
 (docs/design.md, "Model integration": the mechanisms are model-agnostic tensor code).
 
 The graph is read from the sources with :mod:`ast`, nothing is imported: an edge ``a -> b``
-for every ``import b`` / ``from b import x`` in module ``a`` — at module level or inside a
-function (a lazy import still makes the two modules depend on each other) — except those under
-``if TYPE_CHECKING:``. Relative imports are resolved against the importing module's package;
-``from pkg import name`` is an edge to the submodule ``pkg.name`` when there is one, else to
-``pkg``.
+for every ``import b`` / ``from b import x`` in module ``a`` — at module level, inside a
+function (a lazy import still makes the two modules depend on each other) or under ``if
+TYPE_CHECKING:`` (a type that only the checker imports is still a dependency: a cycle through
+one is a contract in the wrong place). Relative imports are resolved against the importing
+module's package; ``from pkg import name`` is an edge to the submodule ``pkg.name`` when there
+is one, else to ``pkg``. The modules that PN-Mix's kernel table names (imported by name when a
+kernel is first chosen, as a backend registry does) are edges of the dispatch module too.
 """
 
 from __future__ import annotations
@@ -33,26 +35,9 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(node: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """The import statements under ``node``, skipping the bodies of ``if TYPE_CHECKING:``
-    (their ``else:`` branches count)."""
-    found: list[ast.Import | ast.ImportFrom] = []
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child):
-            for stmt in child.orelse:
-                found += _imports(ast.Module(body=[stmt], type_ignores=[]))
-            continue
-        if isinstance(child, (ast.Import, ast.ImportFrom)):
-            found.append(child)
-        found += _imports(child)
-    return found
+    """Every import statement under ``node`` (``if TYPE_CHECKING:`` bodies included)."""
+    return [n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
 def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
@@ -92,7 +77,24 @@ def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
         edges.discard(name)
         graph[name] = edges
         external[name] = others
+    graph[DISPATCH] |= set(_kernel_table_modules())
     return graph, external
+
+
+#: The module whose kernel table names modules to import (kvlab.pnmix.kernels.dispatch.KERNELS).
+DISPATCH = "kvlab.pnmix.kernels.dispatch"
+
+
+def _kernel_table_modules() -> list[str]:
+    """The ``module="..."`` strings of the kernel table's entries, read from the source."""
+    path = SRC / (DISPATCH.replace(".", "/") + ".py")
+    names = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KernelEntry":
+            for kw in node.keywords:
+                if kw.arg == "module" and isinstance(kw.value, ast.Constant):
+                    names.append(kw.value.value)
+    return names
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[tuple[list[str], set[str]]]:
@@ -165,8 +167,16 @@ def test_the_graph_reader_resolves_what_it_should():
     assert "kvlab.backends" in graph["kvlab.cli"]  # inside reproduce()
     assert "torch" in external["kvlab.native"]
     assert "transformers" in external["kvlab.integrations.pnmix_cache"]
-    # if TYPE_CHECKING: imports do not count
-    assert "kvlab.relay.storage" not in graph["kvlab.relay.kernels.cpu"]
+    # if TYPE_CHECKING: imports count
+    assert "kvlab.relay.storage" in graph["kvlab.relay.kernels.cpu"]
+    # the kernel table's modules (imported by name) are the dispatch module's edges
+    table = set(_kernel_table_modules())
+    assert table == {
+        "kvlab.pnmix.kernels.cpu",
+        "kvlab.pnmix.kernels.triton_splitk",
+        "kvlab.pnmix.kernels.triton_decode",
+    }
+    assert table <= graph[DISPATCH] and table <= set(graph)
 
 
 def test_no_import_cycles():

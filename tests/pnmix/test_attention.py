@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kernel_checks import phase_norm_channels, require_cpu_kernel
 
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
-from kvlab.pnmix.attention import packed_attention_reference, packed_kv
+from kvlab.pnmix.reference import packed_attention_reference
 
 CODINGS = ["mix", "cartesian", "phase_norm", "per_token"]
 
@@ -321,7 +321,7 @@ def test_backend_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     cache.append(k, v)
     q = torch.randn(1, 2, 3, 8)
-    kv = packed_kv(cache)
+    kv = cache.packed_kv()
     expected = packed_attention_reference(q, kv, scale=8**-0.5, block_groups=1024)
     assert torch.equal(pnmix_attention(q, cache, backend="torch"), expected)
     monkeypatch.setenv("KVLAB_PNMIX_BACKEND", "torch")

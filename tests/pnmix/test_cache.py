@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.pnmix import PNMixCache, PNMixConfig, unpack_codes
+from kvlab.pnmix import PNMixCache, PNMixConfig
+from kvlab.pnmix.packing import unpack_codes
 from kvlab.pnmix.quantizers import key_pair_errors, rotary_pair_indices
 
 CODINGS = ["mix", "cartesian", "phase_norm", "per_token"]

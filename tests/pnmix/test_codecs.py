@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from kvlab.pnmix import (
     CartesianCodec,
-    KeyLayout,
     MixCodec,
     PerTokenCodec,
     PhaseNormCodec,
@@ -19,7 +18,7 @@ from kvlab.pnmix import (
     PNMixConfig,
     pnmix_attention,
 )
-from kvlab.pnmix.codecs import key_codec_from_name
+from kvlab.pnmix.codecs import KeyLayout, key_codec_from_name
 from kvlab.pnmix.quantizers import key_pair_errors, phase_levels
 
 

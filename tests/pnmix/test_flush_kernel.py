@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_checks import ROPE_SCALINGS, require_cpu_kernel
 
-import kvlab.pnmix.cache as cache_module
+import kvlab.pnmix.cache_flush as cache_module
 from kvlab.pnmix import BitAllocCodec, PNMixCache, PNMixConfig
 from kvlab.pnmix.codecs import KeyLayout
 from kvlab.pnmix.kernels import cpu

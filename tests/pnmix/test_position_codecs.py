@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
-from kvlab.pnmix.attention import apply_key_payload, decode_key_block, packed_kv
 from kvlab.pnmix.bitalloc import (
     allocate_pair_bits,
     greedy_pair_bits,
@@ -36,6 +35,7 @@ from kvlab.pnmix.hadamard import hadamard_matrix
 from kvlab.pnmix.outliers import sparse_minmax_quantize
 from kvlab.pnmix.packing import pack_codes
 from kvlab.pnmix.prerope import to_prerope
+from kvlab.pnmix.reference import apply_key_payload, decode_key_block
 from kvlab.pnmix.values import HadamardValueCodec, PerTokenValueCodec
 from kvlab.pnmix.width_codec import BitAllocCodec, channel_bit_offsets
 from kvlab.rope import RotaryConfig, apply_rotary, rotate_by_delta
@@ -575,7 +575,7 @@ def test_outliers_come_back_bit_exactly_through_the_store(coding) -> None:
     k[0, 1, 13, 5] = 900.0
     cache = make_cache(cfg, r)
     cache.append(k, v, queries=q)
-    kv = packed_kv(cache)
+    kv = cache.packed_kv()
     n = cache.num_groups
     pre = apply_key_payload(decode_key_block(kv, 0, n), kv, 0, n).reshape(2, 2, n, 8, D)
     es, count = 2, cfg.key_codec.outlier_count(8, D)

@@ -32,9 +32,9 @@ def _interpreter():
         mp.delenv("KVLAB_PNMIX_BACKEND", raising=False)
         if DEVICE.type == "cpu":
             mp.setenv("TRITON_INTERPRET", "1")
-            from kvlab.pnmix.kernels import triton_decode
+            from kvlab.pnmix.kernels import triton_decode_kernels
 
-            if not isinstance(triton_decode._split_kernel, _interpreted_type()):
+            if not isinstance(triton_decode_kernels.split_kernel, _interpreted_type()):
                 pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
         yield
 
@@ -148,13 +148,13 @@ def test_triton_matches_the_reference(
 
 def test_triton_splits_merge_like_one_split() -> None:
     """Many splits of one group each (FlashDecoding reduction) and the exact segment."""
-    from kvlab.pnmix.attention import _reference_keys, packed_kv
     from kvlab.pnmix.kernels.triton_decode import packed_attention_triton
+    from kvlab.pnmix.reference import reference_keys
 
     cache = make_cache("mix", 2, torch.float16, [40], seed=7)
     query = torch.randn(1, 4, 2, 10, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    kv = packed_kv(cache)
-    mu = _reference_keys(kv)
+    kv = cache.packed_kv()
+    mu = reference_keys(kv)
     outs = [
         packed_attention_triton(
             query,
@@ -248,13 +248,13 @@ def test_triton_products_by_dot_or_by_reduction_agree(case: int) -> None:
     """``dot=True`` (``tl.dot``, blocks padded to 16) and ``dot=False`` (broadcast products
     reduced over an axis) both stay within the reference's tolerance; a launcher replays the
     same result into the same buffer."""
-    from kvlab.pnmix.attention import _reference_keys, packed_kv
     from kvlab.pnmix.kernels.triton_decode import triton_launcher
+    from kvlab.pnmix.reference import reference_keys
 
     cache, gen = issue8_cache(case)
     query = torch.randn(2, 6, 3, cache.head_dim, generator=gen).to(DEVICE)
-    kv = packed_kv(cache)
-    mu = _reference_keys(kv)
+    kv = cache.packed_kv()
+    mu = reference_keys(kv)
     ref = pnmix_attention(query, cache, backend="torch")
     tol = issue8_tolerance(query, cache)
     for dot in (False, True):

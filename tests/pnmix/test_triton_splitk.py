@@ -1,5 +1,5 @@
 """The split-K GQA decode kernel (kvlab.pnmix.kernels.triton_splitk) against the torch
-reference (docs/benchmarks.md, "Split-K decode kernel").
+reference (docs/benchmarks.md, "Decode bytes model and the split-K kernel").
 
 Runs where ``triton`` is installed: on CUDA when there is a GPU, else on the CPU under
 ``TRITON_INTERPRET=1`` (tests/conftest.py sets it; slow: tiny shapes). Marked ``triton``.
@@ -85,15 +85,15 @@ def make_cache(
 
 
 def splitk(cache: PNMixCache, query: torch.Tensor, **options: object) -> torch.Tensor:
-    from kvlab.pnmix.attention import _reference_keys, packed_kv
     from kvlab.pnmix.kernels.triton_splitk import packed_attention_splitk
+    from kvlab.pnmix.reference import reference_keys
 
-    kv = packed_kv(cache)
+    kv = cache.packed_kv()
     opts: dict[str, object] = dict(
         scale=query.shape[-1] ** -0.5, causal=True, logit_softcap=None, sink_logits=None
     )
     opts.update(options)
-    return packed_attention_splitk(query, kv, cache.kernel_decode, _reference_keys(kv), **opts)  # type: ignore[arg-type]
+    return packed_attention_splitk(query, kv, cache.kernel_decode, reference_keys(kv), **opts)  # type: ignore[arg-type]
 
 
 def check(cache: PNMixCache, query: torch.Tensor, **options: object) -> None:
@@ -166,17 +166,17 @@ def test_splitk_without_groups_or_exact_tokens() -> None:
 
 
 def test_splitk_launcher_replays_into_one_buffer() -> None:
-    from kvlab.pnmix.attention import _reference_keys, packed_kv
     from kvlab.pnmix.kernels.triton_splitk import splitk_launcher
+    from kvlab.pnmix.reference import reference_keys
 
     cache = make_cache("mix", [40], seed=8)
     query = torch.randn(1, 6, 1, 32, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    kv = packed_kv(cache)
+    kv = cache.packed_kv()
     launch = splitk_launcher(
         query,
         kv,
         cache.kernel_decode,  # type: ignore[arg-type]
-        _reference_keys(kv),
+        reference_keys(kv),
         scale=32**-0.5,
         causal=True,
         logit_softcap=None,
@@ -189,8 +189,7 @@ def test_splitk_launcher_replays_into_one_buffer() -> None:
 
 
 def test_choose_splits_and_unsupported_reasons() -> None:
-    from kvlab.pnmix.attention import packed_kv
-    from kvlab.pnmix.kernels.triton_splitk import choose_splits, splitk_unsupported
+    from kvlab.pnmix.kernels.splits import choose_splits, splitk_unsupported
 
     assert choose_splits(8, 3, 65536, 132) == 22  # 4 * 132 / 24 programs
     assert choose_splits(8, 2, 65536, 132) == 33
@@ -199,11 +198,11 @@ def test_choose_splits_and_unsupported_reasons() -> None:
     with pytest.raises(ValueError):
         choose_splits(0, 1, 10, 132)
     cache = make_cache("per_token", [20], seed=1)
-    assert "per-channel" in str(splitk_unsupported(packed_kv(cache), cache.kernel_decode))
+    assert "per-channel" in str(splitk_unsupported(cache.packed_kv(), cache.kernel_decode))
     cache = make_cache("mix", [20], seed=1, head=(16, 16))
-    assert "head_dim" in str(splitk_unsupported(packed_kv(cache), cache.kernel_decode))
+    assert "head_dim" in str(splitk_unsupported(cache.packed_kv(), cache.kernel_decode))
     cache = make_cache("mix", [20], seed=1, bits=3)
-    assert "bit" in str(splitk_unsupported(packed_kv(cache), cache.kernel_decode))
+    assert "bit" in str(splitk_unsupported(cache.packed_kv(), cache.kernel_decode))
 
 
 # (key_coding, key_outlier_fraction, value_coding, rotary layout, storage dtype, relayed,
@@ -266,11 +265,10 @@ def test_splitk_matches_the_reference_on_the_pnmix_codings(case: int) -> None:
     """Per-pair widths (3-bit codes straddling words), exact outliers as a sparse logit
     correction (rotated for pre-RoPE keys; tiles ending mid-group), pre-RoPE keys at moved
     position offsets, Hadamard values; padded rows, GQA 3, Q = 1 and causal Q = 3."""
-    from kvlab.pnmix.attention import packed_kv
-    from kvlab.pnmix.kernels.triton_splitk import splitk_unsupported
+    from kvlab.pnmix.kernels.splits import splitk_unsupported
 
     cache, gen = pnmix_cache(case)
-    assert splitk_unsupported(packed_kv(cache), cache.kernel_decode) is None
+    assert splitk_unsupported(cache.packed_kv(), cache.kernel_decode) is None
     block_t = PNMIX_CASES[case][-1]
     for nq in (1, 3):
         query = torch.randn(2, 6, nq, 32, generator=gen).to(DEVICE)
@@ -288,3 +286,37 @@ def test_splitk_reduced_products(case: int | None) -> None:
         cache, gen = pnmix_cache(case)
     query = torch.randn(2, 6, 1, 32, generator=gen).to(DEVICE)
     check(cache, query, splits=2, dot=False)
+
+
+def test_the_triton_backend_runs_the_splitk_kernel_where_it_covers_the_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``pnmix_attention(backend="triton")`` takes its kernel from the dispatch table: the
+    split-K kernel for a store it covers (the seed coding here), the older kernel otherwise
+    (per-token keys); both agree with the reference."""
+    from kvlab.pnmix.kernels import triton_decode, triton_splitk
+
+    used: list[str] = []
+    for module, name in (
+        (triton_splitk, "packed_attention_splitk"),
+        (triton_decode, "packed_attention_triton"),
+    ):
+        original = getattr(module, name)
+
+        def spy(*args: object, _fn: object = original, _name: str = name, **kw: object) -> object:
+            used.append(_name)
+            return _fn(*args, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(module, name, spy)
+    gen = torch.Generator().manual_seed(6)
+    for coding, expected in (
+        ("mix", "packed_attention_splitk"),
+        ("per_token", "packed_attention_triton"),
+    ):
+        cache = make_cache(coding, [37, 50], seed=21)
+        query = torch.randn(2, 6, 1, 32, generator=gen).to(DEVICE)
+        used.clear()
+        out = pnmix_attention(query, cache, backend="triton")
+        assert used == [expected]
+        ref = pnmix_attention(query, cache, backend="torch")
+        assert float((out - ref).abs().max()) <= kernel_tolerance(query, cache)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.relay import EMPTY_POSITION, RelayedCache, relay, relay_attention, relay_logits
+from kvlab.relay.core import EMPTY_POSITION, RelayedCache, relay, relay_attention, relay_logits
 from kvlab.rope import ROTATION_ERROR_BOUND, RotaryConfig, apply_rotary
 
 HYPOTHESIS = settings(max_examples=40, deadline=None)

@@ -12,8 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab.relay.kvzip as kvzip_module
-from kvlab.relay import KVzipScorer, ReconstructionPrompt, reconstruction_attention
-from kvlab.relay.kvzip import chat_template_parts, reconstruction_attention_reference
+from kvlab.relay import KVzipScorer, ReconstructionPrompt
+from kvlab.relay.kvzip import (
+    chat_template_parts,
+    reconstruction_attention,
+    reconstruction_attention_reference,
+)
 from kvlab.relay.scorers import ScoreInputs
 
 

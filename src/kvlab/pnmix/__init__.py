@@ -12,43 +12,38 @@ Modules: :mod:`~kvlab.pnmix.packing` (bitstream packing), :mod:`~kvlab.pnmix.qua
 min-max and Phase–Norm quantizers), :mod:`~kvlab.pnmix.codecs` (key codecs: the name registry,
 re-exporting the seam :mod:`~kvlab.pnmix.key_codec` every key coding goes through and the families
 :mod:`~kvlab.pnmix.pair_codecs` and :mod:`~kvlab.pnmix.mix_codec`), :mod:`~kvlab.pnmix.store`
-(contiguous per-layer buffers), :mod:`~kvlab.pnmix.config` (the configuration),
-:mod:`~kvlab.pnmix.cache` (the one-layer cache: construction and writes; its state and views in
-:mod:`~kvlab.pnmix.cache_state`, its read path in :mod:`~kvlab.pnmix.cache_decode`),
-:mod:`~kvlab.pnmix.attention` (packed attention: the torch reference, the dispatch and the fused
-decode step), :mod:`~kvlab.pnmix.kernels` (the compiled backends: a C++ CPU kernel and a Triton
-kernel), :mod:`~kvlab.pnmix.allocation` (per-layer group sizes under a byte budget),
-:mod:`~kvlab.pnmix.width_codec` (per-pair widths and outliers), :mod:`~kvlab.pnmix.values` (value
-codecs), :mod:`~kvlab.pnmix.bitalloc`, :mod:`~kvlab.pnmix.outliers`, :mod:`~kvlab.pnmix.prerope`,
-:mod:`~kvlab.pnmix.hadamard` (the functions those build on).
+(contiguous per-layer buffers — their counts and accounting in :mod:`~kvlab.pnmix.store_buffers`
+— and :class:`~kvlab.pnmix.store.PackedKV`, what attention and its kernels read),
+:mod:`~kvlab.pnmix.config` (the configuration), :mod:`~kvlab.pnmix.cache` (the one-layer cache:
+construction and writes; its state and views in :mod:`~kvlab.pnmix.cache_state`, its per-row
+tables in :mod:`~kvlab.pnmix.cache_tables`, its flush path in :mod:`~kvlab.pnmix.cache_flush`,
+its read path in :mod:`~kvlab.pnmix.cache_decode`), :mod:`~kvlab.pnmix.attention` (the entry
+points: dispatch and the fused decode step), :mod:`~kvlab.pnmix.reference` (the torch reference
+of packed attention), :mod:`~kvlab.pnmix.kernels` (the compiled backends and their dispatch
+table: a C++ CPU kernel, two Triton kernels), :mod:`~kvlab.pnmix.allocation` (per-layer group
+sizes under a byte budget), :mod:`~kvlab.pnmix.width_codec` (per-pair widths and outliers),
+:mod:`~kvlab.pnmix.values` (value codecs), :mod:`~kvlab.pnmix.bitalloc`,
+:mod:`~kvlab.pnmix.outliers`, :mod:`~kvlab.pnmix.prerope`, :mod:`~kvlab.pnmix.hadamard` (the
+functions those build on).
+
+The package exports what a user needs — the configuration and its codecs, the cache, the
+attention entry points, the per-layer group allocation; everything else is imported from the
+module that defines it.
 """
 
 from __future__ import annotations
 
 from kvlab.pnmix.allocation import allocate_group_tokens
-from kvlab.pnmix.attention import (
-    PackedKV,
-    packed_attention_reference,
-    pnmix_attention,
-    pnmix_decode_step,
-)
-from kvlab.pnmix.cache import PackedGroup, PNMixCache
+from kvlab.pnmix.attention import pnmix_attention, pnmix_decode_step
+from kvlab.pnmix.cache import PNMixCache
 from kvlab.pnmix.codecs import (
     CartesianCodec,
     KeyCodec,
-    KeyCodes,
-    KeyLayout,
     MixCodec,
-    PairCodec,
     PerTokenCodec,
     PhaseNormCodec,
-    TableStatistics,
-    first_group_error_saliency,
-    query_logit_saliency,
 )
 from kvlab.pnmix.config import KeyCoding, PNMixConfig
-from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
-from kvlab.pnmix.store import PackedStore, StoreGeometry
 from kvlab.pnmix.values import HadamardValueCodec, PerTokenValueCodec, ValueCodec
 from kvlab.pnmix.width_codec import BitAllocCodec
 
@@ -57,29 +52,15 @@ __all__ = [
     "CartesianCodec",
     "HadamardValueCodec",
     "KeyCodec",
-    "KeyCodes",
     "KeyCoding",
-    "KeyLayout",
     "MixCodec",
     "PNMixCache",
     "PNMixConfig",
-    "PackedGroup",
-    "PackedKV",
-    "PackedStore",
-    "PairCodec",
     "PerTokenCodec",
     "PerTokenValueCodec",
     "PhaseNormCodec",
-    "StoreGeometry",
-    "TableStatistics",
     "ValueCodec",
     "allocate_group_tokens",
-    "first_group_error_saliency",
-    "pack_codes",
-    "packed_attention_reference",
-    "packed_length",
     "pnmix_attention",
     "pnmix_decode_step",
-    "query_logit_saliency",
-    "unpack_codes",
 ]

@@ -38,16 +38,19 @@ finite) with one device-to-host read (``checks="eager"``, the default), or, with
 ``checks="deferred"`` (the decode path), with none: the result accumulates on the device and
 :meth:`PNMixCache.check_values` raises later (docs/design.md, "Host syncs").
 
-Modules: this one constructs the cache and writes tokens (appends, group flushes, per-pair table
-computation, value checks); :mod:`kvlab.pnmix.cache_state` holds the state and its read-only
-views (lengths, buffers, tables, positions, bytes) and :mod:`kvlab.pnmix.cache_decode` the read
-path (decoded groups, :meth:`~kvlab.pnmix.cache_decode.CacheDecode.dequantize`), the two bases
-of :class:`PNMixCache`; every public name stays importable from here.
+Modules: this one constructs the cache and writes tokens (appends, their checks, the decode
+fast path's single-token commit, undo points); its bases are :mod:`kvlab.pnmix.cache_state`
+(the state and its read-only views: lengths, buffers, positions, bytes),
+:mod:`kvlab.pnmix.cache_tables` (per-pair tables and value choices as stored),
+:mod:`kvlab.pnmix.cache_flush` (how an append's flushed groups are coded: codecs or the compiled
+flush, table computation, the value choice) and :mod:`kvlab.pnmix.cache_decode` (the read path:
+decoded groups, :meth:`~kvlab.pnmix.cache_decode.CacheDecode.dequantize`, the
+:class:`~kvlab.pnmix.store.PackedKV` attention reads); every public name stays importable from
+here.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -55,18 +58,18 @@ import torch
 from torch import Tensor
 
 from kvlab.pnmix.cache_decode import CacheDecode
+from kvlab.pnmix.cache_flush import CacheFlush
 from kvlab.pnmix.cache_state import Checks, PackedGroup
-from kvlab.pnmix.codecs import KeyLayout, TableStatistics
+from kvlab.pnmix.codecs import KeyLayout
 from kvlab.pnmix.config import KeyCoding, PNMixConfig, check_int
-from kvlab.pnmix.kernels.cpu import encode_groups_cpu, flush_unsupported
-from kvlab.pnmix.kernels.dispatch import requested_backend, select_flush_backend
+from kvlab.pnmix.kernels.cpu import flush_unsupported
+from kvlab.pnmix.kernels.dispatch import requested_backend
 from kvlab.pnmix.kernels.spec import kernel_key_decode
-from kvlab.pnmix.packing import pack_codes, packed_length
+from kvlab.pnmix.packing import packed_length
 from kvlab.pnmix.quantizers import storage_range_message
 from kvlab.pnmix.store import AppendPlan, EncodedGroups, StoreGeometry
-from kvlab.pnmix.values import AutoHadamardValueCodec, attention_weighted_value_error
-from kvlab.pnmix.width_codec import BitAllocCodec
-from kvlab.rope import RotaryConfig, rotate_by_delta
+from kvlab.pnmix.values import AutoHadamardValueCodec
+from kvlab.rope import RotaryConfig
 
 __all__ = ["KeyCoding", "PNMixCache", "PNMixConfig", "PackedGroup", "UndoPoint"]
 
@@ -80,7 +83,7 @@ class UndoPoint(NamedTuple):
     snapshot: dict[str, Any] | None
 
 
-class PNMixCache(CacheDecode):
+class PNMixCache(CacheFlush, CacheDecode):
     """PN-Mix quantized KV cache of ONE layer.
 
     Args:
@@ -375,274 +378,6 @@ class PNMixCache(CacheDecode):
             raise ValueError(f"query_lengths must lie in 0..{t} (the queries given), got {arr}")
         return arr.astype(np.int64)
 
-    def _query_moment(
-        self,
-        queries: Tensor,
-        plan: AppendPlan,
-        rows: np.ndarray,
-        query_lengths: np.ndarray | None = None,
-    ) -> Tensor:
-        """float64 ``[n, D, D]``: per row ``(b, h)`` of ``rows [n, 2]``, the mean of ``q q^T``
-        over the append's real queries of the row's GQA group (the last ``query_lengths[b]``,
-        or those of the row's real tokens; no device read)."""
-        dev = self.device
-        b, hq, t, d = queries.shape
-        h = self._num_heads
-        rep = hq // h
-        q = queries.to(dev).double().reshape(b, h, rep, t, d)
-        rb = torch.from_numpy(rows[:, 0]).to(dev)
-        rh = torch.from_numpy(rows[:, 1]).to(dev)
-        picked = q[rb, rh]  # [n, rep, T, D]
-        if query_lengths is None:
-            real = plan.lengths[rows[:, 0], rows[:, 1]]  # host [n]
-        else:
-            real = query_lengths[rows[:, 0]]
-        first = torch.from_numpy(t - real).to(dev)
-        real_q = torch.arange(t, device=dev)[None, :] >= first[:, None]  # [n, T]
-        picked = torch.where(real_q[:, None, :, None], picked, torch.zeros_like(picked))
-        total = torch.einsum("nrtd,nrte->nde", picked, picked)
-        count = torch.from_numpy(np.maximum(real, 1) * rep).to(dev).double()
-        return total / count[:, None, None]
-
-    def _to_frame(self, keys: Tensor, positions: Tensor) -> Tensor:
-        """Storage-rounded keys ``[N, T, D]`` rotated back from ``positions [N, T]`` to
-        position 0 and rounded to the storage dtype (no device read)."""
-        assert self._rotary is not None
-        return rotate_by_delta(keys, -positions, self._rotary).to(self._config.storage_dtype)
-
-    def _encode(
-        self, plan: AppendPlan, gk: Tensor, gv: Tensor, state: dict[str, Any]
-    ) -> tuple[EncodedGroups, Tensor]:
-        """Code the flushed groups (one codec call); returns them and a device flag that every
-        stored scalar and pre-RoPE key is finite. Tables of rows flushing their first group
-        go to ``state``."""
-        codec, lay = self._codec, self._layout
-        dt = self._config.storage_dtype
-        dev = gk.device
-        n = plan.num_groups
-        rope_keys = gk  # the keys as the queries see them (before any pre-RoPE frame)
-        rows = plan.group_rows
-        positions: Tensor | None = None
-        ok = torch.ones((), dtype=torch.bool, device=dev)
-        if codec.position_aware:
-            pos_host = self._store.stream_positions(rows[:, :2], rows[:, 2])
-            positions = torch.from_numpy(pos_host).to(dev)
-        member = ~self._store.mask_rows[rows[:, 0], rows[:, 1]] if codec.table_bits else None
-        if (
-            self._flush_unsupported is None
-            and (member is None or not member.any())
-            and select_flush_backend(dev) == "cpu"
-        ):
-            # the compiled flush (docs/design.md, "Kernels", "Flush"): the same bytes
-            assert isinstance(codec, BitAllocCodec)
-            fast = encode_groups_cpu(
-                gk,
-                gv,
-                codec=codec,
-                value_codec=self._flush_value_codec,
-                layout=lay,
-                table=self._group_tables(plan, self._mask_bool) if codec.table_bits else None,
-                positions=positions,
-                rotary=self._rotary,
-            )
-            if fast is not None:
-                return self._recode_values(plan, rope_keys, gv, fast, state), ok
-        if positions is not None:
-            gk = self._to_frame(gk, positions)
-            ok = ok & torch.isfinite(gk).all()
-        table = None
-        if codec.table_bits:
-            assert member is not None
-            table_all = self._mask_bool
-            if member.any():
-                table_all = table_all.clone()
-                new_table, new_rows = self._compute_tables(plan, gk, positions, member, state)
-                table_all[
-                    torch.from_numpy(new_rows[:, 0]).to(dev),
-                    torch.from_numpy(new_rows[:, 1]).to(dev),
-                ] = new_table
-                state["mask_rows"], state["mask_bits"] = new_rows, new_table
-            table = self._group_tables(plan, table_all)
-        coded = codec.encode_groups(gk, dt, lay, table)
-        ok = ok & torch.isfinite(coded.scalars).all()
-        vcodes, vscalars = self._flush_value_codec.encode(gv, dt)
-        ok = ok & torch.isfinite(vscalars).all()
-        payload = coded.payload if coded.payload.shape[-1] else None
-        enc = EncodedGroups(
-            codec.pack(coded.codes, lay, table),
-            coded.scalars,
-            pack_codes(vcodes.reshape(n, -1), self._config.bits, check=False),
-            vscalars,
-            payload,
-        )
-        return self._recode_values(plan, rope_keys, gv, enc, state), ok
-
-    # ------------------------------------------------------------------ value choice
-    #: the last queries of an append that choose a row's value coding (at most; docs/design.md,
-    #: "Value codecs")
-    VALUE_CHOICE_QUERIES = 32
-
-    def _recode_values(
-        self,
-        plan: AppendPlan,
-        gk: Tensor,
-        gv: Tensor,
-        enc: EncodedGroups,
-        state: dict[str, Any],
-    ) -> EncodedGroups:
-        """With ``"hadamard_auto"`` values: choose the coding of rows flushing their first group
-        (to ``state``), and recode with squared-error ranges the groups of rows that use them;
-        ``enc`` (min-max values) otherwise. No device read."""
-        if not self._auto_values:
-            return enc
-        codec = self._value_codec
-        assert isinstance(codec, AutoHadamardValueCodec)
-        s = self._store
-        rows = plan.group_rows
-        dev = gv.device
-        new = ~s.value_choice_rows[rows[:, 0], rows[:, 1]]  # host [N]: first flush of the row
-        known = self._value_mse_known[rows[:, 0], rows[:, 1]]
-        maybe_mse = new | ~known | self._value_mse_host[rows[:, 0], rows[:, 1]]
-        if not maybe_mse.any():
-            return enc
-        dt = self._config.storage_dtype
-        mcodes, mscalars = codec.mse.encode(gv, dt)
-        use = self._value_mse[
-            torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)
-        ]
-        if new.any():
-            new_rows, choice = self._choose_values(plan, gk, gv, mcodes, mscalars, new, state)
-            state["value_rows"], state["value_mse"] = new_rows, choice
-            owner = {tuple(r): i for i, r in enumerate(new_rows.tolist())}
-            pick = np.flatnonzero(new)
-            at = torch.from_numpy(np.array([owner[tuple(r)] for r in rows[pick, :2].tolist()]))
-            use = use.clone()
-            use[torch.from_numpy(pick).to(dev)] = choice[at.to(dev)]
-        packed = pack_codes(mcodes.reshape(gv.shape[0], -1), self._config.bits, check=False)
-        return enc._replace(
-            value_codes=torch.where(use[:, None], packed, enc.value_codes),
-            value_scalars=torch.where(use[:, None], mscalars, enc.value_scalars),
-        )
-
-    def _choose_values(
-        self,
-        plan: AppendPlan,
-        gk: Tensor,
-        gv: Tensor,
-        mcodes: Tensor,
-        mscalars: Tensor,
-        new: np.ndarray,
-        state: dict[str, Any],
-    ) -> tuple[np.ndarray, Tensor]:
-        """The value coding of each row flushing its first group: ``(rows [n, 2], mse [n])``
-        (device bool: True = squared-error ranges), by
-        :func:`~kvlab.pnmix.values.attention_weighted_value_error` of each candidate over the
-        row's flushed groups, with the attention probabilities of the append's last
-        ``min(VALUE_CHOICE_QUERIES, residual_tokens)`` real queries (at least 1) of the row's
-        GQA group, under a softmax (scale ``1/sqrt(D)``, the models' default) over the append's
-        real keys, each query seeing the keys up to its own end-aligned position. Groups
-        precede the last ``residual_tokens`` tokens, so those queries see every group token.
-        Exact for a first prefill; later, tokens stored before the append are missing from the
-        softmax's denominator. Without queries a row keeps min-max (``mse`` False). Errors
-        (float64 ``[min-max, squared-error]``) go to :attr:`value_choice_errors`."""
-        codec = self._value_codec
-        assert isinstance(codec, AutoHadamardValueCodec)
-        rows = plan.group_rows
-        dev = gv.device
-        dt = self._config.storage_dtype
-        pick = np.flatnonzero(new)
-        new_rows = np.unique(rows[pick, :2], axis=0)
-        n = new_rows.shape[0]
-        queries = state.get("queries")
-        if queries is None:
-            return new_rows, torch.zeros(n, dtype=torch.bool, device=dev)
-        keys: Tensor = state["keys"]  # [B, H, T, D] storage-rounded
-        _, hq, tq, d = queries.shape
-        h = self._num_heads
-        rep = hq // h
-        t = keys.shape[2]
-        qlen = state.get("query_lengths")
-        w = max(1, min(self.VALUE_CHOICE_QUERIES, self._config.residual_tokens))
-        tv = codec.minmax.frame(gv, dt)  # [N, G, Dv] rotated, storage-rounded
-        dec_min = codec.decode(*codec.minmax.encode(gv, dt))  # the bytes `enc` holds
-        dec_mse = codec.decode(mcodes, mscalars)
-        errors = torch.zeros((n, 2), dtype=torch.float64, device=dev)
-        scale = 1.0 / math.sqrt(d)
-        for i, (rb, rh) in enumerate(new_rows.tolist()):
-            real_k = int(plan.lengths[rb, rh])
-            real_q = real_k if qlen is None else int(qlen[rb])
-            wq = min(w, real_q)
-            if wq == 0:
-                continue
-            q = queries[rb, rh * rep : (rh + 1) * rep, tq - wq :].to(dev).double()  # [rep, wq, D]
-            ks = keys[rb, rh].double()  # [T, D]
-            logits = torch.einsum("rqd,td->rqt", q, ks) * scale
-            idx = torch.arange(t, device=dev)
-            visible = (idx[None, :] >= t - real_k) & (
-                idx[None, :] <= (t - wq + torch.arange(wq, device=dev))[:, None]
-            )
-            lse = torch.where(visible[None], logits, torch.full_like(logits, -math.inf))
-            lse = torch.logsumexp(lse, dim=-1, keepdim=True)  # [rep, wq, 1]
-            mine = np.flatnonzero((rows[:, 0] == rb) & (rows[:, 1] == rh) & new)
-            sel = torch.from_numpy(mine).to(dev)
-            gkeys = gk.index_select(0, sel).reshape(-1, d).double()
-            probs = torch.exp(torch.einsum("rqd,td->rqt", q, gkeys) * scale - lse)
-            probs = probs.reshape(1, rep * wq, -1)
-            x = tv.index_select(0, sel).reshape(1, -1, tv.shape[-1])
-            for j, dec in enumerate((dec_min, dec_mse)):
-                y = dec.index_select(0, sel).reshape(1, -1, tv.shape[-1])
-                errors[i, j] = attention_weighted_value_error(probs, x, y, dt)[0]
-        self._value_choice_errors[
-            torch.from_numpy(new_rows[:, 0]).to(dev), torch.from_numpy(new_rows[:, 1]).to(dev)
-        ] = errors
-        return new_rows, errors[:, 1] < errors[:, 0]
-
-    def _group_tables(self, plan: AppendPlan, table_all: Tensor) -> Tensor:
-        """The per-pair table ``[N, P]`` of each flushed group's row, from the rows' tables
-        ``table_all [B, H, P]`` (no device read)."""
-        n = plan.num_groups
-        if plan.uniform:
-            f = int(plan.flush[0, 0])
-            return table_all.unsqueeze(2).expand(-1, -1, f, -1).reshape(n, -1)
-        rows, dev = plan.group_rows, table_all.device
-        return table_all[torch.from_numpy(rows[:, 0]).to(dev), torch.from_numpy(rows[:, 1]).to(dev)]
-
-    def _compute_tables(
-        self,
-        plan: AppendPlan,
-        gk: Tensor,
-        positions: Tensor | None,
-        member: np.ndarray,
-        state: dict[str, Any],
-    ) -> tuple[Tensor, np.ndarray]:
-        """Tables of the rows whose groups ``member`` marks (rows without a table: each flushes
-        its first group here), from every group they flush and the append's queries."""
-        rows = plan.group_rows
-        dev = gk.device
-        pick = np.flatnonzero(member)
-        picked = rows[pick]
-        keys_rows, owner = np.unique(picked[:, :2], axis=0, return_inverse=True)
-        owner = owner.reshape(-1)
-        first = np.flatnonzero(picked[:, 2] == self._store.group_counts[picked[:, 0], picked[:, 1]])
-        pick_t = torch.from_numpy(pick).to(dev)
-        queries = state.get("queries")
-        stats = TableStatistics(
-            keys=gk.index_select(0, pick_t),
-            owner=torch.from_numpy(owner).to(dev),
-            first=torch.from_numpy(first).to(dev),
-            storage_dtype=self._config.storage_dtype,
-            layout=self._layout,
-            moment=(
-                None
-                if queries is None
-                else self._query_moment(queries, plan, keys_rows, state.get("query_lengths"))
-            ),
-            positions=None if positions is None else positions.index_select(0, pick_t),
-            rotary=self._rotary,
-        )
-        table = self._codec.compute_table(stats).to(self._codec.table_dtype)
-        return table, keys_rows
-
     def check_values(self, *, assume_valid: bool = False) -> None:
         """Raise if a ``checks="deferred"`` append stored non-finite or out-of-range values
         (one device read, only when such appends happened since the last check); also brings
@@ -763,7 +498,7 @@ class PNMixCache(CacheDecode):
             self._value_mse_known = snapshot["value_mse_known"]
             self._value_choice_errors = snapshot["value_choice_errors"]
             self._active_pairs_valid = False
-        s._set_counts(points[0].counts.copy())
+        s.restore_counts(points[0].counts.copy())
 
     def pending_check(self) -> Tensor | None:
         """The device flag of appends not yet checked (True = all valid), or ``None``."""

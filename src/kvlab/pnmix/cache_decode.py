@@ -1,9 +1,10 @@
 """The read path of a PN-Mix cache: its quantized groups decoded to float32 keys and values
-(docs/design.md, "PN-Mix", "Positions", "Attention").
+(docs/design.md, "PN-Mix", "Positions", "Attention"), and the view packed attention reads.
 
 :class:`CacheDecode` decodes group slots exactly as packed attention's torch reference reads
-them (:mod:`kvlab.pnmix.attention`; the compiled kernels agree to rounding) and the whole
-cache for reference and tests (:meth:`CacheDecode.dequantize`).
+them (:mod:`kvlab.pnmix.reference`; the compiled kernels agree to rounding), the whole cache
+for reference and tests (:meth:`CacheDecode.dequantize`), and hands attention its
+:class:`~kvlab.pnmix.store.PackedKV` (:meth:`CacheDecode.packed_kv`).
 """
 
 from __future__ import annotations
@@ -12,16 +13,32 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvlab.pnmix.cache_state import CacheState
+from kvlab.pnmix.cache_tables import CacheTables
 from kvlab.pnmix.packing import unpack_codes
+from kvlab.pnmix.store import PackedKV
 from kvlab.rope import rotate_by_delta
 
 __all__ = ["CacheDecode"]
 
 
-class CacheDecode(CacheState):
-    """Decoding of a :class:`~kvlab.pnmix.cache_state.CacheState` (a base of
+class CacheDecode(CacheTables):
+    """Decoding of a :class:`~kvlab.pnmix.cache_tables.CacheTables` (a base of
     :class:`kvlab.pnmix.cache.PNMixCache`)."""
+
+    def packed_kv(self) -> PackedKV:
+        """What packed attention reads of this cache (:class:`~kvlab.pnmix.store.PackedKV`):
+        views of the store's buffers, copies of its host counts and position offsets, and the
+        codec description — the key codec, the rotary pairs, the per-pair table every row
+        decodes with (:meth:`codec_mask`), the active pairs of a mix (:meth:`active_pairs`),
+        the RoPE and the value codec. No device read."""
+        return self._store.packed_kv(
+            codec=self._codec,
+            layout=self._layout,
+            mask=self.codec_mask(),
+            active_pairs=self.active_pairs(),
+            rotary=self._rotary,
+            value_codec=self._value_codec,
+        )
 
     def group_positions(self, start: int, stop: int) -> Tensor:
         """RoPE positions (tokens) of group slots ``start .. stop - 1`` of every row, int64

@@ -89,11 +89,16 @@ class KeyLayout:
         head_dim: channels ``D`` of a key.
         first, second: int64 ``[P]`` channel indices of the rotary pairs (``P = rotary_dim / 2``),
             on the device the codes live on.
+        rotary_layout: the pairing convention of ``first`` / ``second`` (``"half"`` or
+            ``"interleaved"``, docs/design.md "Rotary pairs") as host metadata, set by
+            :meth:`for_rotary`, so that a kernel's capability check needs no device read;
+            ``None`` when not known (then only the index tensors say it).
     """
 
     head_dim: int
     first: Tensor
     second: Tensor
+    rotary_layout: str | None = None
 
     @classmethod
     def for_rotary(
@@ -112,7 +117,7 @@ class KeyLayout:
         if rotary_dim > head_dim:
             raise ValueError(f"rotary_dim {rotary_dim} exceeds head_dim {head_dim}")
         first, second = rotary_pair_indices(rotary_dim, layout)
-        return cls(head_dim, first.to(device), second.to(device))
+        return cls(head_dim, first.to(device), second.to(device), layout)
 
     @property
     def num_pairs(self) -> int:
@@ -121,7 +126,9 @@ class KeyLayout:
 
     def to(self, device: torch.device | str) -> KeyLayout:
         """The same layout with its index tensors on ``device``."""
-        return KeyLayout(self.head_dim, self.first.to(device), self.second.to(device))
+        return KeyLayout(
+            self.head_dim, self.first.to(device), self.second.to(device), self.rotary_layout
+        )
 
 
 class KeyCodes(NamedTuple):

@@ -22,30 +22,31 @@ The package holds the mechanism's parts, none of which imports ``transformers``:
 
 The ``transformers`` cache that evicts inside a model's forward is
 :class:`kvlab.integrations.RelayModelCache`.
+
+The package exports what a user needs — the eviction's configuration and policy, the scorers
+and their registry, the store and evictor a user builds, the relay and attention entry points;
+internals (segments, budget steps, reconstruction steps) are imported from the module that
+defines them.
 """
 
 from __future__ import annotations
 
 from kvlab.relay.attention import ragged_attention
-from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 
 # combined, expected_attention, kvzip and tova register their scorers in SCORERS on import; this
 # package always runs first, so SCORERS is complete wherever kvlab.relay.* is imported
 from kvlab.relay.combined import CombinedScorer
 from kvlab.relay.config import EvictionConfig, EvictionEvent
-from kvlab.relay.core import EMPTY_POSITION, RelayedCache, relay, relay_attention, relay_logits
-from kvlab.relay.evictor import Evictor, window_attention
+from kvlab.relay.core import RelayedCache, relay, relay_attention, relay_logits
+from kvlab.relay.evictor import Evictor
 from kvlab.relay.expected_attention import ExpectedAttentionScorer
-from kvlab.relay.kvzip import KVzipScorer, ReconstructionPrompt, reconstruction_attention
-from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
+from kvlab.relay.kvzip import KVzipScorer, ReconstructionPrompt
 from kvlab.relay.policies import EvictionPolicy, eviction_policy
-from kvlab.relay.reconstruction import ReconstructionSpan
 from kvlab.relay.scorers import SCORERS, ScoreInputs, Scorer, get_scorer, scorer_from_settings
-from kvlab.relay.storage import PaddedSegments, RelayStore, Segment
+from kvlab.relay.storage import RelayStore
 from kvlab.relay.tova import TOVAScorer
 
 __all__ = [
-    "EMPTY_POSITION",
     "SCORERS",
     "CombinedScorer",
     "EvictionConfig",
@@ -54,27 +55,17 @@ __all__ = [
     "Evictor",
     "ExpectedAttentionScorer",
     "KVzipScorer",
-    "PaddedSegments",
     "ReconstructionPrompt",
-    "ReconstructionSpan",
     "RelayStore",
     "RelayedCache",
     "ScoreInputs",
     "Scorer",
-    "Segment",
     "TOVAScorer",
-    "allocate_counts",
     "eviction_policy",
     "get_scorer",
-    "protected_mask",
-    "pyramid_layer_budgets",
     "ragged_attention",
-    "reconstruction_attention",
     "relay",
     "relay_attention",
     "relay_logits",
     "scorer_from_settings",
-    "select_keep",
-    "split_layer_budget",
-    "window_attention",
 ]

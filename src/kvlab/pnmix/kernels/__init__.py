@@ -4,15 +4,24 @@
   extension points for later codecs);
 * :mod:`~kvlab.pnmix.kernels.dispatch` — which backend runs (``"torch"``, ``"cpu"``,
   ``"triton"``; argument, ``KVLAB_PNMIX_BACKEND`` read by :mod:`kvlab.backends`, automatic
-  rule);
+  rule) and the kernel table behind each compiled backend (:data:`~kvlab.pnmix.kernels.
+  dispatch.KERNELS`: which kernel runs a store, looked up as data);
 * :mod:`~kvlab.pnmix.kernels.tables` — the RoPE / Hadamard tables and extra arguments both
   compiled kernels read;
 * :mod:`~kvlab.pnmix.kernels.cpu` — the C++ CPU kernel (``cpu_kernel.cpp``, and the group
   flush's encoder ``cpu_flush.cpp``; compiled once on first use);
-* :mod:`~kvlab.pnmix.kernels.triton_decode` — the Triton kernel (imported only when used).
+* :mod:`~kvlab.pnmix.kernels.triton_splitk` (jit kernels in
+  :mod:`~kvlab.pnmix.kernels.triton_splitk_kernels`, coverage and split count in
+  :mod:`~kvlab.pnmix.kernels.splits`) — the split-K Triton kernel, the ``"triton"`` backend
+  where it covers the store; :mod:`~kvlab.pnmix.kernels.triton_decode` (jit kernels in
+  :mod:`~kvlab.pnmix.kernels.triton_decode_kernels`) — the older Triton kernel, for every other
+  store; both imported only when used, with :mod:`~kvlab.pnmix.kernels.triton_common`;
+* :mod:`~kvlab.pnmix.kernels.bytes_model` — the bytes a decode step moves.
 
-Every backend reads a :class:`~kvlab.pnmix.store.PackedStore`'s buffers in place and is tested
-against the torch reference :func:`~kvlab.pnmix.attention.packed_attention_reference`.
+Every backend takes a :class:`~kvlab.pnmix.store.PackedKV` — a store's buffers read in place,
+its host counts and the codec description — and is tested against the torch reference
+:func:`~kvlab.pnmix.reference.packed_attention_reference`. No kernel module imports the cache
+or :mod:`kvlab.pnmix.attention`: the contract sits below them.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ default ``~/.cache/torch_extensions``); compiling takes about a minute and logs 
 cannot be compiled, :func:`load` logs the reason once and returns ``None``: the dispatcher then
 uses the torch reference.
 
-Entry points: :func:`packed_attention_cpu` (the attention of :class:`~kvlab.pnmix.attention.
-PackedKV` storage, what :func:`~kvlab.pnmix.attention.packed_attention_reference` computes),
+Entry points: :func:`packed_attention_cpu` (the attention of :class:`~kvlab.pnmix.store.
+PackedKV` storage, what :func:`~kvlab.pnmix.reference.packed_attention_reference` computes),
 :func:`append_residual_cpu` (one token per row into the residual, the decode step's append),
 :func:`decode_step_cpu` (both in one call) and :func:`encode_groups_cpu` (the groups an append
 flushes, coded bit for bit as the torch codecs code them; ``cpu_flush.cpp``).
@@ -20,7 +20,6 @@ import logging
 import math
 from importlib import resources
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,15 +29,11 @@ from kvlab.backends import PNMIX
 from kvlab.native import CompiledModule, compile_module
 from kvlab.pnmix.kernels.spec import KEYS_WIDTHS, KernelKeyDecode
 from kvlab.pnmix.kernels.tables import extra_arguments, rope_table
-from kvlab.pnmix.store import EncodedGroups
+from kvlab.pnmix.key_codec import KeyCodec, KeyLayout
+from kvlab.pnmix.store import EncodedGroups, PackedKV
 from kvlab.pnmix.values import HadamardValueCodec, PerTokenValueCodec, ValueCodec
 from kvlab.pnmix.width_codec import BitAllocCodec
 from kvlab.rope import RotaryConfig, rotation_tables
-
-if TYPE_CHECKING:
-    from kvlab.pnmix.attention import PackedKV
-    from kvlab.pnmix.cache import PNMixCache
-    from kvlab.pnmix.codecs import KeyCodec, KeyLayout
 
 __all__ = [
     "append_residual_cpu",
@@ -119,7 +114,7 @@ def packed_attention_cpu(
     sink_logits: Tensor | None,
 ) -> Tensor:
     """Packed attention by the compiled CPU kernel; the arguments and result of
-    :func:`~kvlab.pnmix.attention.packed_attention_reference` (float32 ``[B, H_q, Q, Dv]``),
+    :func:`~kvlab.pnmix.reference.packed_attention_reference` (float32 ``[B, H_q, Q, Dv]``),
     plus ``decode`` (the codec, :func:`~kvlab.pnmix.kernels.spec.kernel_key_decode`) and
     ``mu`` (float32 ``[B, H, 1, D]``, the rows' reference keys).
 
@@ -133,7 +128,7 @@ def packed_attention_cpu(
     hkv = kv.sink_keys.shape[1]
     rows = query.to(device="cpu", dtype=torch.float32) * scale
     rows = rows.reshape(b, hkv, (hq // hkv) * nq, d).contiguous()
-    counts = torch.from_numpy(np.stack([kv.sink_lengths, kv.group_counts, kv.residual_lengths]))
+    counts = kv.counts_tensor()
     empty = _EMPTY
     out = module.packed_attention(
         rows,
@@ -203,7 +198,7 @@ def decode_step_cpu(
     query: Tensor,
     keys: Tensor,
     values: Tensor,
-    cache: PNMixCache,
+    kv: PackedKV,
     decode: KernelKeyDecode,
     ok: Tensor,
     *,
@@ -211,12 +206,14 @@ def decode_step_cpu(
     logit_softcap: float | None,
     sink_logits: Tensor | None,
 ) -> Tensor:
-    """One decode step in one call: ``keys [B, H, 1, D]`` / ``values [B, H, 1, Dv]`` appended
-    to every row's residual of ``cache`` (as :func:`append_residual_cpu`, at slot
-    ``residual_lengths``; ``ok`` AND-ed with their validity), then causal attention of ``query
-    [B, H_q, 1, D]`` over the rows including them (as :func:`packed_attention_cpu`). The caller
-    has checked that every row's sinks are full and its residual has room (no flush) and
-    updates the host counts afterwards. Returns float32 ``[B, H_q, 1, Dv]``.
+    """One decode step in one call: ``keys [B, H, 1, D]`` / ``values [B, H, 1, Dv]`` written
+    into every row's residual — at slot ``kv.residual_lengths`` of ``kv.residual_keys`` /
+    ``kv.residual_values``, the store's own buffers, as :func:`append_residual_cpu` writes;
+    ``ok`` AND-ed with their validity — then causal attention of ``query [B, H_q, 1, D]`` over
+    the rows including them (as :func:`packed_attention_cpu`). ``kv`` holds the counts before
+    the token: the caller has checked that every row's sinks are full and its residual has room
+    (no flush) and counts the token in the store afterwards. Returns float32
+    ``[B, H_q, 1, Dv]``.
 
     Raises:
         RuntimeError: the kernel is not compiled.
@@ -224,23 +221,21 @@ def decode_step_cpu(
     module = loaded()
     if module is None:
         raise RuntimeError("the PN-Mix CPU kernel is not loaded")
-    s = cache.store
-    mask = cache.codec_mask()
-    layout = cache.layout
-    g = s.geometry
+    mask = kv.mask
+    layout = kv.layout
     return module.decode_step(
         query,
         keys,
         values,
-        s.sink_keys,
-        s.sink_values,
-        s.key_codes,
-        s.key_scalars,
-        s.value_codes,
-        s.value_scalars,
-        s.residual_keys,
-        s.residual_values,
-        s.counts_tensor,
+        kv.sink_keys,
+        kv.sink_values,
+        kv.key_codes,
+        kv.key_scalars,
+        kv.value_codes,
+        kv.value_scalars,
+        kv.residual_keys,
+        kv.residual_values,
+        kv.counts_tensor(),
         _EMPTY if mask is None or decode.kind == KEYS_WIDTHS else mask,
         layout.first,
         layout.second,
@@ -249,21 +244,21 @@ def decode_step_cpu(
         decode.kind,
         decode.mode_first,
         decode.mode_second,
-        g.bits,
-        g.group_tokens,
+        kv.bits,
+        kv.group_tokens,
         float(scale),
         0.0 if logit_softcap is None else float(logit_softcap),
-        _splits(g.batch_size * g.num_key_value_heads, s.group_counts),
+        _splits(kv.sink_keys.shape[0] * kv.sink_keys.shape[1], kv.group_counts),
         *extra_arguments(
             decode,
             mask=mask,
-            payload=s.key_payload if g.key_payload_bytes else None,
-            rotary=cache.rotary,
-            position_offsets=s.position_offsets,
-            group_counts=s.group_counts,
-            sink_tokens=g.sink_tokens,
-            group_tokens=g.group_tokens,
-            value_head_dim=g.value_head_dim,
+            payload=kv.key_payload,
+            rotary=kv.rotary,
+            position_offsets=kv.position_offsets,
+            group_counts=kv.group_counts,
+            sink_tokens=kv.sink_tokens,
+            group_tokens=kv.group_tokens,
+            value_head_dim=kv.sink_values.shape[-1],
         ),
     )
 

@@ -1,5 +1,6 @@
-"""A split-K GQA decode kernel for packed PN-Mix caches (docs/benchmarks.md, "Split-K decode
-kernel"; docs/design.md, "Kernels").
+"""A split-K GQA decode kernel for packed PN-Mix caches (docs/benchmarks.md, "Decode bytes model
+and the split-K kernel"; docs/design.md, "Kernels"): the ``"triton"`` backend's first entry in
+the dispatch table (:data:`kvlab.pnmix.kernels.dispatch.KERNELS`), for the stores it covers.
 
 Differences from :mod:`kvlab.pnmix.kernels.triton_decode` (the kernel timed in
 docs/benchmarks.md), aimed at reading each stored byte once at full bandwidth:
@@ -31,14 +32,14 @@ two inputs); exact outliers as a sparse correction ``q · R(pos) (exact − deco
 logits of the tile holding them (placed by a one-hot ``[K, BLOCK_T]`` product), not written
 over the key tile.
 
-Covered (:func:`splitk_unsupported` says why not otherwise): per-channel keys — Cartesian,
-Phase–Norm, a mix of the two per (row, pair) (the seed coding), KIVI keys — and per-pair
-widths (``bit_alloc``), rotated or pre-RoPE, with or without outliers (not over Phase–Norm
-pairs), at 2 or 4 bits (the width layout: a mean of 2 or 4), rotary pairs over the whole head
-(``rotary_dim = D``), ``D`` and ``Dv`` powers of two with ``D >= 32``, ``Dv >= 16``, groups a
-power of two ``>= 16``; per-token or Hadamard values; causal or not, any query count,
-soft-cap, learned sinks. Not covered: per-token keys, 3-bit codes, partial rotary: those stay
-on :mod:`~kvlab.pnmix.kernels.triton_decode`.
+Covered (:func:`~kvlab.pnmix.kernels.splits.splitk_unsupported` says why not otherwise):
+per-channel keys — Cartesian, Phase–Norm, a mix of the two per (row, pair) (the seed coding),
+KIVI keys — and per-pair widths (``bit_alloc``), rotated or pre-RoPE, with or without outliers
+(not over Phase–Norm pairs), at 2 or 4 bits (the width layout: a mean of 2 or 4), rotary pairs
+over the whole head (``rotary_dim = D``), ``D`` and ``Dv`` powers of two with ``D >= 32``,
+``Dv >= 16``, groups a power of two ``>= 16``; per-token or Hadamard values; causal or not, any
+query count, soft-cap, learned sinks. Not covered: per-token keys, 3-bit codes, partial rotary:
+those run on :mod:`~kvlab.pnmix.kernels.triton_decode`, the table's next ``"triton"`` entry.
 
 Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (set before Triton is imported).
 """
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -59,13 +60,11 @@ from kvlab.pnmix.kernels.spec import (
     PAIR_PHASE_NORM,
     KernelKeyDecode,
 )
-from kvlab.pnmix.kernels.splits import choose_splits
+from kvlab.pnmix.kernels.splits import choose_splits, rotary_pairs_kind, splitk_unsupported
 from kvlab.pnmix.kernels.tables import extra_arguments  # the tables every backend reads
 from kvlab.pnmix.kernels.triton_common import merge_kernel, merge_launch, pointer, pow2
 from kvlab.pnmix.kernels.triton_splitk_kernels import exact_kernel, quantized_kernel
-
-if TYPE_CHECKING:
-    from kvlab.pnmix.attention import PackedKV
+from kvlab.pnmix.store import PackedKV
 
 __all__ = [
     "Launch",
@@ -75,55 +74,6 @@ __all__ = [
     "splitk_launches",
     "splitk_unsupported",
 ]
-
-
-def _layout_kind(kv: PackedKV) -> str | None:
-    """``"half"``, ``"interleaved"`` or ``None`` (rotary pairs not covering the head in one of
-    the two layouts). Reads the layout's index tensors (a copy to the host when on a GPU:
-    launcher build time, not launch time)."""
-    d = kv.layout.head_dim
-    p = kv.layout.num_pairs
-    if 2 * p != d:
-        return None
-    first = kv.layout.first.cpu().tolist()
-    second = kv.layout.second.cpu().tolist()
-    if first == list(range(p)) and second == list(range(p, d)):
-        return "half"
-    if first == list(range(0, d, 2)) and second == list(range(1, d, 2)):
-        return "interleaved"
-    return None
-
-
-def splitk_unsupported(kv: PackedKV, decode: KernelKeyDecode | str) -> str | None:
-    """``None`` when :func:`splitk_launcher` runs this cache, else why not (module docstring:
-    what is covered)."""
-    if isinstance(decode, str):
-        return decode
-    if decode.kind not in (KEYS_PER_CHANNEL, KEYS_WIDTHS):
-        return "split-K kernel: per-channel keys or per-pair widths only (no per-token keys)"
-    pn = PAIR_PHASE_NORM in (decode.mode_first, decode.mode_second)
-    if decode.payload_bytes and pn:
-        return "split-K kernel: outliers over Phase-Norm pairs are not decoded"
-    if decode.kind == KEYS_WIDTHS and kv.mask is None:
-        return "split-K kernel: per-pair widths without a width table"
-    if kv.bits not in (2, 4):
-        return f"split-K kernel: 2- or 4-bit codes only, got {kv.bits}"
-    d, dv = kv.layout.head_dim, kv.sink_values.shape[-1]
-    cpw = 32 // kv.bits
-    for name, x, lo in (("head_dim", d, 32), ("value head_dim", dv, 16)):
-        if x < lo or x & (x - 1) or x % cpw:
-            return f"split-K kernel: {name} must be a power of two >= {lo}, got {x}"
-    if (d // cpw) % 2:
-        return "split-K kernel: a token's key codes must fill an even number of words"
-    t = kv.group_tokens
-    if t < 16 or t & (t - 1):
-        return f"split-K kernel: group_tokens must be a power of two >= 16, got {t}"
-    if _layout_kind(kv) is None:
-        return "split-K kernel: rotary pairs must cover the head (rotary_dim = head_dim)"
-    for buf in (kv.key_codes, kv.value_codes):
-        if not buf.is_contiguous() or buf.storage_offset() % 4:
-            return "split-K kernel: code buffers must be contiguous and 4-byte aligned"
-    return None
 
 
 def _words(buf: Tensor) -> Tensor:
@@ -279,7 +229,7 @@ def splitk_launches(
         DV=dv,
         T=t,
         BITS=kv.bits,
-        HALF=_layout_kind(kv) == "half",
+        HALF=rotary_pairs_kind(kv.layout) == "half",
         KIND=2 if decode.kind == KEYS_WIDTHS else 0,
         ROTATE=bool(decode.rotate_to_position),
         HAS_PAYLOAD=n_out > 0,
