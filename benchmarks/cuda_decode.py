@@ -102,8 +102,9 @@ def time_kernels(
     import triton.testing
 
     from kvlab.pnmix import pnmix_attention
-    from kvlab.pnmix.attention import _reference_keys, packed_kv
+    from kvlab.pnmix.attention import packed_kv
     from kvlab.pnmix.kernels.triton_decode import triton_launcher
+    from kvlab.pnmix.reference import reference_keys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
     from kernel_checks import kernel_tolerance
@@ -122,7 +123,7 @@ def time_kernels(
     tol = kernel_tolerance(q32, cache)  # type: ignore[arg-type]
     out = pnmix_attention(q32, cache, causal=False, backend="triton")
     kv = packed_kv(cache)  # type: ignore[arg-type]
-    mu = _reference_keys(kv)
+    mu = reference_keys(kv)
     sweep = []
     for dot, warps, gps in SWEEP:
         launch = triton_launcher(

@@ -112,9 +112,10 @@ def main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvlab.pnmix.attention import _reference_keys, packed_kv
+    from kvlab.pnmix.attention import packed_kv
     from kvlab.pnmix.kernels.bytes_model import MODEL_SHAPES
     from kvlab.pnmix.kernels.triton_splitk import splitk_launches
+    from kvlab.pnmix.reference import reference_keys
 
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
@@ -139,7 +140,7 @@ def main() -> None:
                     query,
                     kv,
                     cache.kernel_decode,
-                    _reference_keys(kv),
+                    reference_keys(kv),
                     scale=d**-0.5,
                     causal=False,
                     logit_softcap=None,

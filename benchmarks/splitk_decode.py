@@ -133,10 +133,11 @@ def build(
 
 def launcher(kernel: str, opts: dict[str, Any], query: torch.Tensor, cache: Any) -> Any:
     """A no-argument launch function of ``kernel`` over ``cache`` (float32 query)."""
-    from kvlab.pnmix.attention import _reference_keys, packed_kv
+    from kvlab.pnmix.attention import packed_kv
+    from kvlab.pnmix.reference import reference_keys
 
     kv = packed_kv(cache)
-    mu = _reference_keys(kv)
+    mu = reference_keys(kv)
     common = dict(scale=query.shape[-1] ** -0.5, causal=False, logit_softcap=None, sink_logits=None)
     if kernel == "old":
         from kvlab.pnmix.kernels.triton_decode import triton_launcher

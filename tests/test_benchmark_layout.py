@@ -13,11 +13,7 @@ EXPERIMENTS = ROOT / "experiments"
 
 #: Private kvlab names a maintained benchmark still imports, each until the module offers a
 #: public name for it (benchmarks/ may add no others).
-PENDING_PUBLIC = {
-    ("cuda_decode.py", "kvlab.pnmix.attention._reference_keys"),
-    ("splitk_compile_check.py", "kvlab.pnmix.attention._reference_keys"),
-    ("splitk_decode.py", "kvlab.pnmix.attention._reference_keys"),
-}
+PENDING_PUBLIC: set[tuple[str, str]] = set()
 
 
 def _scripts() -> list[Path]:
