@@ -164,7 +164,7 @@ def test_the_graph_reader_resolves_what_it_should():
     assert "kvlab.relay.kernels.cpu" in graph["kvlab.relay.attention"]
     assert "kvlab.backends" in graph["kvlab.cli"]  # inside reproduce()
     assert "torch" in external["kvlab.native"]
-    assert "transformers" in external["kvlab.integrations.pnmix_cache"]
+    assert "transformers" in external["kvlab.integrations.layer"]
     # if TYPE_CHECKING: imports do not count
     assert "kvlab.relay.storage" not in graph["kvlab.relay.kernels.cpu"]
 
