@@ -166,7 +166,7 @@ def test_the_graph_reader_resolves_what_it_should():
     assert "kvlab.relay.kernels.cpu" in graph["kvlab.relay.attention"]
     assert "kvlab.backends" in graph["kvlab.cli"]  # inside reproduce()
     assert "torch" in external["kvlab.native"]
-    assert "transformers" in external["kvlab.integrations.pnmix_cache"]
+    assert "transformers" in external["kvlab.integrations.layer"]
     # if TYPE_CHECKING: imports count
     assert "kvlab.relay.storage" in graph["kvlab.relay.kernels.cpu"]
     # the kernel table's modules (imported by name) are the dispatch module's edges

@@ -206,7 +206,11 @@ def test_storage_is_the_pnmix_store_of_the_kept_keys_byte_for_byte(make_llama):
                 keys[b, h, width - len(seg.keys) :] = seg.keys
                 values[b, h, width - len(seg.keys) :] = seg.values
         alone = PNMixCache(
-            mine.pnmix_config, batch_size=2, num_key_value_heads=2, head_dim=16, rotary=mine.rotary
+            mine.pnmix_config,
+            batch_size=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            rotary=mine.relay_layer.rotary,
         )
         alone.set_position_offsets(120 - counts)
         alone.append(keys, values, counts)
@@ -328,7 +332,7 @@ def test_packed_keys_stay_within_one_step_of_the_exact_kept_keys_and_a_relay_mov
         moved = pnmix.dequantize()[0]
         assert all(torch.equal(a, c) for a, c in zip(buffers, _packed(pnmix), strict=True))
         shift = delta.view(2, 2, 1)
-        relayed = rotate_by_delta(exact, shift, mine.rotary)
+        relayed = rotate_by_delta(exact, shift, mine.relay_layer.rotary)
         for b in range(2):
             for h in range(2):
                 n, ns = int(pnmix.seq_lengths[b, h]), int(pnmix.sink_lengths[b, h])
@@ -337,14 +341,16 @@ def test_packed_keys_stay_within_one_step_of_the_exact_kept_keys_and_a_relay_mov
                 # packed tokens: moved = the decoded ones rotated by the move (codes untouched)
                 torch.testing.assert_close(
                     moved[b, h, quantized],
-                    rotate_by_delta(decoded[b, h, quantized], delta[b, h], mine.rotary),
+                    rotate_by_delta(decoded[b, h, quantized], delta[b, h], mine.relay_layer.rotary),
                     atol=1e-5,
                     rtol=1e-5,
                 )
                 # exact tokens: the stored float16 keys, rotated once and rounded once
                 for part in (slice(0, ns), slice(ns + nq, n)):
                     assert torch.equal(decoded[b, h, part], exact[b, h, part].half().float())
-                    want = rotate_by_delta(decoded[b, h, part], delta[b, h], mine.rotary)
+                    want = rotate_by_delta(
+                        decoded[b, h, part], delta[b, h], mine.relay_layer.rotary
+                    )
                     assert torch.equal(moved[b, h, part], want.half().float())
                 if coding != "prerope_cartesian" or nq == 0:
                     continue
@@ -492,7 +498,7 @@ def test_window_layers_softcap_and_a_second_generate(make_llama):
         cache.check_values()
     assert torch.equal(second[:, : conversation.shape[1]], conversation)
     assert cache.get_seq_length() == second.shape[1] - 1
-    composed = cache.layers[1]
+    composed = cache.layers[1].relay_layer
     assert composed.stream_lengths == [n + 6 + 5 + 3 for n in (70, 49)]
     assert len(cache.events()) == 2  # one eviction per row, at the prefill only
 
@@ -562,16 +568,17 @@ def _state(cache: ComposedModelCache) -> list:
         if pnmix is not None:
             data = [t.clone() for b in range(pnmix.batch_size) for t in row_bytes(pnmix, b)]
             data.append(torch.from_numpy(pnmix.position_offsets.copy()))
+        stage = layer.relay_layer
         out.append(
             (
                 layer.is_initialized,
-                layer.store is None,
-                layer.seen_tokens,
-                list(layer.padding),
-                list(layer.stream_lengths),
-                list(layer.next_positions),
-                layer.forwards,
-                len(layer.events),
+                stage.store is None,
+                stage.seen_tokens,
+                list(stage.padding),
+                list(stage.stream_lengths),
+                list(stage.next_positions),
+                stage.forwards,
+                len(stage.events),
                 data,
             )
         )
@@ -701,7 +708,7 @@ def test_decode_in_one_call_gives_the_two_calls_bits(make_llama, monkeypatch, re
     on the CPU backend when the token only fills a residual slot, as PNMixView does): its
     logits, stored bytes and counts are bit-identical to the append + pnmix_attention path it
     replaced, across group flushes."""
-    from kvlab.integrations import composed_cache
+    from kvlab.integrations import composed_layer
     from kvlab.pnmix.kernels import cpu
 
     model = make_llama(seed=95)
@@ -746,7 +753,7 @@ def test_decode_in_one_call_gives_the_two_calls_bits(make_llama, monkeypatch, re
         )
         return out.to(query.dtype)
 
-    monkeypatch.setattr(composed_cache, "pnmix_decode_step", two_calls)
+    monkeypatch.setattr(composed_layer, "pnmix_decode_step", two_calls)
     plain = ComposedModelCache(model.config, eviction, config)
     assert torch.equal(one_call, decode(plain))
     for a, b in zip(fused.layers, plain.layers, strict=True):

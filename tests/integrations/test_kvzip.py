@@ -283,7 +283,7 @@ def test_composed_kvzip_packs_relay_model_caches_kvzip_kept_set_byte_for_byte(ma
     compress(model, composed, ids)
     assert composed.awaiting_reconstruction() == [False, False]
     for mine, theirs in zip(composed.layers, reference.layers, strict=True):
-        assert mine.next_positions == theirs.next_positions
+        assert mine.relay_layer.next_positions == theirs.next_positions
         counts = np.array([theirs.tokens_per_head(b) for b in range(2)])
         positions, kept = mine.kept_positions
         assert np.array_equal(kept, counts)
@@ -298,7 +298,11 @@ def test_composed_kvzip_packs_relay_model_caches_kvzip_kept_set_byte_for_byte(ma
                 keys[b, h, width - n :] = seg.keys
                 values[b, h, width - n :] = seg.values
         alone = PNMixCache(
-            mine.pnmix_config, batch_size=2, num_key_value_heads=2, head_dim=16, rotary=mine.rotary
+            mine.pnmix_config,
+            batch_size=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            rotary=mine.relay_layer.rotary,
         )
         alone.set_position_offsets(np.asarray(theirs.next_positions)[:, None] - counts)
         alone.append(keys, values, counts)

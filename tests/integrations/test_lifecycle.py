@@ -78,7 +78,7 @@ def _stored(cache: Any) -> list[Any]:
     rows = []
     for layer in cache.layers:
         if hasattr(layer, "tokens_per_head"):
-            rows.append([layer.tokens_per_head(b) for b in range(len(layer.stream_lengths))])
+            rows.append([layer.tokens_per_head(b) for b in range(layer.batch_rows())])
         else:
             rows.append(layer.get_seq_length())
     return rows

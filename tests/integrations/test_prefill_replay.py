@@ -149,7 +149,7 @@ def test_skipped_outputs_store_the_same_bits(family: str, name: str) -> None:
 def test_skipped_outputs_run_no_prefill_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under the default replay the prefill's own attention kernels are not called; with
     ``skip_outputs=False`` they are."""
-    import kvlab.integrations.pnmix_cache as pnmix_cache
+    import kvlab.integrations.pnmix_layer as pnmix_layer
     import kvlab.integrations.relay_layer as relay_layer
 
     calls: list[str] = []
@@ -163,7 +163,7 @@ def test_skipped_outputs_run_no_prefill_attention(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(relay_layer, "ragged_attention", spy("relay", relay_layer.ragged_attention))
     monkeypatch.setattr(
-        pnmix_cache, "dense_causal_attention", spy("pnmix", pnmix_cache.dense_causal_attention)
+        pnmix_layer, "dense_causal_attention", spy("pnmix", pnmix_layer.dense_causal_attention)
     )
     model = FAMILIES["llama"].build(seed=5)
     context, _ = _inputs(3)

@@ -331,9 +331,9 @@ def test_layer_budgets_split_over_the_full_attention_layers_of_window_models():
     )
     for layer_budget in ("pyramid", (2.0,)):
         cache = RelayModelCache(config, EvictionConfig(ratio=0.5, layer_budget=layer_budget))
-        assert [(layer.num_layers, layer.budget_index) for layer in cache._relay_layers()] == [
-            (1, 0)
-        ]
+        assert [
+            (ly.evictor.num_layers, ly.evictor.budget_index) for ly in cache._relay_layers()
+        ] == [(1, 0)]
     with pytest.raises(ValueError, match="3 weights for 1 full-attention layers"):
         RelayModelCache(config, EvictionConfig(ratio=0.5, layer_budget=(1.0, 2.0, 1.0)))
 

@@ -205,21 +205,21 @@ def test_crop_beyond_the_last_draft_is_refused_and_changes_nothing():
     cache.activate_past_recording()
     _forward(layer, *_tensors(DRAFT, 1))
     before = _state(layer)
-    with pytest.raises(ValueError, match=f"only the {DRAFT} decode-step tokens"):
+    with pytest.raises(ValueError, match=f"only the {DRAFT} decode-phase tokens"):
         layer.crop(-(DRAFT + 1))  # a prompt token
     _assert_same(_state(layer), before)
     with pytest.raises(ValueError, match="minus the number of tokens"):
         layer.crop(3)
     # the model cache checks every layer first: layer 1 (never fed) can remove nothing
-    with pytest.raises(ValueError, match="only the 0 decode-step tokens"):
+    with pytest.raises(ValueError, match="only the 0 decode-phase tokens"):
         cache.crop(-1)
     _assert_same(_state(layer), before)
     layer.crop(-2)
-    with pytest.raises(ValueError, match=f"only the {DRAFT - 2} decode-step"):
+    with pytest.raises(ValueError, match=f"only the {DRAFT - 2} decode-phase"):
         layer.crop(-DRAFT)
     # a new forward accepts the last one: its tokens can no longer be removed
     _forward(layer, *_tensors(1, 3))
-    with pytest.raises(ValueError, match="only the 1 decode-step"):
+    with pytest.raises(ValueError, match="only the 1 decode-phase"):
         layer.crop(-2)
 
 
@@ -398,7 +398,7 @@ def test_composed_speculative_generate_equals_plain(name, mode, monkeypatch):
     assert got.tolist() == plain.tolist()
     assert rollbacks.calls > 0 and rollbacks.unflushed > 0
     assert len(cache.events()) == len(plain_cache.events())
-    for a, b in zip(cache._composed_layers(), plain_cache._composed_layers(), strict=True):
+    for a, b in zip(cache.kvlab_layers(), plain_cache.kvlab_layers(), strict=True):
         assert a.tokens_per_head() == b.tokens_per_head()
         assert a.relay_layer.next_positions == b.relay_layer.next_positions
 
@@ -410,7 +410,7 @@ def test_composed_crop_beyond_the_draft_is_refused_and_changes_nothing():
     cache.expect_prompt(PROMPT)
     with torch.no_grad():
         model(_prompt()[:, : PROMPT + 5], cache=cache)
-    layers = cache._composed_layers()
+    layers = cache.kvlab_layers()
     before = [(layer.tokens_per_head(), layer.relay_layer.next_positions) for layer in layers]
     with pytest.raises(ValueError, match="only the 5 decode-phase tokens"):
         cache.crop(-6)
@@ -423,7 +423,7 @@ def test_composed_crop_beyond_the_draft_is_refused_and_changes_nothing():
     with torch.no_grad():
         model(_prompt()[:, :PROMPT], cache=fresh)
     assert [layer.tokens_per_head() for layer in layers] == [
-        layer.tokens_per_head() for layer in fresh._composed_layers()
+        layer.tokens_per_head() for layer in fresh.kvlab_layers()
     ]
     with pytest.raises(NotImplementedError, match="only while it records"):
         fresh.crop(-1)

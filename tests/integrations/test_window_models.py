@@ -380,4 +380,4 @@ def test_eviction_config_weights_still_one_per_layer_on_all_full_models():
 
     config = tiny_llama_config()
     cache = RelayModelCache(config, EvictionConfig(ratio=0.5, layer_budget=(1.0, 2.0)))
-    assert [layer.budget_index for layer in cache._relay_layers()] == [0, 1]
+    assert [layer.evictor.budget_index for layer in cache._relay_layers()] == [0, 1]

@@ -1,12 +1,20 @@
 """Hugging Face ``transformers`` integration: kvlab caches inside real pretrained models.
 
+Shaped like ``transformers``' ``cache_utils``: layer classes implement one small contract, and
+the model caches only choose their layers.
+
 * :mod:`~kvlab.integrations.attention` — the ``"kvlab"`` attention implementation registered in
-  ``transformers.AttentionInterface`` (no model code is patched).
-* :mod:`~kvlab.integrations.pnmix_cache` — :class:`PNMixModelCache`, PN-Mix for every layer.
-* :mod:`~kvlab.integrations.relay_cache` — :class:`RelayModelCache`, per-head eviction with
-  RoPE-Relay (or without, as a baseline); its layer is :mod:`~kvlab.integrations.relay_layer`.
-* :mod:`~kvlab.integrations.composed_cache` — :class:`ComposedModelCache`, that eviction
-  followed by PN-Mix codes for the kept tokens.
+  ``transformers.AttentionInterface`` (no model code is patched); exact attention over plain
+  tensors in :mod:`~kvlab.integrations.dense_attention`.
+* :mod:`~kvlab.integrations.layer` — the layer contract (:class:`~kvlab.integrations.layer.
+  KVLabLayer`) with the forward, ``update``, ``crop`` and row selection written once; the layer
+  classes :mod:`~kvlab.integrations.pnmix_layer`, :mod:`~kvlab.integrations.relay_layer` (its
+  eviction side: :mod:`~kvlab.integrations.relay_eviction`),
+  :mod:`~kvlab.integrations.composed_layer` and :mod:`~kvlab.integrations.window_layer`.
+* :mod:`~kvlab.integrations.model_cache` — what every model cache does whatever its layers;
+  the caches :class:`PNMixModelCache` (PN-Mix for every full-attention layer),
+  :class:`RelayModelCache` (per-head eviction with RoPE-Relay, or without as a baseline) and
+  :class:`ComposedModelCache` (that eviction followed by PN-Mix codes for the kept tokens).
 * :mod:`~kvlab.integrations.model_support` — :func:`plan_model`: which layers a cache compresses
   (full attention), which it keeps as an exact window (:class:`WindowLayer`), what it refuses.
 * :mod:`~kvlab.integrations.forward` — one forward through the evicting layers: the stash, the

@@ -3,23 +3,21 @@ for the attention call, the forward's checked inputs (the *plan*, built once by 
 first layer and shared by the others), and the checks themselves (docs/design.md, "RoPE-Relay:
 A forward").
 
-Shared by :class:`kvlab.integrations.relay_cache.RelayLayer` and
-:class:`kvlab.integrations.composed_cache.ComposedLayer`. The guard that puts back the window
-layers of a refused forward is :class:`kvlab.integrations.model_support.ForwardGuard`.
+Shared by :class:`kvlab.integrations.relay_layer.RelayLayer` and
+:class:`kvlab.integrations.composed_layer.ComposedLayer`. The guard that puts back the window
+layers of a refused forward is :class:`kvlab.integrations.window_layer.ForwardGuard`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from kvlab.integrations.attention import CacheView
-from kvlab.integrations.model_support import ForwardGuard
+from kvlab.integrations.layer import SharedState
 from kvlab.relay.reconstruction import ReconstructionSpan
 
 __all__ = [
@@ -89,63 +87,25 @@ class Planner(Protocol):
         ...
 
 
-class ForwardState:
-    """Shared by the evicting layers of one model cache: the current forward's plan, during a
+class ForwardState(SharedState):
+    """Shared by the evicting layers of one model cache (besides
+    :class:`~kvlab.integrations.layer.SharedState`): the current forward's plan, and during a
     reconstruction pass the span of each sequence (``None`` for a sequence the pass does not
-    feed), and the guard that puts back the window layers a refused forward changed (set by
-    the cache)."""
+    feed)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.plan: ForwardPlan | None = None
         self.reconstruction: list[ReconstructionSpan | None] | None = None
-        self.guard = ForwardGuard()
-        #: speculative decoding (``activate_past_recording``) and where the prompt ends
-        self.recording = False
-        self.prompt_end: int | None = None
 
     def reset(self) -> None:
         """Forget the current forward's plan and reconstruction spans (``Cache.reset``: a
         plan left by the last forward must not be taken for the next conversation's first,
         whose layers count forwards from 0 again), and stop recording; the guard and the
         layers stay."""
+        super().reset()
         self.plan = None
         self.reconstruction = None
-        self.recording = False
-        self.prompt_end = None
-
-
-class LayerView(CacheView):
-    """What an evicting layer's ``update`` returns (the relay and composed layers): its
-    ``attend`` is the layer's, and a refusal drops the layer's stash and puts back the window
-    layers stored before the forward's first full-attention layer
-    (:class:`~kvlab.integrations.model_support.ForwardGuard`). Handles left-padded batches
-    (``supports_padding``). The layer provides ``attend(query, *, scaling, attention_mask,
-    kwargs)``, ``drop_stash()`` and ``forward_state``."""
-
-    supports_padding = True
-    # model-matrix: Gemma 2 logit soft-capping and GPT-OSS learned sinks (kvlab.attention_logits)
-    supported_features = frozenset({"softcap", "s_aux"})
-
-    def __init__(self, layer: Any) -> None:
-        self.layer = layer
-
-    def attend(
-        self,
-        module: torch.nn.Module,
-        query: Tensor,
-        *,
-        scaling: float,
-        attention_mask: Tensor | None,
-        kwargs: dict[str, Any],
-    ) -> Tensor:
-        """The layer's ``attend`` (its docstring says what a forward does)."""
-        return self.layer.attend(
-            query, scaling=scaling, attention_mask=attention_mask, kwargs=kwargs
-        )
-
-    def refusal_guard(self) -> AbstractContextManager[None]:
-        """Drop the stash and put back the window layers on a refusal."""
-        return self.layer.forward_state.guard.checking(self.layer.drop_stash)
 
 
 def leading_zeros(values: list[int]) -> int:

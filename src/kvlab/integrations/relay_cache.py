@@ -38,25 +38,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
-from kvlab.integrations.cache_protocol import (
-    CacheStorage,
-    crop_count,
-    dense_layer_storage,
-    layers_storage,
-)
 from kvlab.integrations.forward import ForwardState
-from kvlab.integrations.model_support import (
-    ForwardGuard,
-    WindowLayer,
-    layer_rotary,
-    plan_model,
-)
+from kvlab.integrations.model_cache import KVLabModelCache
+from kvlab.integrations.model_support import WindowLayer, layer_rotary, plan_model
 from kvlab.integrations.relay_layer import RelayLayer, RelayView
 from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.relay.reconstruction import ReconstructionSpan, split_by_scores
@@ -72,7 +62,7 @@ __all__ = [
 ]
 
 
-class RelayModelCache(Cache):
+class RelayModelCache(KVLabModelCache):
     """A ``transformers`` cache that evicts per (layer, sequence, kv head) and relays kept keys.
 
     Args:
@@ -120,106 +110,24 @@ class RelayModelCache(Cache):
         self.rotary = rotary or layer_rotary(text_config)
         state = self._forward_state()  # shared by the relay layers: one input check per forward
         super().__init__(
-            layers=plan.build_layers(
+            plan.build_layers(
                 lambda i: self._full_layer(i, state),
                 rotary=lambda layer_type: layer_rotary(text_config, layer_type),
-            )
+            ),
+            state,
         )
         for position, layer in enumerate(self._relay_layers()):
-            layer.num_layers, layer.budget_index = evicting, position
-        state.guard = ForwardGuard(self.layers)  # atomic failure with leading window layers
+            layer.evictor.num_layers, layer.evictor.budget_index = evicting, position
 
-    # ---------------- speculative decoding (docs/design.md, "Cache life cycle": crop)
-    #: why a subclass refuses speculative decoding (``None``: it does not)
-    _speculative_refusal: str | None = None
+    kind: ClassVar[str] = "relay"
 
-    def activate_past_recording(self, **kwargs: object) -> None:
-        """Record from now on (``transformers``' ``generate(assistant_model=...)`` and
-        prompt-lookup decoding call this first, before any forward; ``kwargs``, such as
-        ``transformers`` >= 5.25's ``recurrent_states_to_keep``, pass on to the layers): a
-        forward's tokens after the prompt's end (:meth:`expect_prompt`) are appended after the
-        prompt's eviction and attend as one-token forwards would, and :meth:`crop` can remove
-        them; window layers keep their states until the next ``crop`` (``transformers``' own
-        recording). Capacity mode runs decode-phase tokens one step at a time (each may evict)
-        and copies a layer's state before each, so a crop may go past an eviction.
-
-        Raises:
-            NotImplementedError: a scorer fed by a reconstruction pass, or a composed cache;
-                nothing changes.
-        """
-        reason = None
+    def speculative_refusal(self) -> str | None:
+        """A scorer fed by a reconstruction pass (its deferred eviction cannot be cropped)."""
         if self.eviction.resolved_scorer.needs_reconstruction:
-            reason = f"scorer {self.eviction.resolved_scorer.name!r} needs a reconstruction pass"
-        elif self._speculative_refusal is not None:
-            reason = self._speculative_refusal
-        elif any(layer.deferred for layer in self._relay_layers()):
-            reason = "a deferred eviction waits for a reconstruction pass"
-        if reason is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__} cannot be cropped here, so speculative decoding "
-                f"(generate(assistant_model=...), prompt_lookup_num_tokens) is refused: "
-                f"{reason}; nothing was stored"
-            )
-        for layer in self._relay_layers():
-            layer.forward_state.recording = True
-        super().activate_past_recording(**kwargs)
-
-    def expect_prompt(self, tokens: int) -> None:
-        """Mark where the prompt ends: token columns ``tokens`` (``input_ids.shape[1]`` of the
-        ``generate`` call). While recording, a forward's columns before it are the prompt's
-        (evicted at its end, as a plain prefill is), later ones decode-phase tokens:
-        ``transformers``' first speculative forward feeds the prompt and the first draft
-        together.
-
-        Raises:
-            ValueError: ``tokens`` not an int >= 1, or fewer than the tokens already seen.
-        """
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"expect_prompt takes a token count >= 0, got {tokens!r}")
-        if tokens < max(1, self.get_seq_length()):
-            raise ValueError(
-                f"expect_prompt({tokens}): the cache has seen {self.get_seq_length()} tokens; "
-                "pass the prompt's total length, input_ids.shape[1] of the generate call"
-            )
-        for layer in self._relay_layers():
-            layer.forward_state.prompt_end = tokens
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens from every layer (``transformers``'
-        convention): while recording, the decode-phase tokens of the last forward
-        (:meth:`RelayLayer.crop`). Checked for every layer before any changes.
-
-        Raises:
-            NotImplementedError: ``tokens_to_remove != 0`` while not recording.
-            ValueError: a positive count, or more tokens than the last forward's decode-phase
-                tokens; nothing changes.
-        """
-        remove = crop_count(tokens_to_remove)
-        layers = self._crop_layers()
-        if remove and layers:
-            if not layers[0].forward_state.recording:
-                layers[0].crop(tokens_to_remove)  # raises NotImplementedError
-            can = min(layer.undo_tokens for layer in layers)
-            if remove > can:
-                raise ValueError(
-                    f"a {self._crop_label} cache can crop only the {can} decode-phase tokens "
-                    f"of its last forward (never into the prompt); asked to remove {remove}"
-                )
-        super().crop(tokens_to_remove)
-
-    #: the cache's name in crop refusals
-    _crop_label = "relay"
-
-    def _crop_layers(self) -> list[Any]:
-        """The layers whose undo state bounds a crop (every full-attention layer)."""
-        return self._relay_layers()
-
-    def reset(self) -> None:
-        """Empty every layer and stop recording (as a new cache)."""
-        super().reset()
-        for layer in self.layers:
-            if hasattr(layer, "record_past"):
-                layer.record_past = False
+            return f"scorer {self.eviction.resolved_scorer.name!r} needs a reconstruction pass"
+        if any(layer.deferred for layer in self._relay_layers()):
+            return "a deferred eviction waits for a reconstruction pass"
+        return None
 
     def _forward_state(self) -> ForwardState:
         """The forward state the full-attention layers share (a subclass may extend it)."""
@@ -241,10 +149,6 @@ class RelayModelCache(Cache):
     def _relay_layers(self) -> list[RelayLayer]:
         """:meth:`relay_layers` (a subclass with other layer classes overrides this)."""
         return [layer for layer in self.layers if isinstance(layer, RelayLayer)]
-
-    def nbytes(self) -> int:
-        """Bytes of every layer's stored (used) keys and values; see :meth:`reserved_bytes`."""
-        return sum(layer.nbytes() for layer in self.layers)
 
     def numel(self) -> int:
         """Stored key and value elements over all layers."""
@@ -358,7 +262,7 @@ class RelayModelCache(Cache):
         for b, span in enumerate(spans):
             if span is not None and not awaiting[b]:
                 raise ValueError(f"row {b} is not awaiting a reconstruction pass")
-        state = self._relay_layers()[0].forward_state
+        state = self._relay_layers()[0].shared
         state.plan, state.reconstruction = None, list(spans)
         windows = [layer for layer in self.layers if isinstance(layer, WindowLayer)]
         kept = [dict(vars(layer)) for layer in windows]  # references: update replaces tensors
@@ -460,21 +364,3 @@ class RelayModelCache(Cache):
         cycle")."""
         for layer in self._relay_layers():
             layer.prompt_open = [False] * len(layer.prompt_open)
-
-    def storage(self) -> CacheStorage:
-        """Relay layers: the used key/value bytes (:meth:`RelayLayer.nbytes`; headroom is not
-        stored data), their elements at 2 bytes, the used bookkeeping (positions and
-        ``key_bias``), and every buffer held, headroom included (:meth:`RelayLayer.held_bytes`;
-        docs/design.md, RoPE-Relay "Byte accounting"); window layers as held
-        (:func:`~kvlab.integrations.cache_protocol.dense_layer_storage`)."""
-        return layers_storage(
-            (
-                layer,
-                CacheStorage(
-                    layer.nbytes(), layer.numel() * 2, layer.index_bytes(), layer.held_bytes()
-                )
-                if isinstance(layer, RelayLayer)
-                else dense_layer_storage(layer),
-            )
-            for layer in self.layers
-        )

@@ -17,14 +17,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import CacheLayerMixin
 
 from kvlab.integrations.attention import outputs_unused, unused_output
-from kvlab.integrations.cache_protocol import crop_count
+from kvlab.integrations.cache_protocol import CacheStorage
 from kvlab.integrations.forward import (
     ForwardPlan,
     ForwardState,
-    LayerView,
     Pending,
     Planner,
     StoredShape,
@@ -32,10 +30,11 @@ from kvlab.integrations.forward import (
     plan_forward,
 )
 from kvlab.integrations.inference_mode import InferenceModeTracker
+from kvlab.integrations.layer import Forward, KVLabLayer, LayerView
+from kvlab.integrations.relay_eviction import RelayEviction
 from kvlab.relay.attention import ragged_attention
 from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.relay.evictor import Evictor
-from kvlab.relay.reconstruction import join_max, observe, reconstruct_row
 from kvlab.relay.scorers import Scorer
 from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig, rotate_by_delta
@@ -48,7 +47,7 @@ class RelayView(LayerView):
     layer's ragged storage in one call, and evicts when due (:meth:`RelayLayer.attend`)."""
 
 
-class RelayLayer(CacheLayerMixin):
+class RelayLayer(RelayEviction, KVLabLayer):
     """One full-attention decoder layer of a
     :class:`~kvlab.integrations.relay_cache.RelayModelCache`.
 
@@ -69,8 +68,8 @@ class RelayLayer(CacheLayerMixin):
         events: the :class:`EvictionEvent` list of this layer.
     """
 
-    is_compileable = False
-    is_sliding = False
+    kind = "relay"
+    view_class = RelayView
     #: ratio mode: evict again after each later multi-token forward of an open prompt (False
     #: for the composed cache's eviction stage, which packs after the first forward)
     reevict_prompt = True
@@ -85,47 +84,20 @@ class RelayLayer(CacheLayerMixin):
         uses_rope: bool = True,
         planner: Planner | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(ForwardState() if forward_state is None else forward_state, layer_idx)
+        self.shared: ForwardState
         # who checks a forward's inputs and plans it (a composed layer adds its checks)
         self.planner = planner
         self.eviction = config
         self.rotary = rotary
         self.uses_rope = uses_rope
-        self.layer_idx = layer_idx
         # the eviction policy (torch only): budgets, protected window, scorer, selection, relay
         self.evictor = Evictor(config, rotary, layer_idx, uses_rope=uses_rope)
         self.scorer: Scorer = self.evictor.scorer
         self.allocation = self.evictor.allocation
         # a scorer fed by a reconstruction pass: the ratio eviction waits for it
         self.deferred = self.evictor.deferred
-        self.forward_state = forward_state if forward_state is not None else ForwardState()
         self._clear()
-
-    @property
-    def is_croppable(self) -> bool:  # type: ignore[override]
-        """True while the cache records (speculative decoding): :meth:`crop` then removes
-        the decode-phase tokens of the last forward."""
-        return self.forward_state.recording
-
-    @property
-    def num_layers(self) -> int:
-        """Evicting (full-attention) layers the model's budget is split over (set by the model
-        cache; per-layer budgets need it)."""
-        return self.evictor.num_layers
-
-    @num_layers.setter
-    def num_layers(self, value: int) -> None:
-        self.evictor.num_layers = value
-
-    @property
-    def budget_index(self) -> int:
-        """This layer's entry among the :attr:`num_layers` evicting layers (its position
-        among the model's full-attention layers; set by the model cache)."""
-        return self.evictor.budget_index
-
-    @budget_index.setter
-    def budget_index(self, value: int) -> None:
-        self.evictor.budget_index = value
 
     def _clear(self) -> None:
         self.store: RelayStore | None = None
@@ -145,9 +117,8 @@ class RelayLayer(CacheLayerMixin):
         self.prompt_open: list[bool] = []
         self.prompt_forwards: list[int] = []  # per row: forwards its prompt arrived in
         self._pending: Pending | None = None
-        # while recording: decode-phase tokens the last forward appended (croppable), and per
-        # token the layer's state before it when that step may evict (capacity mode)
-        self.undo_tokens = 0
+        # while recording, per decode-phase token of the last forward: the layer's state
+        # before it when that step may evict (capacity mode), else None
         self._undo: list[dict[str, Any] | None] = []
         self.is_initialized = False
 
@@ -170,23 +141,16 @@ class RelayLayer(CacheLayerMixin):
         self.prompt_forwards = [0] * batch
         self.is_initialized = True
 
-    def update(
-        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[RelayView, RelayView]:
-        """Stash ``[B, H_kv, T, D]`` rotated keys and ``[B, H_kv, T, Dv]`` values for this
-        forward's :meth:`attend` (nothing is stored yet).
-
-        Raises:
-            ValueError: shapes, dtype or device that differ from what the layer stores.
-        """
-        with self.forward_state.guard.checking(accept=False):
-            self._check_states(key_states, value_states)
-        # filled under torch.inference_mode(), continued outside it: release the store once
-        self._inference.before_update(self.store)
+    def stash_states(
+        self, key_states: Tensor, value_states: Tensor, kwargs: dict[str, Any]
+    ) -> None:
+        """Stash the states and the model's ``position_ids`` (``update``'s inner kwargs) for
+        this forward's :meth:`attend` (nothing is stored yet)."""
         inner = kwargs.get("kwargs") or {}
         self._pending = Pending(key_states, value_states, inner.get("position_ids"))
-        view = RelayView(self)
-        return view, view
+
+    def held_store(self) -> RelayStore | None:
+        return self.store
 
     @property
     def stash(self) -> Pending | None:
@@ -202,22 +166,10 @@ class RelayLayer(CacheLayerMixin):
         positions are :attr:`next_positions`."""
         return self.seen_tokens
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen_tokens + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def offload(self) -> None:
-        return None
-
-    def prefetch(self) -> None:
-        return None
-
     def reset(self) -> None:
         """Empty the layer as a new one (``Cache.reset``), and the forward state it shares."""
         self._clear()
-        self.forward_state.reset()
+        self.shared.reset()
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep sequences ``rows`` (in that order; repeats allowed) of every per-row state, and
@@ -236,44 +188,21 @@ class RelayLayer(CacheLayerMixin):
         self.prompt_open = [self.prompt_open[b] for b in rows]
         self.prompt_forwards = [self.prompt_forwards[b] for b in rows]
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row-select the storage by ``beam_idx`` (beam search; reads the indices to the host)."""
-        self.select_rows([int(i) for i in torch.as_tensor(beam_idx).tolist()])
+    def batch_rows(self) -> int:
+        return len(self.stream_lengths)
 
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self.select_rows([int(i) for i in torch.as_tensor(indices).tolist()])
+    def select_batch(self, index: Tensor) -> None:
+        """Row-select the storage (reads the indices to the host)."""
+        self.select_rows([int(i) for i in index.tolist()])
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        rows = range(len(self.stream_lengths))
-        self.select_rows([b for b in rows for _ in range(repeats)])
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (``transformers``' convention;
-        ``crop(0)`` does nothing): only decode-phase tokens of the last forward while the cache
-        records — appended after the prompt's eviction, so every segment's last tokens.
-
-        Raises:
-            NotImplementedError: a crop of a cache that does not record.
-            ValueError: a positive count, or more tokens than the last forward's decode-phase
-                tokens (a prompt token, an earlier forward's); nothing changes.
-        """
-        remove = crop_count(tokens_to_remove)
-        if remove == 0:
-            return
-        if not self.forward_state.recording:
-            raise NotImplementedError(
-                "a relay cache can be cropped only while it records (Cache."
-                "activate_past_recording(), which generate(assistant_model=...) calls)"
-            )
-        if remove > self.undo_tokens:
-            raise ValueError(
-                f"a relay layer can crop only the {self.undo_tokens} decode-phase tokens of its "
-                f"last forward (never into the prompt); asked to remove {remove}"
-            )
-        points = self._undo[-remove:]
-        first = next((i for i, p in enumerate(points) if p is not None), None)
+    def rollback(self, entries: list[Any]) -> None:
+        """Remove the decode-phase tokens of ``entries`` — appended after the prompt's
+        eviction, so every segment's last tokens; past an evicting step (capacity mode), the
+        copy taken before it comes back first."""
+        remove = len(entries)
+        first = next((i for i, p in enumerate(entries) if p is not None), None)
         if first is not None:  # an evicting step among the removed ones: its copy, then cut
-            state = points[first]
+            state = entries[first]
             assert state is not None
             for name in self._SNAPSHOT:
                 setattr(self, name, state[name])
@@ -285,8 +214,13 @@ class RelayLayer(CacheLayerMixin):
         self.stream_lengths = [n - remove for n in self.stream_lengths]
         self.next_positions = [n - remove for n in self.next_positions]
         self.seen_tokens -= remove
-        del self._undo[-len(points) :]
-        self.undo_tokens = len(self._undo)
+
+    def storage(self) -> CacheStorage:
+        """The used key/value bytes (:meth:`nbytes`; headroom is not stored data), their
+        elements at 2 bytes, the used bookkeeping (positions and ``key_bias``), and every
+        buffer held, headroom included (:meth:`held_bytes`; docs/design.md, RoPE-Relay "Byte
+        accounting")."""
+        return CacheStorage(self.nbytes(), self.numel() * 2, self.index_bytes(), self.held_bytes())
 
     # ---------------------------------------------------------------- sizes
     def tokens_per_head(self, row: int = 0) -> list[int]:
@@ -340,8 +274,13 @@ class RelayLayer(CacheLayerMixin):
             store.batch, store.heads, store.head_dim, store.value_dim, store.dtype, store.device
         )
 
-    def _check_states(self, keys: Tensor, values: Tensor) -> None:
-        check_states(keys, values, self.layer_idx, self._stored_shape())
+    def check_states(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Refuse states of another rank, batch, head shape, dtype or device than stored.
+
+        Raises:
+            ValueError: naming the layer and what differs.
+        """
+        check_states(key_states, value_states, self.layer_idx, self._stored_shape())
 
     def check_forward(
         self,
@@ -374,7 +313,7 @@ class RelayLayer(CacheLayerMixin):
             reconstruction=reconstruction,
         )
         prompt_real = plan.real
-        if self.forward_state.recording and not reconstruction:
+        if self.shared.recording and not reconstruction:
             plan.decode_from = self._decode_from(plan)
             if plan.decode_from < plan.num_new:
                 prompt_real = [plan.decode_from] * batch
@@ -394,24 +333,14 @@ class RelayLayer(CacheLayerMixin):
         return plan
 
     def _decode_from(self, plan: ForwardPlan) -> int:
-        """While recording: the new columns before the prompt's end (``prompt_end``); the
-        rest are decode-phase tokens.
+        """While recording: the new columns before the prompt's end (:meth:`decode_start`);
+        the rest are decode-phase tokens.
 
         Raises:
             ValueError: a multi-token first forward without ``expect_prompt``, or padding in a
                 forward with decode-phase tokens.
         """
-        end = self.forward_state.prompt_end
-        if end is None:
-            if self.seen_tokens == 0 and plan.num_new > 1:
-                raise ValueError(
-                    "a relay cache recording for speculative decoding (generate(assistant_model"
-                    "=...) or prompt_lookup_num_tokens) cannot tell the prompt from the draft in "
-                    "transformers' first forward, which feeds both: call "
-                    "cache.expect_prompt(input_ids.shape[1]) before generate"
-                )
-            end = self.seen_tokens
-        prompt = min(max(end - self.seen_tokens, 0), plan.num_new)
+        prompt = self.decode_start(self.seen_tokens, plan.num_new)
         if prompt < plan.num_new and plan.padded:
             raise ValueError(
                 "a relay cache recording for speculative decoding takes no padding in a forward "
@@ -420,112 +349,96 @@ class RelayLayer(CacheLayerMixin):
         return prompt
 
     # ---------------------------------------------------------------- the forward
-    def attend(
-        self,
-        query: Tensor,
-        *,
-        scaling: float,
-        attention_mask: Tensor | None,
-        kwargs: dict[str, Any],
-    ) -> Tensor:
-        """This layer's part of a forward: check (first layer), commit, attend, evict.
-
-        Args:
-            query: ``[B, H_q, T, D]`` rotated by the model at its ``position_ids``.
-            scaling: the model's softmax scale.
-            attention_mask: ``None`` or the 2-D keep mask ``[B, seen + T]`` (left padding).
-            kwargs: the attention kwargs (``position_ids``; ``softcap`` and ``s_aux``, see
-                :func:`kvlab.relay.attention.ragged_attention`).
-
-        Returns:
-            ``[B, H_q, T, Dv]`` in the query dtype; padding queries give zeros.
+    def begin(self, attention_mask: Tensor | None, kwargs: dict[str, Any]) -> Forward:
+        """The stash and the forward's plan (:meth:`take_pending`: the first layer checks every
+        input before any layer changes); its decode-phase tokens start at the plan's
+        ``decode_from`` (a reconstruction pass has none and accepts nothing).
 
         Raises:
-            ValueError: see :meth:`check_forward`; raised by the first layer of a forward,
-                before any layer changes.
+            ValueError: see :meth:`check_forward`.
             RuntimeError: ``attend`` without a preceding ``update``.
         """
         pending, plan = self.take_pending(attention_mask, kwargs)
-        spans = self.forward_state.reconstruction
-        if spans is None:
-            self.undo_tokens = 0  # a new forward: the last one was accepted
-            self._undo = []
-        prompt = plan.decode_from
-        if spans is None and prompt is not None and prompt < plan.num_new:
-            return self._attend_recording(query, pending, plan, prompt, scaling, kwargs)
-        return self._attend_part(query, pending.keys, pending.values, plan, scaling, kwargs)
+        accepts = self.shared.reconstruction is None
+        prompt = plan.num_new
+        if accepts and plan.decode_from is not None:
+            prompt = plan.decode_from
+        positions = list(self.next_positions) or [0] * plan.batch
+        return Forward(pending.keys, pending.values, prompt, plan, accepts, positions)
 
-    def _attend_recording(
-        self,
-        query: Tensor,
-        pending: Pending,
-        plan: ForwardPlan,
-        prompt: int,
-        scaling: float,
-        kwargs: dict[str, Any],
+    def attend_prompt(
+        self, query: Tensor, forward: Forward, columns: int, scaling: float, kwargs: dict[str, Any]
     ) -> Tensor:
-        """A recording forward with decode-phase tokens: its first ``prompt`` columns go as a
-        forward of their own (a prompt evicts at its end), then the rest are appended after
-        that eviction, at the positions the relay moved them to, and attend as one-token
-        forwards would (exact attention over the stored tokens, causal): the eviction schedule
-        of the plain run. They close the prompt and are croppable (:meth:`crop`)."""
-        batch, t = plan.batch, plan.num_new
-        keys, values = pending.keys, pending.values
-        outs: list[Tensor] = []
-        before = list(self.next_positions) or [0] * batch
-        if prompt:
-            head = ForwardPlan(
-                plan.forward_index,
-                batch,
-                prompt,
-                [prompt] * batch,
-                plan.shift,
-                first_eviction=plan.first_eviction,
-            )
-            outs.append(
-                self._attend_part(
-                    query[:, :, :prompt],
-                    keys[:, :, :prompt],
-                    values[:, :, :prompt],
-                    head,
-                    scaling,
-                    kwargs,
-                )
-            )
-        # model position of column `prompt` -> the cache position the relay left it
-        moved = [n - b - prompt for n, b in zip(self.next_positions, before, strict=True)]
+        """Commit, attend (one call over all heads and sequences), evict when due
+        (:meth:`attend_part`); the first ``columns`` of a forward with decode-phase tokens go
+        as a forward of their own (a prompt evicts at its end)."""
+        plan: ForwardPlan = forward.plan
+        if columns == forward.num_new:
+            return self.attend_part(query, forward.keys, forward.values, plan, scaling, kwargs)
+        head = ForwardPlan(
+            plan.forward_index,
+            plan.batch,
+            columns,
+            [columns] * plan.batch,
+            plan.shift,
+            first_eviction=plan.first_eviction,
+        )
+        keys, values = forward.keys[:, :, :columns], forward.values[:, :, :columns]
+        return self.attend_part(query, keys, values, head, scaling, kwargs)
+
+    def shift_after(self, forward: Forward, column: int) -> Tensor | None:
+        """The RoPE shift ``[B, 1, 1]`` of the forward's column ``column`` once the columns
+        before it are stored: the plan's shift plus how far the relay moved the row's next
+        position (``None``: none)."""
+        plan: ForwardPlan = forward.plan
+        moved = [
+            n - b - column for n, b in zip(self.next_positions, forward.positions, strict=True)
+        ]
         shift = plan.shift
         if any(moved):
-            delta = torch.tensor(moved, dtype=torch.int64, device=keys.device).view(-1, 1, 1)
+            delta = torch.tensor(moved, dtype=torch.int64, device=forward.keys.device)
+            delta = delta.view(-1, 1, 1)
             shift = delta if shift is None else shift + delta
+        return shift
+
+    def attend_decoded(
+        self, query: Tensor, forward: Forward, start: int, scaling: float, kwargs: dict[str, Any]
+    ) -> Tensor:
+        """The forward's columns from ``start`` on, appended after the prompt part's eviction
+        at the positions the relay moved them to, attending as one-token forwards would (exact
+        attention over the stored tokens, causal): the eviction schedule of the plain run.
+        Ratio mode never evicts while decoding (one call; an undo entry ``None`` per token);
+        capacity mode runs one step per token (each may evict), keeping a copy of the layer's
+        state before each while the cache records. They close the prompt."""
+        plan: ForwardPlan = forward.plan
+        batch, t = plan.batch, plan.num_new
+        keys, values = forward.keys, forward.values
+        recording = self.shared.recording
         self.prompt_open = [False] * len(self.prompt_open)
         if self.eviction.capacity is None:  # ratio mode: decoding never evicts
-            tail = ForwardPlan(plan.forward_index, batch, t - prompt, [t - prompt] * batch, shift)
-            outs.append(
-                self._attend_part(
-                    query[:, :, prompt:],
-                    keys[:, :, prompt:],
-                    values[:, :, prompt:],
-                    tail,
-                    scaling,
-                    kwargs,
-                )
+            tail = ForwardPlan(
+                plan.forward_index,
+                batch,
+                t - start,
+                [t - start] * batch,
+                self.shift_after(forward, start),
             )
-            self._undo = [None] * (t - prompt)
+            out = self.attend_part(
+                query, keys[:, :, start:], values[:, :, start:], tail, scaling, kwargs
+            )
+            if recording:
+                self._undo = [None] * (t - start)
         else:  # capacity mode: one step per token, each may evict (a copy before it)
-            undo: list[dict[str, Any] | None] = []
-            for j in range(prompt, t):
-                undo.append(self._snapshot())
-                moved = [n - b - j for n, b in zip(self.next_positions, before, strict=True)]
-                shift = plan.shift
-                if any(moved):
-                    delta = torch.tensor(moved, dtype=torch.int64, device=keys.device)
-                    delta = delta.view(-1, 1, 1)
-                    shift = delta if shift is None else shift + delta
-                step = ForwardPlan(plan.forward_index, batch, 1, [1] * batch, shift)
+            outs: list[Tensor] = []
+            for j in range(start, t):
+                if recording:
+                    self._undo.append(self._snapshot())
+                step = ForwardPlan(
+                    plan.forward_index, batch, 1, [1] * batch, self.shift_after(forward, j)
+                )
                 outs.append(
-                    self._attend_part(
-                        query[:, :, j : j + 1],
+                    self.attend_part(
+                        query[:, :, j - start : j - start + 1],
                         keys[:, :, j : j + 1],
                         values[:, :, j : j + 1],
                         step,
@@ -533,10 +446,9 @@ class RelayLayer(CacheLayerMixin):
                         kwargs,
                     )
                 )
-            self._undo = undo
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         self.prompt_open = [False] * len(self.prompt_open)
-        self.undo_tokens = t - prompt
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out
 
     _SNAPSHOT = (
         "stream_lengths",
@@ -557,7 +469,7 @@ class RelayLayer(CacheLayerMixin):
         state["events"] = len(self.events)
         return state
 
-    def _attend_part(
+    def attend_part(
         self,
         query: Tensor,
         keys: Tensor,
@@ -566,15 +478,16 @@ class RelayLayer(CacheLayerMixin):
         scaling: float,
         kwargs: dict[str, Any],
     ) -> Tensor:
-        """Commit ``keys``/``values`` by ``plan``, attend with ``query``, evict when due (the
-        body of :meth:`attend`)."""
-        spans = self.forward_state.reconstruction
+        """The plain way of a relay forward (or of its prompt's columns): commit
+        ``keys``/``values`` by ``plan``, attend with ``query`` in one call, evict when due; in a
+        reconstruction pass, score instead (nothing stored)."""
+        spans = self.shared.reconstruction
         pending = Pending(keys, values, None)
         if plan.shift is not None and self.uses_rope:
             keys = rotate_by_delta(keys, plan.shift, self.rotary)
             query = rotate_by_delta(query, plan.shift, self.rotary)
         if spans is not None:
-            return self._attend_reconstruction(query, keys, pending.values, scaling, plan, kwargs)
+            return self.attend_reconstruction(query, keys, pending.values, scaling, plan, kwargs)
         self._commit(keys, pending.values, plan)
         assert self.store is not None
         if outputs_unused():  # a replayed prefill: nothing reads this output
@@ -589,7 +502,7 @@ class RelayLayer(CacheLayerMixin):
                 s_aux=kwargs.get("s_aux"),  # model-matrix: GPT-OSS learned sinks
             )
         if self.deferred and getattr(self.scorer, "prefill_queries", 0):
-            self._observe(query, scaling, plan)
+            self.observe_prefill(query, scaling, plan)
         due = self._rows_due(plan)
         for b in due:
             self.evict(query[b : b + 1, :, plan.num_new - plan.real[b] :], scaling, row=b)
@@ -601,7 +514,7 @@ class RelayLayer(CacheLayerMixin):
         self, attention_mask: Tensor | None, kwargs: dict[str, Any]
     ) -> tuple[Pending, ForwardPlan]:
         """The stash of this forward and its plan: the one the forward's first layer built
-        (shared through :attr:`forward_state`), or a new one (:meth:`check_forward`, or the
+        (shared through :attr:`shared`), or a new one (:meth:`check_forward`, or the
         :attr:`planner`'s, which checks every input before any layer changes).
 
         Raises:
@@ -611,8 +524,8 @@ class RelayLayer(CacheLayerMixin):
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("RelayView.attend called without a preceding update()")
-        spans = self.forward_state.reconstruction
-        plan = self.forward_state.plan
+        spans = self.shared.reconstruction
+        plan = self.shared.plan
         if (
             plan is None
             or plan.forward_index != self.forwards
@@ -623,100 +536,8 @@ class RelayLayer(CacheLayerMixin):
             plan = planner.check_forward(
                 pending, attention_mask, kwargs, reconstruction=spans is not None
             )
-            self.forward_state.plan = plan
+            self.shared.plan = plan
         return pending, plan
-
-    def _observe(self, query: Tensor, scaling: float, plan: ForwardPlan) -> None:
-        """Before the reconstruction pass: record, per sequence fed real tokens, the attention
-        of this forward's last ``scorer.prefill_queries`` queries over its stored tokens (max
-        over them and the GQA group, float32 ``[1, H, S]``), which the eviction joins to the
-        reconstruction scores by a max (docs/design.md, "Reconstruction scoring"). A later
-        storing forward replaces it: the newest context queries observe."""
-        assert self.store is not None
-        for b in range(plan.batch):
-            real = plan.real[b]
-            if real == 0 or self.evicted[b]:
-                continue
-            self.observation_scores[b] = observe(
-                self.store,
-                b,
-                query[b : b + 1, :, plan.num_new - real :],
-                scaling,
-                self.scorer.prefill_queries,  # type: ignore[attr-defined]
-            )
-
-    def eviction_scores(self, row: int) -> Tensor | None:
-        """The reconstruction scores of sequence ``row`` joined (max) with its observation
-        scores, float32 ``[1, H, S]``, or ``None`` before a reconstruction pass."""
-        scores, seen = self.reconstruction_scores[row], self.observation_scores[row]
-        if scores is None or seen is None:
-            return scores
-        return torch.maximum(scores, seen)
-
-    def _attend_reconstruction(
-        self,
-        query: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        scaling: float,
-        plan: ForwardPlan,
-        kwargs: dict[str, Any],
-    ) -> Tensor:
-        """A reconstruction pass through this layer (docs/design.md, "RoPE-Relay:
-        Reconstruction scoring"): each fed sequence's real queries attend over its stored tokens
-        and, causally, the pass's own tokens (:func:`kvlab.relay.kvzip.reconstruction_attention`),
-        the per-slot scores are max-accumulated into :attr:`reconstruction_scores`, and nothing
-        is stored. Sequence by sequence, so a row's scores never depend on its neighbours.
-
-        Raises:
-            ValueError: a sequence that already evicted, or that receives tokens without a span.
-        """
-        assert self.store is not None and self.forward_state.reconstruction is not None
-        spans = self.forward_state.reconstruction
-        batch, q_heads, t, _ = query.shape
-        out = query.new_zeros(batch, q_heads, t, values.shape[-1])
-        for b in range(batch):
-            real, span = plan.real[b], spans[b]
-            if real == 0:
-                continue
-            if span is None or self.evicted[b]:
-                raise ValueError(
-                    f"row {b} of a reconstruction pass: "
-                    + ("it has evicted already" if self.evicted[b] else "no span given")
-                )
-            o, scores = reconstruct_row(
-                self.store,
-                b,
-                span,
-                self.stream_lengths[b],
-                query[b : b + 1, :, t - real :],
-                keys[b : b + 1, :, t - real :],
-                values[b : b + 1, :, t - real :],
-                scale=scaling,
-                softcap=kwargs.get("softcap"),
-                s_aux=kwargs.get("s_aux"),
-            )
-            out[b, :, t - real :] = o[0]
-            self.reconstruction_scores[b] = join_max(self.reconstruction_scores[b], scores)
-        return out
-
-    def split_keys(self, row: int, reconstruction: Tensor) -> Tensor:
-        """The keys by which ``layer_budget="scores"`` ranks this layer's stored tokens of
-        sequence ``row`` against every other layer's: float32 ``[H, S]``
-        (:meth:`kvlab.relay.evictor.Evictor.split_keys`).
-
-        Args:
-            row: the sequence.
-            reconstruction: ``[1, H, S]`` its reconstruction scores (:meth:`evict`).
-        """
-        assert self.store is not None
-        return self.evictor.split_keys(
-            self.store,
-            row,
-            reconstruction,
-            stream_length=self.stream_lengths[row],
-            next_position=self.next_positions[row],
-        )
 
     def _commit(self, keys: Tensor, values: Tensor, plan: ForwardPlan) -> None:
         """Append each row's real new tokens at its stream indices and RoPE positions."""
@@ -744,56 +565,3 @@ class RelayLayer(CacheLayerMixin):
             self.next_positions[b] += r
         self.seen_tokens += plan.num_new
         self.forwards += 1
-
-    def _rows_due(self, plan: ForwardPlan) -> list[int]:
-        """Rows to evict after this forward (see :class:`EvictionConfig`)."""
-        if self.eviction.ratio is not None:
-            return plan.first_eviction
-        assert self.store is not None
-        return self.evictor.over_capacity(self.store)
-
-    # ---------------------------------------------------------------- eviction
-    def evict(
-        self,
-        query: Tensor | None,
-        scaling: float | None,
-        row: int = 0,
-        *,
-        reconstruction: Tensor | None = None,
-        layer_total: int | None = None,
-    ) -> EvictionEvent:
-        """Evict in sequence ``row``: budget and protected window, score, allocate, select,
-        relay (or not), compact (:meth:`kvlab.relay.evictor.Evictor.evict`; docs/design.md,
-        "RoPE-Relay: Eviction policy"), then record the event.
-
-        Args:
-            query: that row's real queries of the current forward ``[1, H_q, Q, D]`` at cache
-                positions (the scorers' observation window and ExpectedAttention's queries), or
-                ``None`` for a scorer that reads neither (a reconstruction scorer).
-            scaling: the model's softmax scale (``None`` with ``query``).
-            row: the sequence.
-            reconstruction: ``[1, H, S]`` float32 reconstruction scores of the row's padded
-                view (KVzip), for a scorer with ``needs_reconstruction``.
-            layer_total: tokens this layer keeps summed over its kv heads, replacing the
-                configured layer budget (``layer_budget="scores"``, decided over every layer by
-                :meth:`kvlab.integrations.RelayModelCache.evict_reconstructed`), or ``None``.
-
-        Raises:
-            ValueError: ``query`` missing for a scorer that needs it.
-        """
-        assert self.store is not None
-        event, next_position = self.evictor.evict(
-            self.store,
-            row,
-            query,
-            scaling,
-            stream_length=self.stream_lengths[row],
-            next_position=self.next_positions[row],
-            reconstruction=reconstruction,
-            layer_total=layer_total,
-        )
-        if next_position is not None:
-            self.next_positions[row] = next_position
-        self.evicted[row] = True
-        self.events.append(event)
-        return event
