@@ -13,6 +13,8 @@ from typing import Any, NoReturn
 
 import typer
 
+from kvlab.userinput import quote
+
 __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_USAGE",
@@ -34,8 +36,11 @@ def err_console() -> Any:
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
-    """Print ``error: message`` on stderr and exit with ``code``."""
-    err_console().print(f"[red]error:[/] {message}", markup=True)
+    """Print ``error: message`` on stderr and exit with ``code`` (``message`` is shown as it
+    is: rich markup in it, e.g. a method name with ``[...]``, is not interpreted)."""
+    from rich.markup import escape
+
+    err_console().print(f"[red]error:[/] {escape(message)}", markup=True)
     raise typer.Exit(code)
 
 
@@ -43,7 +48,7 @@ def _message(exc: BaseException) -> str:
     if isinstance(exc, KeyError) and exc.args:
         return str(exc.args[0])
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-        return f"{exc.filename}: {exc.strerror}"
+        return f"{quote(exc.filename)}: {exc.strerror}"
     return str(exc) or type(exc).__name__
 
 
@@ -55,7 +60,7 @@ def user_errors(interrupted: str | None = None) -> Iterator[None]:
         yield
     except KeyboardInterrupt as exc:
         sys.stderr.write("\n")
-        err_console().print(f"interrupted{': ' + interrupted if interrupted else ''}")
+        err_console().print(f"interrupted{': ' + interrupted if interrupted else ''}", markup=False)
         raise typer.Exit(EXIT_INTERRUPTED) from exc
     except (ValueError, OSError, KeyError) as exc:
         fail(_message(exc))

@@ -37,6 +37,7 @@ from kvlab.evaluation.methods.preparations import (
     accepts_progress,
     count_forwards,
 )
+from kvlab.userinput import quote
 
 __all__ = [
     "CALIBRATION_CACHE_ENV",
@@ -70,7 +71,7 @@ def calibration_key(
     import transformers
 
     if method.preparation is None:
-        raise ValueError(f"method {method.name!r} has no preparation")
+        raise ValueError(f"method {quote(method.name)} has no preparation")
     preparation = PREPARATIONS[method.preparation]
     params = (
         method.params if preparation.key_params is None else preparation.key_params(method.params)
@@ -152,7 +153,7 @@ def prepare_methods(
     """
     for method in methods:
         if method.preparation is None:
-            raise ValueError(f"method {method.name!r} has no preparation")
+            raise ValueError(f"method {quote(method.name)} has no preparation")
     device = next(model.parameters()).device.type
     results: list[dict[str, Any] | None] = [None] * len(methods)
     groups: dict[str, list[tuple[int, dict[str, Any], str, Path | None]]] = {}

@@ -13,6 +13,7 @@ import typer
 
 from kvlab.cli_support import err_console, fail, invocation_argv, user_errors
 from kvlab.evaluation.methods import available_method_names
+from kvlab.userinput import quote
 
 __all__ = ["eval_command", "parse_counts", "sweep_command"]
 
@@ -68,7 +69,7 @@ def parse_counts(text: str, option: str, *, allow_float: bool = False) -> list[f
         try:
             value = float(number) * scale if allow_float else int(number) * scale
         except ValueError as exc:
-            raise ValueError(f"{option}: {item!r} is not a number") from exc
+            raise ValueError(f"{option}: {quote(item)} is not a number") from exc
         values.append(value)
     if not values:
         raise ValueError(f"{option} is empty")
@@ -78,7 +79,7 @@ def parse_counts(text: str, option: str, *, allow_float: bool = False) -> list[f
 def _chat(value: str) -> bool | None:
     choices = {"auto": None, "yes": True, "no": False}
     if value.lower() not in choices:
-        raise ValueError(f"--ruler-chat must be auto, yes or no, got {value!r}")
+        raise ValueError(f"--ruler-chat must be auto, yes or no, got {quote(value)}")
     return choices[value.lower()]
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvlab.artifacts.io import read_json, write_json_atomic
 from kvlab.evaluation.plan import ModelRef, Plan, PrepTask, Task
+from kvlab.userinput import quote
 
 __all__ = ["ExecutionContext", "Job", "Runtime", "Schedule", "TaskStore"]
 
@@ -83,7 +84,7 @@ class Runtime:
             )
             if loaded.checkpoint != ref.checkpoint:
                 raise RuntimeError(
-                    f"model {ref.spec!r} changed since the plan was made: "
+                    f"model {quote(ref.spec)} changed since the plan was made: "
                     f"{loaded.checkpoint} != {ref.checkpoint}"
                 )
             self._loaded, self._model_key = loaded, key

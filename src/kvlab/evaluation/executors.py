@@ -29,6 +29,7 @@ from typing import Any
 
 from kvlab.evaluation.execute import ExecutionContext, Runtime, Schedule, TaskStore
 from kvlab.evaluation.plan import PrepTask, Task
+from kvlab.userinput import quote
 
 __all__ = ["EXECUTORS", "TaskFailedError", "run_local", "run_ray", "run_schedule"]
 
@@ -315,4 +316,6 @@ def run_schedule(
             announce=announce,
         )
     else:
-        raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+        raise ValueError(
+            f"unknown executor {quote(executor)}; choose one of {', '.join(EXECUTORS)}"
+        )

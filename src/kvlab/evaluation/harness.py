@@ -33,6 +33,7 @@ from kvlab.evaluation.report import (
     summarize_stream,
     write_eval_report,
 )
+from kvlab.userinput import quote
 
 __all__ = [
     "DTYPES",
@@ -92,7 +93,9 @@ def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
     paths = eval_paths(output_folder, config.protocol, device.type)
     check_output_paths(paths.folder, [*paths.files()])
     if paths.tasks.exists() and not paths.tasks.is_dir():
-        raise ValueError(f"--output-dir {paths.folder}: {paths.tasks} is not a folder")
+        raise ValueError(
+            f"--output-dir {quote(paths.folder)}: {quote(paths.tasks)} is not a folder"
+        )
     methods = select_methods(config)
     text = load_text(config.text)  # a bad text fails before the model loads
     model = ModelRef(

@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvlab.userinput import quote
+
 __all__ = ["EvalPaths", "check_output_paths", "eval_paths"]
 
 _PLOTS = {
@@ -65,13 +67,17 @@ def check_output_paths(
             break
         existing = existing.parent
     if not existing.is_dir():
-        raise ValueError(f"{option} {folder}: {existing} exists and is not a folder")
+        raise ValueError(f"{option} {quote(folder)}: {quote(existing)} exists and is not a folder")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        raise ValueError(f"{option} {folder}: cannot write in {existing} ({reason})") from exc
+        raise ValueError(
+            f"{option} {quote(folder)}: cannot write in {quote(existing)} ({reason})"
+        ) from exc
     for file in files:
         if Path(file).is_dir():
-            raise ValueError(f"{option} {folder}: {file} is a folder, where a file is written")
+            raise ValueError(
+                f"{option} {quote(folder)}: {quote(file)} is a folder, where a file is written"
+            )

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.evaluation.plan import PROTOCOLS, EvalConfig
+from kvlab.userinput import quote
 
 __all__ = ["SweepOptions", "SweepOutcome", "expand_methods", "load_sweep", "run_sweep"]
 
@@ -107,7 +108,7 @@ def _list(
     if not isinstance(value, list) or not all(
         isinstance(v, kind) and not isinstance(v, bool) for v in value
     ):
-        raise ValueError(f"sweep file: {key!r} must be a list of {what}")
+        raise ValueError(f"sweep file: {quote(key)} must be a list of {what}")
     return value
 
 
@@ -127,11 +128,11 @@ def expand_methods(
         variants = [name]
         if "{bits}" in name:
             if not bits:
-                raise ValueError(f"sweep file: method {name!r} needs 'bits'")
+                raise ValueError(f"sweep file: method {quote(name)} needs 'bits'")
             variants = [v.replace("{bits}", str(b)) for v in variants for b in bits]
         if "{ratio}" in name or takes_ratio(name):
             if not ratios:
-                raise ValueError(f"sweep file: method {name!r} needs 'ratios'")
+                raise ValueError(f"sweep file: method {quote(name)} needs 'ratios'")
             pattern = name if "{ratio}" in name else name + "@{ratio}"
             variants = [
                 v.replace("{ratio}", f"{r:g}")
@@ -162,14 +163,17 @@ def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalCo
 
     file = Path(file)
     if not file.is_file():
-        raise FileNotFoundError(f"sweep file not found: {file}")
+        raise FileNotFoundError(f"sweep file not found: {quote(file)}")
     try:
         data = tomllib.loads(file.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"sweep file {file}: {exc}") from exc
+        raise ValueError(f"sweep file {quote(file)}: {exc}") from exc
     unknown = sorted(set(data) - _TOP)
     if unknown:
-        raise ValueError(f"sweep file {file}: unknown key(s) {unknown}; known: {sorted(_TOP)}")
+        raise ValueError(
+            f"sweep file {quote(file)}: unknown key(s) {', '.join(map(quote, unknown))}; "
+            f"known: {sorted(_TOP)}"
+        )
     models = _list(data, "models", str, "strings", ["smollm2-135m"])
     texts = _list(data, "texts", str, "strings", ["default"])
     protocols = _list(data, "protocols", str, "strings", ["prefill-score"])
@@ -179,22 +183,24 @@ def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalCo
     dtype = data.get("dtype", "float32")
     for protocol in protocols:
         if protocol not in PROTOCOLS:
-            raise ValueError(f"sweep file {file}: unknown protocol {protocol!r}")
+            raise ValueError(f"sweep file {quote(file)}: unknown protocol {quote(protocol)}")
     for protocol in PROTOCOLS:
         section = data.get(protocol, {})
         if not isinstance(section, dict):
-            raise ValueError(f"sweep file {file}: [{protocol}] must be a table")
+            raise ValueError(f"sweep file {quote(file)}: [{protocol}] must be a table")
         for key, value in section.items():
             name = key.replace("-", "_")
             if name not in _PROTOCOL_OPTIONS[protocol]:
                 raise ValueError(
-                    f"sweep file {file}: [{protocol}] has unknown option {key!r}; "
+                    f"sweep file {quote(file)}: [{protocol}] has unknown option {quote(key)}; "
                     f"known: {sorted(_PROTOCOL_OPTIONS[protocol])}"
                 )
             if name in ("lengths", "depths"):
                 _list(section, key, (int, float) if name == "depths" else int, "numbers")
             elif isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"sweep file {file}: [{protocol}] {key} must be an integer")
+                raise ValueError(
+                    f"sweep file {quote(file)}: [{protocol}] {quote(key)} must be an integer"
+                )
     groups = []
     for model in models:
         for text in texts:
@@ -218,7 +224,7 @@ def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalCo
                 )
                 groups.append((model_slug, text_slug, config))
     if not methods:
-        raise ValueError(f"sweep file {file}: 'methods' is empty")
+        raise ValueError(f"sweep file {quote(file)}: 'methods' is empty")
     return groups
 
 
