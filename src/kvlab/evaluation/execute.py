@@ -3,10 +3,9 @@
 * :class:`Runtime` — what one process (the driver, or a Ray worker) keeps between tasks: the
   loaded model (one at a time) and the prepared states. :meth:`Runtime.run` runs one
   :class:`~kvlab.evaluation.plan.Task` through its protocol and returns a JSON-ready result.
-* :class:`TaskStore` — one JSON file per finished task, ``<folder>/<key>.json``, written
-  atomically (:func:`kvlab.artifacts.write_json_atomic`) as soon as the task finishes; a rerun
-  skips every task whose file exists (resumable runs; an interrupted run loses at most the
-  tasks that were running).
+* :class:`~kvlab.evaluation.store.TaskStore` (:mod:`kvlab.evaluation.store`, re-exported
+  here) — one sealed JSON file per finished task, written as soon as the task finishes; a
+  rerun skips every task whose file is sound.
 * :class:`Schedule` — which jobs still have to run and when each is ready: preparations
   first, a prefill-score method task once the ``full`` task of its window has produced its
   log-probabilities (kept in memory only until the window's last dependent finished). A
@@ -24,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.artifacts.io import read_json, write_json_atomic
 from kvlab.evaluation.plan import ModelRef, Plan, PrepTask, Task
+from kvlab.evaluation.store import TaskStore
 from kvlab.userinput import quote
 
 __all__ = ["ExecutionContext", "Job", "Runtime", "Schedule", "TaskStore"]
@@ -112,8 +111,21 @@ class Runtime:
                 dtype=prep.model.dtype,
                 cache_dir=Path(cache) if cache is not None else None,
                 progress=progress,
+                warn=self._warn,
             )
         return self._prepared[prep.key]
+
+    def _warn(self, line: str) -> None:
+        """A warning: shown through ``announce`` when there is one, else
+        :func:`warnings.warn` (a Ray worker's stderr reaches the driver's)."""
+        if self.announce is not None:
+            self.announce(f"warning: {line}")
+            return
+        import warnings
+
+        from kvlab.evaluation.runfiles import DamagedRunFileWarning
+
+        warnings.warn(line, DamagedRunFileWarning, stacklevel=2)
 
     def capture(self, ref: ModelRef, context: Any) -> tuple[Any, float]:
         """The prefill capture of ``context`` (int64 ``[1, T]``) on ``ref``'s model, and the
@@ -242,46 +254,6 @@ class Runtime:
         else:
             raise ValueError(f"unknown protocol {task.protocol!r}")
         return {**result, **common}, logprobs
-
-
-class TaskStore:
-    """Finished task results, one JSON file per task key (module docstring).
-
-    Args:
-        folder: where the files live, or ``None`` to keep nothing on disk.
-    """
-
-    def __init__(self, folder: Path | None) -> None:
-        self.folder = None if folder is None else Path(folder)
-
-    def path(self, key: str) -> Path:
-        if self.folder is None:
-            raise ValueError("this task store keeps nothing on disk")
-        return self.folder / f"{key}.json"
-
-    def load(self, key: str) -> dict[str, Any] | None:
-        """The stored result of task ``key``, or ``None`` (also for an unreadable or foreign
-        file, which the rerun then replaces)."""
-        if self.folder is None:
-            return None
-        path = self.path(key)
-        if not path.is_file():
-            return None
-        try:
-            data = read_json(path)
-        except (OSError, ValueError):
-            return None
-        if not isinstance(data, dict) or data.get("key") != key:
-            return None
-        return data.get("result")
-
-    def save(self, task: Task, result: Mapping[str, Any]) -> None:
-        """Write ``task``'s result atomically (no-op without a folder)."""
-        if self.folder is not None:
-            write_json_atomic(
-                self.path(task.key),
-                {"key": task.key, "task": task.record(), "result": dict(result)},
-            )
 
 
 @dataclass

@@ -41,6 +41,7 @@ __all__ = [
     "EvalConfig",
     "EvalInputs",
     "EvalOutcome",
+    "console_warning",
     "execution_context",
     "plan_line",
     "prepare_inputs",
@@ -152,7 +153,7 @@ def run_eval(config: EvalConfig, console: Any = None) -> EvalOutcome:
 
         config.argv = ["kvlab", *sys.argv[1:]]
     inputs = prepare_inputs(config, Path(config.output_dir))
-    store = TaskStore(inputs.paths.tasks)
+    store = TaskStore(inputs.paths.tasks, warn=console_warning(console))
     schedule = stored_schedule(inputs.plan, store, config.resume)
     console.print(plan_line(schedule, inputs.paths.tasks), highlight=False, soft_wrap=True)
     run_schedule(
@@ -189,6 +190,15 @@ def execution_context(config: EvalConfig) -> Any:
     return ExecutionContext(cpu_threads=config.cpu_threads, calibration_cache=cache)
 
 
+def console_warning(console: Any) -> Any:
+    """``warn(line)`` printing ``warning: line`` on ``console`` (rich markup not read)."""
+
+    def warn(line: str) -> None:
+        console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
+
+    return warn
+
+
 def stored_schedule(plan: Any, store: Any, resume: bool) -> Any:
     """The :class:`~kvlab.evaluation.execute.Schedule` of ``plan`` given the results the task
     store holds (none when ``resume`` is false)."""
@@ -196,11 +206,13 @@ def stored_schedule(plan: Any, store: Any, resume: bool) -> Any:
 
     stored = {}
     if resume:
+        unique: dict[str, Any] = {}
         for task in plan.tasks:
-            if task.key not in stored:
-                result = store.load(task.key)
-                if result is not None:
-                    stored[task.key] = result
+            unique.setdefault(task.key, task)
+        for key, task in unique.items():
+            result = store.load(task)
+            if result is not None:
+                stored[key] = result
     return Schedule(plan, stored)
 
 

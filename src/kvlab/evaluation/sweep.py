@@ -294,6 +294,7 @@ def run_sweep(file: Path, options: SweepOptions, console: Any = None) -> SweepOu
     from kvlab.evaluation.execute import TaskStore
     from kvlab.evaluation.executors import run_schedule
     from kvlab.evaluation.harness import (
+        console_warning,
         execution_context,
         plan_line,
         prepare_inputs,
@@ -311,7 +312,7 @@ def run_sweep(file: Path, options: SweepOptions, console: Any = None) -> SweepOu
     plan = inputs[0].plan
     for item in inputs[1:]:
         plan = plan + item.plan
-    store = TaskStore(out / "tasks")
+    store = TaskStore(out / "tasks", warn=console_warning(console))
     schedule = stored_schedule(plan, store, options.resume)
     console.print(plan_line(schedule, store.folder), highlight=False, soft_wrap=True)
     run_schedule(
