@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.evaluation.outputs import EvalPaths, check_output_paths, eval_paths
+from kvlab.evaluation.outputs import EvalPaths, check_output_paths, eval_paths, task_file_names
 from kvlab.evaluation.plan import (
     DTYPES,
     PROTOCOLS,
@@ -92,7 +92,8 @@ def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
     config.validate()
     device = resolve_device(config.device)
     paths = eval_paths(output_folder, config.protocol, device.type)
-    check_output_paths(paths.folder, [*paths.files()])
+    task_files = [paths.tasks / name for name in task_file_names()]
+    check_output_paths(paths.folder, [*paths.files(), *task_files])
     if paths.tasks.exists() and not paths.tasks.is_dir():
         raise ValueError(
             f"--output-dir {quote(paths.folder)}: {quote(paths.tasks)} is not a folder"
