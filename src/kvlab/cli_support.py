@@ -6,7 +6,7 @@ and the command line as it was typed (:func:`invocation_argv`, recorded in artif
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -53,14 +53,16 @@ def _message(exc: BaseException) -> str:
 
 
 @contextmanager
-def user_errors(interrupted: str | None = None) -> Iterator[None]:
+def user_errors(interrupted: str | Callable[[], str] | None = None) -> Iterator[None]:
     """Turn the errors a user can cause (bad values, missing files or models)
-    into :func:`fail`; Ctrl-C prints ``interrupted`` (what was kept, how to resume)."""
+    into :func:`fail`; Ctrl-C prints ``interrupted: <interrupted>`` (what was kept, how to
+    resume; a callable is asked at that moment, so it can say what is there then)."""
     try:
         yield
     except KeyboardInterrupt as exc:
         sys.stderr.write("\n")
-        err_console().print(f"interrupted{': ' + interrupted if interrupted else ''}", markup=False)
+        said = interrupted() if callable(interrupted) else interrupted
+        err_console().print(f"interrupted{': ' + said if said else ''}", markup=False)
         raise typer.Exit(EXIT_INTERRUPTED) from exc
     except (ValueError, OSError, KeyError) as exc:
         fail(_message(exc))

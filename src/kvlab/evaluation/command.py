@@ -15,7 +15,7 @@ from kvlab.cli_support import err_console, fail, invocation_argv, user_errors
 from kvlab.evaluation.methods import available_method_names
 from kvlab.userinput import quote
 
-__all__ = ["eval_command", "parse_counts", "sweep_command"]
+__all__ = ["eval_command", "kept_tasks", "parse_counts", "sweep_command"]
 
 _METHOD_HELP = (
     "KV-cache method, repeatable: " + ", ".join(available_method_names()) + ". R = evicted "
@@ -74,6 +74,17 @@ def parse_counts(text: str, option: str, *, allow_float: bool = False) -> list[f
     if not values:
         raise ValueError(f"{option} is empty")
     return values
+
+
+def kept_tasks(folder: Path) -> str:
+    """What an interrupted run kept, said after the fact (only folders that exist are named):
+    ``"3 finished tasks are kept in FOLDER; rerun the same command to resume"``, or that none
+    had finished."""
+    count = len(list(folder.glob("*.json"))) if folder.is_dir() else 0
+    if not count:
+        return "no task had finished, nothing was kept; rerun the same command to start again"
+    tasks = "1 finished task is" if count == 1 else f"{count} finished tasks are"
+    return f"{tasks} kept in {folder}; rerun the same command to resume"
 
 
 def _chat(value: str) -> bool | None:
@@ -175,9 +186,7 @@ def eval_command(
     from kvlab.evaluation.plan import EvalConfig
 
     console = err_console()
-    with user_errors(
-        f"finished tasks are kept in {output_dir / 'tasks'}; rerun the same command to resume"
-    ):
+    with user_errors(lambda: kept_tasks(output_dir / "tasks")):
         from kvlab.backends import check_backend_variables
 
         check_backend_variables()  # KVLAB_*_BACKEND, before any model loads
@@ -270,9 +279,7 @@ def sweep_command(
 
     console = err_console()
     out = output_dir or Path("runs/sweep") / file.stem
-    with user_errors(
-        f"finished tasks are kept in {out / 'tasks'}; rerun the same command to resume"
-    ):
+    with user_errors(lambda: kept_tasks(out / "tasks")):
         from kvlab.backends import check_backend_variables
 
         check_backend_variables()  # KVLAB_*_BACKEND, before any model loads

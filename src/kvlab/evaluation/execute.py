@@ -6,11 +6,8 @@
 * :class:`~kvlab.evaluation.store.TaskStore` (:mod:`kvlab.evaluation.store`, re-exported
   here) — one sealed JSON file per finished task, written as soon as the task finishes; a
   rerun skips every task whose file is sound.
-* :class:`Schedule` — which jobs still have to run and when each is ready: preparations
-  first, a prefill-score method task once the ``full`` task of its window has produced its
-  log-probabilities (kept in memory only until the window's last dependent finished). A
-  ``full`` task that a previous run stored is run again (its stored result kept) when a
-  dependent still needs its log-probabilities.
+* :class:`~kvlab.evaluation.schedule.Schedule` (:mod:`kvlab.evaluation.schedule`,
+  re-exported here) — which jobs still have to run and when each is ready.
 
 Executors (:mod:`kvlab.evaluation.executors`) drive a schedule in one process or on Ray.
 """
@@ -19,11 +16,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.evaluation.plan import ModelRef, Plan, PrepTask, Task
+from kvlab.evaluation.plan import ModelRef, PrepTask, Task
+from kvlab.evaluation.schedule import Job, Schedule
 from kvlab.evaluation.store import TaskStore
 from kvlab.userinput import quote
 
@@ -254,112 +252,3 @@ class Runtime:
         else:
             raise ValueError(f"unknown protocol {task.protocol!r}")
         return {**result, **common}, logprobs
-
-
-@dataclass
-class Job:
-    """One unit of work of a :class:`Schedule`.
-
-    Attributes:
-        item: the :class:`PrepTask` or :class:`Task`.
-        store: write the result to the store (``False`` for a ``full`` task run again only
-            for its log-probabilities).
-        keep_logprobs: keep its log-probabilities for dependents.
-    """
-
-    item: PrepTask | Task
-    store: bool = True
-    keep_logprobs: bool = False
-
-    @property
-    def key(self) -> str:
-        return self.item.key
-
-    @property
-    def label(self) -> str:
-        return self.item.label
-
-
-@dataclass
-class Schedule:
-    """The jobs a plan still needs, in order, and their readiness (module docstring).
-
-    Args:
-        plan: the plan.
-        stored: results already available, by task key (a previous run's).
-    """
-
-    plan: Plan
-    stored: Mapping[str, dict[str, Any]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        unique: dict[str, Task] = {}
-        for task in self.plan.tasks:
-            unique.setdefault(task.key, task)
-        self.results: dict[str, dict[str, Any]] = dict(self.stored)
-        pending = [t for t in unique.values() if t.key not in self.results]
-        references = {t.reference for t in pending if t.reference is not None}
-        preparations = {t.preparation for t in pending if t.preparation is not None}
-        self.jobs: list[Job] = [Job(p) for p in self.plan.preparations if p.key in preparations]
-        for task in unique.values():
-            if task.key not in self.results:
-                self.jobs.append(Job(task, store=True, keep_logprobs=task.key in references))
-            elif task.key in references:
-                self.jobs.append(Job(task, store=False, keep_logprobs=True))
-        self.users: dict[str, int] = {}
-        for task in pending:
-            if task.reference is not None:
-                self.users[task.reference] = self.users.get(task.reference, 0) + 1
-        self.prepared: dict[str, dict[str, Any]] = {}
-        self.logprobs: dict[str, Any] = {}
-        self.finished: set[int] = set()
-        self.skipped = len(unique) - len(pending)
-
-    @property
-    def total_tasks(self) -> int:
-        return len({t.key for t in self.plan.tasks})
-
-    def ready(self, job: Job) -> bool:
-        """Whether everything ``job`` depends on is available."""
-        if isinstance(job.item, PrepTask):
-            return True
-        task = job.item
-        if task.preparation is not None and task.preparation not in self.prepared:
-            return False
-        return task.reference is None or task.reference in self.logprobs
-
-    def next_ready(self, started: set[int]) -> int | None:
-        """Index of the first job neither started nor finished whose dependencies are met."""
-        for index, job in enumerate(self.jobs):
-            if index not in started and index not in self.finished and self.ready(job):
-                return index
-        return None
-
-    def inputs(self, job: Job) -> tuple[dict[str, Any] | None, Any]:
-        """``(prepared, reference_logprobs)`` for a task job."""
-        task = job.item
-        assert isinstance(task, Task)
-        prepared = self.prepared.get(task.preparation) if task.preparation else None
-        return prepared, self.logprobs.get(task.reference) if task.reference else None
-
-    def finish(self, index: int, value: Any, logprobs: Any = None) -> None:
-        """Record job ``index``'s outcome: a prepared state, or a task result (and its
-        log-probabilities); releases a reference's log-probabilities after its last user."""
-        job = self.jobs[index]
-        self.finished.add(index)
-        if isinstance(job.item, PrepTask):
-            self.prepared[job.key] = value
-            return
-        task = job.item
-        if job.store:
-            self.results[task.key] = value
-        if job.keep_logprobs and logprobs is not None:
-            self.logprobs[task.key] = logprobs
-        if task.reference is not None:
-            self.users[task.reference] -= 1
-            if self.users[task.reference] == 0:
-                self.logprobs.pop(task.reference, None)
-
-    @property
-    def done(self) -> bool:
-        return len(self.finished) == len(self.jobs)

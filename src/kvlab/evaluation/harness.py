@@ -201,9 +201,10 @@ def console_warning(console: Any) -> Any:
 
 
 def stored_schedule(plan: Any, store: Any, resume: bool) -> Any:
-    """The :class:`~kvlab.evaluation.execute.Schedule` of ``plan`` given the results the task
-    store holds (none when ``resume`` is false)."""
-    from kvlab.evaluation.execute import Schedule
+    """The :class:`~kvlab.evaluation.schedule.Schedule` of ``plan`` given the results the task
+    store holds (none when ``resume`` is false) and the ``full`` tasks' log-probabilities it
+    kept; deletes kept log-probabilities no pending task needs any more."""
+    from kvlab.evaluation.schedule import Schedule
 
     stored = {}
     if resume:
@@ -214,13 +215,25 @@ def stored_schedule(plan: Any, store: Any, resume: bool) -> Any:
             result = store.load(task)
             if result is not None:
                 stored[key] = result
-    return Schedule(plan, stored)
+    references = {t.reference for t in plan.tasks if t.reference is not None}
+    kept = {k for k in references if k in stored and store.has_logprobs(k)}
+    schedule = Schedule(plan, stored, kept)
+    for key in schedule.unneeded_logprobs():
+        store.drop_logprobs(key)
+    return schedule
 
 
 def plan_line(schedule: Any, folder: Path) -> str:
-    """``"N tasks: M to run, K already done in FOLDER ..."``."""
+    """``"N tasks: M to run, K already done in FOLDER ..."``, and, when stored ``full`` tasks
+    run again for their log-probabilities, how many and why (they are on the progress bar)."""
     todo = schedule.total_tasks - schedule.skipped
     line = f"{schedule.total_tasks} tasks: {todo} to run"
     if schedule.skipped:
         line += f", {schedule.skipped} already done in {folder} (reused; --no-resume reruns them)"
+    if schedule.reruns:
+        line += (
+            f"; {schedule.reruns} of the done ones (full) run again first, for the "
+            "log-probabilities their windows' other tasks need (not kept by the run that "
+            f"stored them): {todo + schedule.reruns} to run in all"
+        )
     return line

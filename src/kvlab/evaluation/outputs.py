@@ -57,7 +57,7 @@ def eval_paths(folder: Path, protocol: str, device_type: str) -> EvalPaths:
 def task_file_names() -> list[str]:
     """The longest names of the task store's files (a sha256 key and its suffixes), which
     the length check of :func:`check_output_paths` stands for every task file by."""
-    return [f"{'0' * 64}.json"]
+    return [f"{'0' * 64}.json", f"{'0' * 64}.logprobs.safetensors"]
 
 
 def _limit(folder: Path, name: str, default: int) -> int:

@@ -8,6 +8,15 @@ running). A file that is there but damaged — not JSON, a checksum that does no
 its protocol's schema refuses (a missing ``kl``), the key or protocol of another task, a score
 of another length — is reported (a warning naming the file) and its task runs again.
 
+A prefill-score ``full`` task's result holds no log-probabilities (``[score, vocab]`` float32:
+tens of MB per window, for the KL of its window's other tasks). While some of those tasks are
+still to run, the store keeps them beside the task file, ``<key>.logprobs.safetensors``
+(safetensors: the float32 ``[S, V]`` tensor ``logprobs``; metadata ``key``, ``shape``,
+``content_sha256`` = sha256 of the tensor's bytes), so a run interrupted after the ``full``
+task resumes without running it again; the executor deletes the file once the last of those
+tasks is stored. One that is damaged (unreadable, another key, a checksum that does not match)
+is reported like a damaged task file, and the ``full`` task runs again for them.
+
 Not listed in :data:`kvlab.evaluation.plan.RESULT_MODULES`: how results are kept does not
 decide them, so editing this module keeps every task key.
 """
@@ -30,9 +39,11 @@ from kvlab.evaluation.runfiles import (
 from kvlab.userinput import quote
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from kvlab.evaluation.plan import Task
 
-__all__ = ["TaskStore", "result_problem"]
+__all__ = ["LOGPROBS_SUFFIX", "TaskStore", "result_problem"]
 
 
 def result_problem(protocol: str, result: Any) -> str | None:
@@ -68,6 +79,45 @@ def _task_problem(task: Task, document: Mapping[str, Any]) -> str | None:
         if lengths != {score}:
             problem = f"its result scores {sorted(lengths)} tokens, not {score}"
     return problem
+
+
+#: The suffix of a kept log-probabilities file (module docstring), and its format tag.
+LOGPROBS_SUFFIX = ".logprobs.safetensors"
+LOGPROBS_FORMAT = "kvlab-logprobs-1"
+
+
+def _tensor_sha256(tensor: Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(tensor.contiguous().view(-1).numpy().data).hexdigest()
+
+
+def _read_logprobs(path: Path, key: str) -> Tensor:
+    """The tensor of a log-probabilities file, checked (module docstring).
+
+    Raises:
+        DamagedRunFile: unreadable, another format or key, or a checksum that does not match.
+    """
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            names = list(handle.keys())
+            tensor = handle.get_tensor("logprobs") if names == ["logprobs"] else None
+    except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
+        raise DamagedRunFile(path, f"not a readable safetensors file ({exc})") from None
+    if metadata.get("format") != LOGPROBS_FORMAT or tensor is None:
+        raise DamagedRunFile(path, f"not a {LOGPROBS_FORMAT} file")
+    if metadata.get("key") != key:
+        held = str(metadata.get("key"))[:12]
+        raise DamagedRunFile(path, f"it holds task {held}..., not {key[:12]}...")
+    if tensor.dtype != torch.float32 or tensor.dim() != 2:
+        raise DamagedRunFile(path, f"a {tensor.dtype} {tuple(tensor.shape)} tensor")
+    if metadata.get("content_sha256") != _tensor_sha256(tensor):
+        raise DamagedRunFile(path, "its content does not match its content_sha256")
+    return tensor
 
 
 class TaskStore:
@@ -107,6 +157,62 @@ class TaskStore:
             warn_damaged(damaged, "task file", self.warn)
             return None
         return None if document is None else document["result"]
+
+    def logprobs_path(self, key: str) -> Path:
+        """Where the log-probabilities of ``full`` task ``key`` are kept (module docstring)."""
+        if self.folder is None:
+            raise ValueError("this task store keeps nothing on disk")
+        return self.folder / f"{key}{LOGPROBS_SUFFIX}"
+
+    def has_logprobs(self, key: str) -> bool:
+        """Whether a log-probabilities file of ``key`` is there (sound or not)."""
+        return self.folder is not None and self.logprobs_path(key).is_file()
+
+    def save_logprobs(self, key: str, logprobs: Tensor) -> None:
+        """Keep ``logprobs`` (float32 ``[S, V]``) of ``full`` task ``key``, atomically (no-op
+        without a folder)."""
+        if self.folder is None:
+            return
+        import os
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        tensor = logprobs.detach().to("cpu", copy=False).contiguous()
+        metadata = {
+            "format": LOGPROBS_FORMAT,
+            "key": key,
+            "shape": ",".join(map(str, tensor.shape)),
+            "content_sha256": _tensor_sha256(tensor),
+        }
+        path = self.logprobs_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file({"logprobs": tensor}, staging, metadata=metadata)
+            os.replace(staging, path)
+        except BaseException:
+            Path(staging).unlink(missing_ok=True)
+            raise
+
+    def load_logprobs(self, key: str) -> Tensor | None:
+        """The kept log-probabilities of ``full`` task ``key``, or ``None`` when there are none
+        or their file is damaged (then a warning names it)."""
+        if not self.has_logprobs(key):
+            return None
+        path = self.logprobs_path(key)
+        try:
+            return _read_logprobs(path, key)
+        except DamagedRunFile as damaged:
+            self.damaged.append(damaged)
+            warn_damaged(damaged, "log-probabilities file", self.warn)
+            return None
+
+    def drop_logprobs(self, key: str) -> None:
+        """Delete the log-probabilities file of ``key``, if any (its users are all stored)."""
+        if self.folder is not None:
+            self.logprobs_path(key).unlink(missing_ok=True)
 
     def save(self, task: Task, result: Mapping[str, Any]) -> None:
         """Write ``task``'s result, sealed, atomically (no-op without a folder)."""
