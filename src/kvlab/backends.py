@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 
+from kvlab.userinput import quote
+
 __all__ = [
     "PNMIX",
     "REGISTRY",
@@ -123,7 +125,7 @@ def check_choice(mechanism: str, backend: str) -> str:
     """
     choices = get_spec(mechanism).choices
     if backend not in ("auto", *choices):
-        raise ValueError(f"backend must be 'auto' or one of {choices}, got {backend!r}")
+        raise ValueError(f"backend must be 'auto' or one of {choices}, got {quote(backend)}")
     return backend
 
 
@@ -138,7 +140,7 @@ def env_backend(mechanism: str) -> str:
     spec = get_spec(mechanism)
     env = os.environ.get(spec.env_var, "").strip()
     if env and env not in ("auto", *spec.choices):
-        raise ValueError(f"{spec.env_var}={env!r}: must be 'auto' or one of {spec.choices}")
+        raise ValueError(f"{spec.env_var}={quote(env)}: must be 'auto' or one of {spec.choices}")
     return env or spec.default
 
 

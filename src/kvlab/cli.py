@@ -19,6 +19,7 @@ from kvlab import __version__
 from kvlab.cli_models import models_app
 from kvlab.cli_support import err_console, fail, invocation_argv, user_errors
 from kvlab.evaluation.command import eval_command, sweep_command
+from kvlab.userinput import quote
 
 app = typer.Typer(
     add_completion=False,
@@ -73,10 +74,10 @@ def parse_seeds(seeds: str | None, seed: int | None) -> list[int]:
     if not parts:
         raise ValueError("--seeds is empty")
     if not all(re.fullmatch(r"\d{1,18}", part) for part in parts):
-        raise ValueError(f"--seeds must be comma-separated integers in [0, 10^18): {seeds!r}")
+        raise ValueError(f"--seeds must be comma-separated integers in [0, 10^18): {quote(seeds)}")
     values = [int(part) for part in parts]
     if len(set(values)) != len(values):
-        raise ValueError(f"--seeds repeats a seed: {seeds!r}")
+        raise ValueError(f"--seeds repeats a seed: {quote(seeds)}")
     return values
 
 
@@ -117,7 +118,7 @@ def reproduce(
         torch_device = resolve_device(device)
         set_cpu_threads(cpu_threads)
         if text is not None and not any(e.uses_text for e in entries):
-            raise ValueError(f"--text does not apply to {paper!r} (it reads no text)")
+            raise ValueError(f"--text does not apply to {quote(paper)} (it reads no text)")
         source = load_text(text) if any(e.uses_text for e in entries) else None
         for entry in entries:
             if source is not None and len(source.data) < entry.min_text_bytes:

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from kvlab.cli_support import err_console, user_errors
+from kvlab.userinput import quote
 
 __all__ = ["models_app"]
 
@@ -87,7 +88,7 @@ def install(
 
         entry = get_model(name)
         if entry is None:
-            raise ValueError(f"unknown model {name!r}; registered: {', '.join(model_names())}")
+            raise ValueError(f"unknown model {quote(name)}; registered: {', '.join(model_names())}")
         pip_args = ["--no-index"] if no_index else []
         for link in find_links or []:
             pip_args += ["--find-links", link]

@@ -6,12 +6,14 @@ and the command line as it was typed (:func:`invocation_argv`, recorded in artif
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
+
+from kvlab.userinput import quote
 
 __all__ = [
     "EXIT_INTERRUPTED",
@@ -34,8 +36,11 @@ def err_console() -> Any:
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
-    """Print ``error: message`` on stderr and exit with ``code``."""
-    err_console().print(f"[red]error:[/] {message}", markup=True)
+    """Print ``error: message`` on stderr and exit with ``code`` (``message`` is shown as it
+    is: rich markup in it, e.g. a method name with ``[...]``, is not interpreted)."""
+    from rich.markup import escape
+
+    err_console().print(f"[red]error:[/] {escape(message)}", markup=True)
     raise typer.Exit(code)
 
 
@@ -43,19 +48,21 @@ def _message(exc: BaseException) -> str:
     if isinstance(exc, KeyError) and exc.args:
         return str(exc.args[0])
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-        return f"{exc.filename}: {exc.strerror}"
+        return f"{quote(exc.filename)}: {exc.strerror}"
     return str(exc) or type(exc).__name__
 
 
 @contextmanager
-def user_errors(interrupted: str | None = None) -> Iterator[None]:
+def user_errors(interrupted: str | Callable[[], str] | None = None) -> Iterator[None]:
     """Turn the errors a user can cause (bad values, missing files or models)
-    into :func:`fail`; Ctrl-C prints ``interrupted`` (what was kept, how to resume)."""
+    into :func:`fail`; Ctrl-C prints ``interrupted: <interrupted>`` (what was kept, how to
+    resume; a callable is asked at that moment, so it can say what is there then)."""
     try:
         yield
     except KeyboardInterrupt as exc:
         sys.stderr.write("\n")
-        err_console().print(f"interrupted{': ' + interrupted if interrupted else ''}")
+        said = interrupted() if callable(interrupted) else interrupted
+        err_console().print(f"interrupted{': ' + said if said else ''}", markup=False)
         raise typer.Exit(EXIT_INTERRUPTED) from exc
     except (ValueError, OSError, KeyError) as exc:
         fail(_message(exc))

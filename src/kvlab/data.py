@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlab.artifacts.provenance import sha256_bytes
+from kvlab.userinput import quote
 
 __all__ = ["TextSource", "check_text", "default_text", "load_text", "read_text_file"]
 
@@ -99,13 +100,13 @@ def read_text_file(path: str | Path) -> TextSource:
     """
     file = Path(path)
     if file.is_dir():
-        raise IsADirectoryError(f"text file {file} is a folder; give a UTF-8 text file")
+        raise IsADirectoryError(f"text file {quote(file)} is a folder; give a UTF-8 text file")
     if not file.is_file():
-        raise FileNotFoundError(f"text file not found: {file}")
+        raise FileNotFoundError(f"text file not found: {quote(file)}")
     data = file.read_bytes()
     if not data:
-        raise ValueError(f"text file is empty: {file}")
-    check_text(data, f"text file {file}")
+        raise ValueError(f"text file is empty: {quote(file)}")
+    check_text(data, f"text file {quote(file)}")
     return TextSource(
         data=data,
         id=f"file:{file.name}",

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.userinput import quote
+
 __all__ = ["AcceleratorInfo", "accelerator_info", "resolve_device", "set_cpu_threads"]
 
 
@@ -26,13 +28,15 @@ def resolve_device(spec: str) -> torch.device:
         return torch.device("cpu")
     match = re.fullmatch(r"cuda(?::(\d+))?", text)
     if match is None:
-        raise ValueError(f"unknown device {spec!r}: use auto, cpu, cuda or cuda:N")
+        raise ValueError(f"unknown device {quote(spec)}: use auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
-        raise ValueError(f"device {spec!r} requested but CUDA is not available on this machine")
+        raise ValueError(
+            f"device {quote(spec)} requested but CUDA is not available on this machine"
+        )
     index = int(match.group(1) or 0)
     count = torch.cuda.device_count()
     if index >= count:
-        raise ValueError(f"device {spec!r} requested but only {count} CUDA device(s) exist")
+        raise ValueError(f"device {quote(spec)} requested but only {count} CUDA device(s) exist")
     return torch.device(f"cuda:{index}")
 
 

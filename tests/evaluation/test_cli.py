@@ -14,6 +14,7 @@ import pytest
 import kvlab
 from kvlab.artifacts import validate_artifact
 from kvlab.evaluation.plan import EvalConfig
+from kvlab.userinput import quote
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = ROOT / "tests" / "fixtures" / "seeds"
@@ -188,7 +189,7 @@ def test_every_command_reports_a_mistake_the_same_way(tmp_path, monkeypatch):
     cases = [
         (["eval", "--protocol", "perplexity", *out], "--protocol must be one of"),
         (["eval", "--text", str(tmp_path / "missing.txt"), *out], "text file not found"),
-        (["eval", "--text", str(tmp_path), *out], f"text file {tmp_path} is a folder"),
+        (["eval", "--text", str(tmp_path), *out], f"text file {quote(tmp_path)} is a folder"),
         (["eval", "--method", "zip-it", *out], "unknown method 'zip-it'"),
         (["eval", "--needle-lengths", "2K,lots", *out], "'lots' is not a number"),
         (["eval", "--executor", "spark", *out], "--executor must be local or ray"),

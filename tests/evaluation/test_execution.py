@@ -57,12 +57,15 @@ def test_an_interrupted_run_resumes_with_only_the_missing_tasks(
     stored = {p.stem for p in (out / "tasks").glob("*.json")}
     assert len(stored) == 4  # each finished task was written as it finished
     assert not (out / "table-prefill-score.md").exists()
+    # window 1's full-cache log-probabilities are kept for its two tasks still to run;
+    # window 0's went once its last task was stored
+    [kept] = (out / "tasks").glob("*.logprobs.safetensors")
+    assert kept.name.split(".")[0] in stored
 
     calls.clear()
     interrupt_at[0] = 0
     outcome = run_eval(_config(tiny_model_dir, tiny_text, out))
-    assert calls[:1] == [("full", 1)]  # run again for its log-probabilities only
-    assert calls[1:] == [
+    assert calls == [  # window 1's full task is not run again: its log-probabilities were kept
         ("relay-legacy:snapkv@0.5", 1),
         ("streaming-llm@0.5", 1),
         ("full", 2),
@@ -70,6 +73,7 @@ def test_an_interrupted_run_resumes_with_only_the_missing_tasks(
         ("streaming-llm@0.5", 2),
     ]
     assert len(list((out / "tasks").glob("*.json"))) == 9
+    assert list((out / "tasks").glob("*.logprobs.*")) == []  # every window finished
     assert strip_timing(outcome.summaries) == strip_timing(reference.summaries)
     assert validate_artifact(outcome.artifact_path).ok
 

@@ -196,7 +196,9 @@ def test_the_example_sweep_is_three_methods_by_two_ratios_on_two_windows():
     example = Path(__file__).resolve().parents[2] / "examples" / "sweep-smollm2.toml"
     groups = load_sweep(example, SweepOptions(output_dir=Path("out")))
     assert len(groups) == 1
-    _, _, config = groups[0]
+    name, config = groups[0]
+    assert name == "smollm2-135m--default"  # the committed example's folder, as before
+    assert config.output_dir == Path("out") / name
     assert config.windows == 2 and config.protocol == "prefill-score"
     eviction = [m for m in config.methods if "@" in m]
     assert len(eviction) == 6 and {m.split("@")[1] for m in eviction} == {"0.25", "0.5"}

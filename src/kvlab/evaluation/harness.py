@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.evaluation.outputs import EvalPaths, check_output_paths, eval_paths
+from kvlab.evaluation.outputs import EvalPaths, check_output_paths, eval_paths, task_file_names
 from kvlab.evaluation.plan import (
     DTYPES,
     PROTOCOLS,
@@ -33,6 +33,7 @@ from kvlab.evaluation.report import (
     summarize_stream,
     write_eval_report,
 )
+from kvlab.userinput import quote
 
 __all__ = [
     "DTYPES",
@@ -40,6 +41,7 @@ __all__ = [
     "EvalConfig",
     "EvalInputs",
     "EvalOutcome",
+    "console_warning",
     "execution_context",
     "plan_line",
     "prepare_inputs",
@@ -90,9 +92,12 @@ def prepare_inputs(config: EvalConfig, output_folder: Path) -> EvalInputs:
     config.validate()
     device = resolve_device(config.device)
     paths = eval_paths(output_folder, config.protocol, device.type)
-    check_output_paths(paths.folder, [*paths.files()])
+    task_files = [paths.tasks / name for name in task_file_names()]
+    check_output_paths(paths.folder, [*paths.files(), *task_files])
     if paths.tasks.exists() and not paths.tasks.is_dir():
-        raise ValueError(f"--output-dir {paths.folder}: {paths.tasks} is not a folder")
+        raise ValueError(
+            f"--output-dir {quote(paths.folder)}: {quote(paths.tasks)} is not a folder"
+        )
     methods = select_methods(config)
     text = load_text(config.text)  # a bad text fails before the model loads
     model = ModelRef(
@@ -149,7 +154,7 @@ def run_eval(config: EvalConfig, console: Any = None) -> EvalOutcome:
 
         config.argv = ["kvlab", *sys.argv[1:]]
     inputs = prepare_inputs(config, Path(config.output_dir))
-    store = TaskStore(inputs.paths.tasks)
+    store = TaskStore(inputs.paths.tasks, warn=console_warning(console))
     schedule = stored_schedule(inputs.plan, store, config.resume)
     console.print(plan_line(schedule, inputs.paths.tasks), highlight=False, soft_wrap=True)
     run_schedule(
@@ -186,25 +191,49 @@ def execution_context(config: EvalConfig) -> Any:
     return ExecutionContext(cpu_threads=config.cpu_threads, calibration_cache=cache)
 
 
+def console_warning(console: Any) -> Any:
+    """``warn(line)`` printing ``warning: line`` on ``console`` (rich markup not read)."""
+
+    def warn(line: str) -> None:
+        console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
+
+    return warn
+
+
 def stored_schedule(plan: Any, store: Any, resume: bool) -> Any:
-    """The :class:`~kvlab.evaluation.execute.Schedule` of ``plan`` given the results the task
-    store holds (none when ``resume`` is false)."""
-    from kvlab.evaluation.execute import Schedule
+    """The :class:`~kvlab.evaluation.schedule.Schedule` of ``plan`` given the results the task
+    store holds (none when ``resume`` is false) and the ``full`` tasks' log-probabilities it
+    kept; deletes kept log-probabilities no pending task needs any more."""
+    from kvlab.evaluation.schedule import Schedule
 
     stored = {}
     if resume:
+        unique: dict[str, Any] = {}
         for task in plan.tasks:
-            if task.key not in stored:
-                result = store.load(task.key)
-                if result is not None:
-                    stored[task.key] = result
-    return Schedule(plan, stored)
+            unique.setdefault(task.key, task)
+        for key, task in unique.items():
+            result = store.load(task)
+            if result is not None:
+                stored[key] = result
+    references = {t.reference for t in plan.tasks if t.reference is not None}
+    kept = {k for k in references if k in stored and store.has_logprobs(k)}
+    schedule = Schedule(plan, stored, kept)
+    for key in schedule.unneeded_logprobs():
+        store.drop_logprobs(key)
+    return schedule
 
 
 def plan_line(schedule: Any, folder: Path) -> str:
-    """``"N tasks: M to run, K already done in FOLDER ..."``."""
+    """``"N tasks: M to run, K already done in FOLDER ..."``, and, when stored ``full`` tasks
+    run again for their log-probabilities, how many and why (they are on the progress bar)."""
     todo = schedule.total_tasks - schedule.skipped
     line = f"{schedule.total_tasks} tasks: {todo} to run"
     if schedule.skipped:
         line += f", {schedule.skipped} already done in {folder} (reused; --no-resume reruns them)"
+    if schedule.reruns:
+        line += (
+            f"; {schedule.reruns} of the done ones (full) run again first, for the "
+            "log-probabilities their windows' other tasks need (not kept by the run that "
+            f"stored them): {todo + schedule.reruns} to run in all"
+        )
     return line

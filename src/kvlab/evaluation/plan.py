@@ -30,6 +30,7 @@ from typing import Any
 from kvlab.evaluation.fingerprint import code_digest, content_hash, package_modules
 from kvlab.evaluation.methods import MODULES as METHOD_MODULES
 from kvlab.evaluation.methods import Method, method_backends
+from kvlab.userinput import quote
 
 __all__ = [
     "DTYPES",
@@ -415,7 +416,7 @@ def select_methods(config: EvalConfig) -> list[Method]:
     for name in names:
         method = parse_method(name, protocol=protocol, cache_slots=config.cache_slots)
         if method.name in seen:
-            raise ValueError(f"method {method.name!r} given twice")
+            raise ValueError(f"method {quote(method.name)} given twice")
         seen.add(method.name)
         methods.append(method)
     if config.protocol in ("prefill-score", "ruler") and "full" not in seen:

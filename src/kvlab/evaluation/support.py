@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvlab.evaluation.methods import Method
+from kvlab.userinput import quote
 
 __all__ = ["check_lengths", "check_methods", "method_refusal", "read_model_config"]
 
@@ -77,7 +78,7 @@ def method_refusal(method: Method, model_config: Any) -> str | None:
         return None
     plan = plan_model(model_config)
     model = plan.model_type or "this"
-    prefix = f"method {method.name!r} cannot run on this {model!r} model"
+    prefix = f"method {quote(method.name)} cannot run on this {model!r} model"
     if method.family == "hf-quantized":
         if not plan.window_layers:
             return None
@@ -144,7 +145,7 @@ def quantized_length_refusal(method: Method, model_config: Any, tokens: int) -> 
         return None
     per_token = f"{method.name}-per-token"
     return (
-        f"method {method.name!r} cannot quantize a {tokens}-token prompt: quanto groups its "
+        f"method {quote(method.name)} cannot quantize a {tokens}-token prompt: quanto groups its "
         f"per-channel keys along {heads} kv heads x tokens, which must be a multiple of "
         f"{group}; use {per_token!r} (per-token keys, any length)"
     )

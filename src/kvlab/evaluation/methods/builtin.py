@@ -14,6 +14,7 @@ from typing import Any
 from kvlab.evaluation.methods.caches import eviction_kwargs, pnmix_config
 from kvlab.evaluation.methods.grammar import MethodName
 from kvlab.evaluation.methods.method import Method, MethodContext
+from kvlab.userinput import quote
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -158,7 +159,7 @@ def build_hf_quantized(name: str, context: MethodContext) -> Method:
     if not hf_quantized_backend_available(backend):
         package = "optimum-quanto" if backend == "quanto" else "hqq"
         raise ValueError(
-            f"method {name!r} needs transformers' QuantizedCache backend {backend!r}: "
+            f"method {quote(name)} needs transformers' QuantizedCache backend {backend!r}: "
             f"pip install --no-deps {package}"
         )
     settings = {
@@ -190,17 +191,17 @@ def build_eviction(parsed: MethodName, context: MethodContext) -> Method:
 
     name, kind, scorer = parsed.text, parsed.kind, parsed.scorer
     if scorer is not None and scorer not in SCORERS:
-        raise ValueError(f"method {name!r}: unknown scorer {scorer!r}")
+        raise ValueError(f"method {quote(name)}: unknown scorer {quote(scorer)}")
     try:
         ratio = float(parsed.ratio)
     except ValueError as exc:
-        raise ValueError(f"method {name!r}: R is not a number") from exc
+        raise ValueError(f"method {quote(name)}: R is not a number") from exc
     if not 0.0 <= ratio < 1.0:
-        raise ValueError(f"method {name!r}: R must lie in [0, 1), got {ratio}")
+        raise ValueError(f"method {quote(name)}: R must lie in [0, 1), got {ratio}")
     legacy = kind.endswith("-legacy")
     if kind == "streaming-llm":
         if scorer not in (None, "recency"):
-            raise ValueError(f"method {name!r}: streaming-llm always scores by recency")
+            raise ValueError(f"method {quote(name)}: streaming-llm always scores by recency")
         scorer, relay, allocation = "recency", True, "uniform"
         policy: dict[str, Any] = {"scorer": scorer}
     else:
@@ -223,7 +224,7 @@ def build_eviction(parsed: MethodName, context: MethodContext) -> Method:
     if reconstruction:
         if "ratio" not in params:
             raise ValueError(
-                f"method {name!r}: the {scorer} scorer evicts once after the prefill, by a "
+                f"method {quote(name)}: the {scorer} scorer evicts once after the prefill, by a "
                 f"reconstruction pass (prefill-score protocol); the {context.protocol} protocol "
                 "evicts while streaming"
             )
@@ -273,22 +274,22 @@ def build_eviction(parsed: MethodName, context: MethodContext) -> Method:
 def build_composed(parsed: MethodName, context: MethodContext) -> Method:
     name, quantizer = parsed.text, parsed.pnmix
     if quantizer is None:
-        raise ValueError(f"method {name!r} is not composed (no '+PNMIX')")
+        raise ValueError(f"method {quote(name)} is not composed (no '+PNMIX')")
     if context.protocol != "prefill-score":
         raise ValueError(
-            f"method {name!r}: eviction composed with PN-Mix evicts once after the prefill "
+            f"method {quote(name)}: eviction composed with PN-Mix evicts once after the prefill "
             f"(prefill-score protocol); the {context.protocol} protocol's capacity mode would "
             "evict tokens already packed into groups"
         )
     if quantizer not in PNMIX_METHODS:
         raise ValueError(
-            f"method {name!r}: unknown PN-Mix method {quantizer!r} after '+'; known: "
+            f"method {quote(name)}: unknown PN-Mix method {quote(quantizer)} after '+'; known: "
             + ", ".join(k for k, v in PNMIX_METHODS.items() if not v.get("calibrated"))
         )
     if PNMIX_METHODS[quantizer].get("calibrated"):
         raise ValueError(
-            f"method {name!r}: {quantizer!r} needs its own calibration; compose an uncalibrated "
-            "PN-Mix method (e.g. +pn-mix, +kivi-2bit)"
+            f"method {quote(name)}: {quote(quantizer)} needs its own calibration; compose an "
+            "uncalibrated PN-Mix method (e.g. +pn-mix, +kivi-2bit)"
         )
     # a KVzip eviction: the composed cache packs after compress()'s reconstruction pass
     eviction = build_eviction(parsed.eviction(), context)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.evaluation.methods.caches import CACHE_FACTORIES
+from kvlab.userinput import quote
 
 __all__ = ["Method", "MethodContext", "method_backends"]
 
@@ -50,7 +51,7 @@ class Method:
         """
         if self.preparation is not None and prepared is None:
             raise RuntimeError(
-                f"method {self.name!r} must be prepared (calibrated) before use: pass "
+                f"method {quote(self.name)} must be prepared (calibrated) before use: pass "
                 f"prepared=kvlab.evaluation.calibration.prepare_method(...) (its preparation "
                 f"{self.preparation!r}; kvlab eval runs it itself)"
             )

@@ -23,6 +23,7 @@ from kvlab.evaluation.methods.builtin import (
 )
 from kvlab.evaluation.methods.grammar import GRAMMAR_NAMES, MethodName, parse_name
 from kvlab.evaluation.methods.method import Method, MethodContext
+from kvlab.userinput import quote
 
 __all__ = [
     "available_method_names",
@@ -43,7 +44,7 @@ def register_method(name: str, build: Callable[[str, MethodContext], Method]) ->
         ValueError: the name is taken.
     """
     if name in _NAMED:
-        raise ValueError(f"method {name!r} is already registered")
+        raise ValueError(f"method {quote(name)} is already registered")
     _NAMED[name] = build
 
 
@@ -102,7 +103,7 @@ def parse_method(spec: str, *, protocol: str = "prefill-score", cache_slots: int
         match = pattern.fullmatch(name)
         if match:
             return build(match, context)
-    raise ValueError(f"unknown method {spec!r}; known: {', '.join(available_method_names())}")
+    raise ValueError(f"unknown method {quote(spec)}; known: {', '.join(available_method_names())}")
 
 
 register_method("full", build_full)

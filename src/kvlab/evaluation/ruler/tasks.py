@@ -75,6 +75,7 @@ from kvlab.evaluation.ruler.templates import (
     singular_niah,
     split_template,
 )
+from kvlab.userinput import quote
 
 __all__ = ["NEEDLE", "TASKS", "Draft", "TaskConfig", "build_draft", "generate_samples"]
 
@@ -493,7 +494,7 @@ def _seed_key(task: str, length: int, index: int, seed: int) -> str:
 
 def _config(task: str) -> TaskConfig:
     if task not in TASKS:
-        raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(TASKS)}")
+        raise ValueError(f"unknown RULER task {quote(task)}; known: {', '.join(TASKS)}")
     return TASKS[task]
 
 
