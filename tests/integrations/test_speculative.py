@@ -486,3 +486,45 @@ def test_expect_prompt_refuses_a_count_that_is_no_prompt(kind):
         with pytest.raises(ValueError, match="expect_prompt"):
             cache.expect_prompt(bad)
     cache.expect_prompt(PROMPT)  # accepted
+
+
+# ---------------------------------------------------------------- after a speculative generate
+
+
+def _speculative_kinds(kind: str) -> Any:
+    config = _model("llama").config
+    if kind == "pnmix":
+        return PNMixModelCache(config, SMALL)
+    if kind == "relay-capacity":
+        return RelayModelCache(config, CAPACITY)
+    return ComposedModelCache(config, RATIO, SMALL)
+
+
+@pytest.mark.parametrize("kind", ["pnmix", "relay-capacity", "composed"])
+def test_a_speculative_generate_leaves_no_speculative_mode_behind(kind):
+    """Issue 38, item 1: ``transformers`` never undoes ``activate_past_recording``; the cache
+    stops recording when the speculative ``generate`` returns, so the next, plain turn on the
+    same conversation (a multi-token forward, then decode steps) gives the logits of a twin
+    whose first turn was plain, to float32 rounding (before: up to 0.69 apart with a
+    capacity-mode relay cache, 1.4e-3 composed; the turn ran as speculative decode steps)."""
+    model = _model("llama")
+    ids = _prompt()
+    twin, cache = _speculative_kinds(kind), _speculative_kinds(kind)
+    plain = _generate("llama", twin, ids)
+    cache.expect_prompt(ids.shape[1])
+    assert _generate("llama", cache, ids, prompt_lookup_num_tokens=5).tolist() == plain.tolist()
+    assert not cache.is_croppable  # the generate call is over
+    with pytest.raises(NotImplementedError, match="only while it records"):
+        cache.crop(-1)
+    turn = torch.cat(
+        [plain[-1:], torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(5))]
+    )
+    turn = turn.view(1, -1)
+    with torch.no_grad():
+        got, want = [model(turn, cache=cache).logits], [model(turn, cache=twin).logits]
+        token = want[0][:, -1:].argmax(-1)
+        for _ in range(3):
+            got.append(model(token, cache=cache).logits)
+            want.append(model(token, cache=twin).logits)
+            token = want[-1][:, -1:].argmax(-1)
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-4, rtol=0)

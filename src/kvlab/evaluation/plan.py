@@ -109,6 +109,7 @@ IMPLEMENTATION_MODULES = (
     "kvlab.integrations.forward",
     "kvlab.integrations.layer",
     "kvlab.integrations.model_cache",
+    "kvlab.integrations.speculative",
     "kvlab.integrations.window_layer",
     "kvlab.integrations.dense_attention",
     "kvlab.integrations.pnmix_layer",
