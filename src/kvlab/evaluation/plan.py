@@ -113,6 +113,7 @@ IMPLEMENTATION_MODULES = (
     "kvlab.integrations.window_layer",
     "kvlab.integrations.dense_attention",
     "kvlab.integrations.pnmix_layer",
+    "kvlab.integrations.decode_steps",
     "kvlab.integrations.relay_cache",
     "kvlab.integrations.relay_layer",
     "kvlab.integrations.relay_eviction",

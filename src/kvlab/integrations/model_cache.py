@@ -64,11 +64,13 @@ class KVLabModelCache(Cache):
         forward's tokens after the prompt's end (:meth:`expect_prompt`) are decode-phase
         tokens — stored and attended as the one-token forwards of a plain run would — and
         :meth:`crop` can remove them; window layers keep their states until the next ``crop``
-        (``transformers``' own recording). Called inside a ``generate`` call, the recording
-        lasts as long as that call: the first forward after it returns (or
+        (``transformers``' own recording). Called inside a ``generate`` call, the prompt ends
+        where that call's ``input_ids`` end (unless :meth:`expect_prompt` marked it) and the
+        recording lasts as long as the call: the first forward after it returns (or
         :attr:`is_croppable`) finds it over and :meth:`stop_recording` (nothing tells the
         cache otherwise; :mod:`kvlab.integrations.speculative`); called by hand, until
-        :meth:`stop_recording` or :meth:`reset`.
+        :meth:`stop_recording` or :meth:`reset`, with the prompt's end given by
+        :meth:`expect_prompt`.
 
         Raises:
             NotImplementedError: :meth:`speculative_refusal`; nothing changes.
@@ -82,6 +84,11 @@ class KVLabModelCache(Cache):
             )
         self.shared.recording = True
         self._generate = calling_generate(sys._getframe(1))
+        # the prompt's end: the generate call's input_ids, unless expect_prompt marked one
+        seen, end = self.get_seq_length(), self.shared.prompt_end
+        prompt = self._generate.prompt_tokens()
+        if prompt is not None and prompt >= max(1, seen) and (end is None or end <= seen):
+            self.shared.prompt_end = prompt
         super().activate_past_recording(**kwargs)
 
     def stop_recording(self) -> None:
@@ -121,8 +128,9 @@ class KVLabModelCache(Cache):
         ``generate`` call, the conversation so far included). While recording, a forward's
         columns before it go the plain way (a prefill attends exactly, an eviction cache's
         prompt evicts at its end), later ones are decode-phase tokens: ``transformers``' first
-        speculative forward feeds the prompt and the first draft together, which the cache
-        cannot tell apart otherwise.
+        speculative forward feeds the prompt and the first draft together. A ``generate``
+        call's recording reads its prompt itself (:meth:`activate_past_recording`); this is
+        the explicit override, and what recording by hand needs.
 
         Raises:
             ValueError: ``tokens`` not an int >= 1, or fewer than the tokens already seen.

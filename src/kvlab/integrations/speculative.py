@@ -5,11 +5,13 @@ speculative decoding).
 ``GenerationMixin._assisted_decoding``) call ``cache.activate_past_recording()`` before their
 first forward, verify each draft in one multi-token forward and ``crop`` after it; nothing is
 called when the ``generate`` call ends, so a cache would go on recording into the next, plain
-turn. The cache therefore scopes its recording to the ``generate`` call that activated it:
-:func:`calling_generate` finds that call's frame on the stack (``GenerationMixin.generate`` of
-``transformers.generation``), and :meth:`GenerateCall.running` tells, at a later forward,
-whether it is still running. Recording activated by hand (no ``generate`` on the stack) is not
-scoped: it lasts until ``reset()``.
+turn. And the first forward feeds the prompt and the first draft together, which the cache
+cannot tell apart. The cache therefore reads both from the ``generate`` call that activated its
+recording: :func:`calling_generate` finds that call's frame on the stack
+(``GenerationMixin.generate`` of ``transformers.generation``); its ``input_ids`` is the prompt
+(:meth:`GenerateCall.prompt_tokens`), and :meth:`GenerateCall.running` tells, at a later
+forward, whether it is still running. Recording activated by hand (no ``generate`` on the
+stack) is not scoped: it lasts until ``reset()``, and the prompt's end is ``expect_prompt``'s.
 
 The frame is held (frames take no weak references) until the cache's next forward or
 ``reset()`` notices the call is over; a copy of the cache shares it, a pickled cache drops it.
@@ -20,6 +22,8 @@ from __future__ import annotations
 import sys
 from types import FrameType
 from typing import Any
+
+from torch import Tensor
 
 __all__ = ["GenerateCall", "calling_generate"]
 
@@ -49,6 +53,17 @@ class GenerateCall:
                 return True
             frame = frame.f_back
         return False
+
+    def prompt_tokens(self) -> int | None:
+        """The ``generate`` call's prompt length: its ``input_ids.shape[1]`` (the conversation
+        so far included), or ``None`` (not scoped, or no 2-D integer ``input_ids``: a call
+        with ``inputs_embeds``)."""
+        if self._frame is None:
+            return None
+        ids = self._frame.f_locals.get("input_ids")
+        if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+            return int(ids.shape[1])
+        return None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GenerateCall:
         return GenerateCall(self._frame)  # a copy serves the same call
