@@ -118,19 +118,26 @@ class KVLabModelCache(Cache):
         self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> Any:
         """``transformers``' ``Cache.update``; a forward's first layer first ends a finished
-        ``generate`` call's recording (:meth:`activate_past_recording`)."""
+        ``generate`` call's recording (:meth:`activate_past_recording`) and forgets a prompt
+        end the cache has passed (:meth:`expect_prompt`)."""
         if layer_idx == 0:
             self._end_finished_generate()
+            end = self.shared.prompt_end
+            if end is not None and self.get_seq_length() >= end:
+                self.shared.prompt_end = None
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def expect_prompt(self, tokens: int) -> None:
         """Mark where the prompt ends: token columns ``tokens`` (``input_ids.shape[1]`` of the
-        ``generate`` call, the conversation so far included). While recording, a forward's
-        columns before it go the plain way (a prefill attends exactly, an eviction cache's
-        prompt evicts at its end), later ones are decode-phase tokens: ``transformers``' first
-        speculative forward feeds the prompt and the first draft together. A ``generate``
-        call's recording reads its prompt itself (:meth:`activate_past_recording`); this is
-        the explicit override, and what recording by hand needs.
+        ``generate`` call, the conversation so far included). A forward's columns before it go
+        the plain way (a prefill attends exactly, an eviction cache's prompt evicts at its
+        end), later ones are decode-phase tokens: stored and attended as the one-token forwards
+        of a plain run would (docs/design.md, "Cache life cycle"). ``transformers``' first
+        speculative forward feeds the prompt and the first draft together; a ``generate``
+        call's recording reads its prompt itself (:meth:`activate_past_recording`), so this
+        is the explicit override there, and what recording by hand needs. Teacher-forced
+        scoring marks the question's end, so that the answer's tokens attend as ``answer``'s
+        decode steps do. The mark is forgotten at the first forward after the cache passed it.
 
         Raises:
             ValueError: ``tokens`` not an int >= 1, or fewer than the tokens already seen.
