@@ -13,7 +13,6 @@ once the prefill is evicted.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
@@ -225,7 +224,9 @@ class ComposedLayer(KVLabLayer):
 
         Raises:
             ValueError: see :meth:`RelayLayer.check_forward`; a row with no real token in the
-                first forward; a deferred check that fails.
+                first forward; a deferred check that fails; more of an open prompt after the
+                forward it was evicted and packed in (a split prompt, whose budget a composed
+                cache cannot honour).
         """
         relay = self.relay_layer
         if self._prefill_queries is not None and not reconstruction:
@@ -261,14 +262,14 @@ class ComposedLayer(KVLabLayer):
                 prompt = [min(r, plan.decode_from) for r in plan.real]
             late = [b for b, r in enumerate(prompt) if r > 1 and relay.prompt_open[b]]
         if late:
-            warnings.warn(
-                f"ComposedModelCache: rows {late} receive more of their prompt after the "
-                "forward it was evicted in; a composed cache evicts a prompt once, after the "
-                "cache's first forward, and stores later tokens whole (details()['"
-                "prompt_forwards']); feed the prompt in one forward, or use RelayModelCache, "
-                "which evicts every chunk of a prompt to its budget",
-                UserWarning,
-                stacklevel=2,
+            raise ValueError(
+                f"ComposedModelCache: rows {late} would receive more of their prompt after the "
+                "forward it was evicted and packed in (a multi-token forward before any decode "
+                "step after that eviction); a composed cache evicts a prompt once, at the "
+                "cache's first forward, and cannot honour the budget of a split prompt: feed the "
+                "prompt in one forward, use RelayModelCache (which evicts every chunk of a prompt "
+                "to its budget), or call cache.end_prompt() first if these tokens continue the "
+                "conversation; nothing was stored"
             )
         if self.pnmix is None:
             empty = [b for b, r in enumerate(plan.real) if r == 0]
