@@ -11,6 +11,8 @@ generation's; the recording ends with the ``generate`` call.
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 from typing import Any
 
 import pytest
@@ -27,6 +29,7 @@ from kvlab.integrations import (
 )
 from kvlab.integrations.pnmix_cache import PNMixLayer, PNMixView
 from kvlab.integrations.relay_layer import RelayLayer
+from kvlab.integrations.speculative import GenerateCall
 from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
 
 # groups of 4 after 2 sinks and a 4-token residual: a group flushes every 4 tokens, in the
@@ -577,3 +580,29 @@ def test_a_speculative_generate_leaves_no_speculative_mode_behind(kind):
             want.append(model(token, cache=twin).logits)
             token = want[-1][:, -1:].argmax(-1)
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-4, rtol=0)
+
+
+def test_a_generate_call_runs_until_it_returns_in_any_thread():
+    """The scope of a generate call's recording: running while its frame executes — on this
+    thread's stack or in another thread (a streamer runs generate in a worker) — and over once
+    it returned (its finished frame is then cleared, letting go of its locals)."""
+    started, release, frames = threading.Event(), threading.Event(), []
+
+    def generate() -> None:
+        held = torch.zeros(3)  # a local the finished frame lets go of
+        frames.append(sys._getframe())
+        started.set()
+        release.wait()
+        assert held.numel() == 3
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    started.wait()
+    call = GenerateCall(frames[0])
+    assert call.running() and call.scoped
+    assert "held" in frames[0].f_locals
+    release.set()
+    worker.join()
+    assert not call.running()
+    assert frames[0].f_locals == {}
+    assert GenerateCall().running() and not GenerateCall().scoped  # recording by hand

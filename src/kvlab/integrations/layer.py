@@ -363,9 +363,8 @@ class KVLabLayer(CacheLayerMixin):
         into a non-empty layer; ``num_new`` (none) otherwise.
 
         Raises:
-            ValueError: a recording cache's multi-token first forward without a prompt end:
-                ``transformers``' first speculative forward feeds the prompt and the first
-                draft together.
+            ValueError: a recording cache's multi-token first forward without a prompt end
+                (recording activated by hand: a ``generate`` call gives its prompt's end).
         """
         end = self.shared.prompt_end
         if end is None:
@@ -373,10 +372,10 @@ class KVLabLayer(CacheLayerMixin):
                 return num_new
             if seen == 0 and num_new > 1:
                 raise ValueError(
-                    f"a {self.kind} cache recording for speculative decoding (generate("
-                    "assistant_model=...) or prompt_lookup_num_tokens) cannot tell the prompt "
-                    "from the draft in transformers' first forward, which feeds both: call "
-                    "cache.expect_prompt(input_ids.shape[1]) before generate"
+                    f"a {self.kind} cache recording for speculative decoding cannot tell the "
+                    "prompt from the draft in a first forward that feeds both (a generate call "
+                    "tells it; recording activated by hand does not): call "
+                    "cache.expect_prompt(prompt_tokens) first"
                 )
             end = seen
         return min(max(end - seen, 0), num_new)

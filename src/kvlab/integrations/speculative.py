@@ -13,8 +13,10 @@ recording: :func:`calling_generate` finds that call's frame on the stack
 forward, whether it is still running. Recording activated by hand (no ``generate`` on the
 stack) is not scoped: it lasts until ``reset()``, and the prompt's end is ``expect_prompt``'s.
 
-The frame is held (frames take no weak references) until the cache's next forward or
-``reset()`` notices the call is over; a copy of the cache shares it, a pickled cache drops it.
+The frame is held (frames take no weak references) until the cache's next forward, its
+``is_croppable`` or ``reset()`` notices the call is over (then the finished frame is cleared:
+its locals, the cache among them, are let go); a copy of the cache shares it, a pickled cache
+drops it.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ class GenerateCall:
         return self._frame is not None
 
     def running(self) -> bool:
-        """Whether the ``generate`` call is still on the calling thread's stack (``True`` when
-        not scoped)."""
+        """Whether the ``generate`` call is still running (``True`` when not scoped): on the
+        calling thread's stack, or executing in another thread (``frame.clear()`` refuses an
+        executing frame; a finished one it clears, releasing the call's locals)."""
         target = self._frame
         if target is None:
             return True
@@ -52,6 +55,10 @@ class GenerateCall:
             if frame is target:
                 return True
             frame = frame.f_back
+        try:
+            target.clear()
+        except RuntimeError:  # executing, in another thread (a streamer's generate)
+            return True
         return False
 
     def prompt_tokens(self) -> int | None:
