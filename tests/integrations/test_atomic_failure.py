@@ -258,6 +258,8 @@ def test_every_refused_forward_changes_no_layer(name, kind):
             refuse(model, cache, "cannot evict after the 20-token prefill", short, "short")
         cache = make_cache(name, kind)
         model(ids, attention_mask=mask, cache=cache)
+        if kind == "composed":  # later multi-token forwards continue the conversation (a
+            cache.end_prompt()  # composed cache refuses more of an open prompt)
         cases = later_refusals(kind, ids, mask)
         if not has_full:
             cases = [case for case in cases if case[0] in ("batch", *ATTENTION_REFUSALS)]
@@ -267,6 +269,8 @@ def test_every_refused_forward_changes_no_layer(name, kind):
         # the cache continues exactly as one that never saw a refusal
         reference = make_cache(name, kind)
         model(ids, attention_mask=mask, cache=reference)
+        if kind == "composed":
+            reference.end_prompt()
         out = model(step, attention_mask=good, cache=cache).logits
         assert torch.equal(out, model(step, attention_mask=good, cache=reference).logits)
         # (PN-Mix's per-forward mask memo is keyed by the mask object's id)

@@ -626,6 +626,7 @@ def test_every_input_error_changes_no_layer(make_llama):
 
         ids, mask = _left_pad(_rows([70, 58], seed=86))
         model(ids, attention_mask=mask, cache=cache)
+        cache.end_prompt()  # the 3-token forwards continue the conversation
         new = torch.full((2, 3), 7)
         good = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1)
         right_pad, late_pad, old = good.clone(), good.clone(), good.clone()
@@ -651,6 +652,7 @@ def test_every_input_error_changes_no_layer(make_llama):
         out = model(new, attention_mask=good, cache=cache).logits
         fresh = ComposedModelCache(model.config, POLICY, config)
         model(ids, attention_mask=mask, cache=fresh)
+        fresh.end_prompt()
         assert torch.equal(out, model(new, attention_mask=good, cache=fresh).logits)
 
 

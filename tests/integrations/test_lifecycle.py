@@ -261,18 +261,33 @@ def test_a_ratio_budget_holds_however_the_prompt_arrives(split):
     assert whole.details()["prompt_forwards"] == [1]
 
 
-def test_a_composed_cache_says_when_a_prompt_arrives_after_its_eviction():
-    """The composed cache packs after its first forward: a later chunk of the prompt is stored
-    whole, with a warning that says so and ``details()['prompt_forwards']``; a decode step
-    after the prompt warns nothing."""
-    name = "llama"
-    model = _model(name)
-    ids = _ids(1, 82, seed=9)
-    cache = make_cache(name, "composed")
-    _run(model, cache, [ids[:, :40]])
-    with pytest.warns(UserWarning, match="evicts a prompt once"):
-        _run(model, cache, [ids[:, 40:80]])
-    assert cache.details()["prompt_forwards"] == [2]
+@pytest.mark.parametrize("split", [[1, 80], [40, 41], [1, 1, 79]])
+def test_a_composed_cache_refuses_a_split_prompt_before_storing(split):
+    """Issue 38, item 6: a composed cache evicts and packs a prompt at its first forward, so it
+    cannot honour the ratio's budget for a prompt that keeps arriving (before, a prompt of 81
+    split 1 + 80 kept 81 tokens per head and 40 + 41 kept 61, with a UserWarning; the relay
+    cache evicts every chunk, test_a_ratio_budget_holds_however_the_prompt_arrives): a
+    multi-token forward while the prompt is open — no decode step after its eviction yet — is
+    refused before anything is stored. After ``end_prompt()`` the same tokens are a
+    continuation; a decode step after the eviction closes the prompt too."""
+    model = _model("llama")
+    ids = _ids(1, 83, seed=9)
+    chunks, start = [], 0
+    for n in split:
+        chunks.append(ids[:, start : start + n])
+        start += n
+    cache = make_cache("llama", "composed")
+    _run(model, cache, chunks[:-1])
+    before = (_stored(cache), cache.get_seq_length(), cache.details()["prompt_forwards"])
+    with pytest.raises(ValueError, match="split prompt"):
+        _run(model, cache, chunks[-1:])
+    assert (_stored(cache), cache.get_seq_length(), cache.details()["prompt_forwards"]) == before
+    cache.end_prompt()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        _run(model, cache, [ids[:, 80:81], ids[:, 81:82]])
+        _run(model, cache, chunks[-1:])
+    assert cache.get_seq_length() == 81
+    # the prompt in one forward, a decode step, then more tokens: a continuation
+    whole = make_cache("llama", "composed")
+    _run(model, whole, [ids[:, :80], ids[:, 80:81], ids[:, 81:]])
+    assert whole.get_seq_length() == 83 and whole.details()["prompt_forwards"] == [1]

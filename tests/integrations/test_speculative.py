@@ -1,15 +1,18 @@
 """Speculative decoding with kvlab caches (docs/design.md, "Cache life cycle": crop).
 
 ``generate(assistant_model=...)`` and prompt-lookup decoding verify a draft in one multi-token
-forward and ``crop`` the rejected tokens. A recording ``PNMixModelCache`` appends a forward's
-decode-phase tokens as one-token decode steps (bit-identical to one-token forwards given the
-same keys, values and queries) and crops them back byte for byte, so greedy tokens equal plain
-generation's; relay and composed caches refuse up front.
+forward and ``crop`` the rejected tokens. A recording kvlab cache reads the prompt's end from
+the ``generate`` call (or ``expect_prompt``), stores a forward's decode-phase tokens as
+one-token decode steps would (the same bytes), attends them in one call with the decode steps'
+numbers (PN-Mix storage) and crops them back byte for byte, so greedy tokens equal plain
+generation's; the recording ends with the ``generate`` call.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 from typing import Any
 
 import pytest
@@ -21,11 +24,13 @@ from kvlab.integrations import (
     EvictionConfig,
     PNMixModelCache,
     RelayModelCache,
+    decode_steps,
     enable_kvlab_attention,
 )
 from kvlab.integrations.pnmix_cache import PNMixLayer, PNMixView
 from kvlab.integrations.relay_layer import RelayLayer
-from kvlab.pnmix import PNMixCache, PNMixConfig
+from kvlab.integrations.speculative import GenerateCall
+from kvlab.pnmix import PNMixCache, PNMixConfig, pnmix_attention
 
 # groups of 4 after 2 sinks and a 4-token residual: a group flushes every 4 tokens, in the
 # prompt and inside every draft of more than 3 tokens
@@ -165,11 +170,31 @@ def _prefilled(prompt: int = 13) -> tuple[PNMixModelCache, PNMixLayer]:
     return cache, layer
 
 
-def test_recorded_forward_is_bit_identical_to_one_token_forwards():
+def test_a_recorded_forward_attends_in_one_call_as_one_token_forwards(monkeypatch):
+    """Issue 38, item 2: a verification forward of DRAFT tokens stores the bytes of DRAFT
+    one-token forwards (group flushes included) and attends in ONE call (no decode step) with
+    their numbers to float32 rounding: token j sees the exact residual as it stood at step j
+    and only the groups flushed by then (a one-call attention over the final storage would
+    differ by quantization, checked)."""
     keys, values, query = _tensors(DRAFT, 1)
     cache, layer = _prefilled()
     cache.activate_past_recording()
+    calls = {"steps": 0, "attention": 0}
+    step, attention = decode_steps.pnmix_decode_step, decode_steps.decode_steps_attention
+
+    def counted_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["steps"] += 1
+        return step(*args, **kwargs)
+
+    def counted_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["attention"] += 1
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(decode_steps, "pnmix_decode_step", counted_step)
+    monkeypatch.setattr(decode_steps, "decode_steps_attention", counted_attention)
     got = _forward(layer, keys, values, query)
+    assert calls == {"steps": 0, "attention": 1}
+    monkeypatch.undo()
     _, ref = _prefilled()
     want = torch.cat(
         [
@@ -178,8 +203,10 @@ def test_recorded_forward_is_bit_identical_to_one_token_forwards():
         ],
         2,
     )
-    assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     _assert_same(_state(layer), _state(ref))
+    final = pnmix_attention(query, layer.store, scale=0.25, causal=True)
+    assert (final - want).abs().max() > 1e-3  # the test can tell the storage apart
 
 
 @pytest.mark.parametrize("remove", range(1, DRAFT + 1))
@@ -236,15 +263,47 @@ def test_crop_without_recording_is_refused():
     _assert_same(_state(layer), before)
 
 
-def test_recording_first_forward_needs_the_prompt_end():
-    """transformers' first speculative forward feeds prompt and draft together: without
-    expect_prompt the cache refuses it before storing anything."""
+@pytest.mark.parametrize("kind", ["pnmix", "relay"])
+def test_recording_by_hand_needs_the_prompt_end(kind):
+    """Recording activated by hand (no generate call to read the prompt from): a multi-token
+    first forward feeds prompt and draft together, so without expect_prompt the cache refuses
+    it before storing anything."""
     name = "qwen2"  # window layers after the full layer: they are put back too
-    cache = PNMixModelCache(_model(name).config, SMALL)
-    with pytest.raises(ValueError, match="expect_prompt"):
-        _generate(name, cache, _prompt(), prompt_lookup_num_tokens=5)
+    model = _model(name)
+    cache = PNMixModelCache(model.config, SMALL) if kind == "pnmix" else _relay(name)
+    cache.activate_past_recording()
+    with pytest.raises(ValueError, match="expect_prompt"), torch.no_grad():
+        model(_prompt(), cache=cache)
     assert cache.get_seq_length() == 0
     assert all(not layer.is_initialized or layer.get_seq_length() == 0 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
+@pytest.mark.parametrize("kind", ["pnmix", "relay-ratio", "relay-capacity", "composed"])
+def test_speculative_generate_needs_no_kvlab_call(kind, mode):
+    """Issue 38, item 2: transformers' generate(assistant_model=...) and prompt lookup work
+    with a kvlab cache as with DynamicCache — the cache reads the prompt's end from the
+    generate call (before: a ValueError asking for cache.expect_prompt) — and give plain greedy
+    decoding's tokens. (A second speculative turn on the same cache is not tested:
+    transformers' assisted decoding feeds the whole conversation again in its first forward,
+    with DynamicCache too.)"""
+    model = _model("qwen2")
+    config = model.config
+    make = {
+        "pnmix": lambda: PNMixModelCache(config, SMALL),
+        "relay-ratio": lambda: RelayModelCache(config, RATIO),
+        "relay-capacity": lambda: RelayModelCache(config, CAPACITY),
+        "composed": lambda: ComposedModelCache(config, RATIO, SMALL),
+    }[kind]
+    if mode == "assistant":
+        extra: dict[str, Any] = {"assistant_model": FAMILIES["qwen2"].build(seed=8)}
+    else:
+        extra = {"prompt_lookup_num_tokens": 5}
+    ids = _prompt()
+    plain_cache, cache = make(), make()
+    plain = _generate("qwen2", plain_cache, ids)
+    assert _generate("qwen2", cache, ids, **extra).tolist() == plain.tolist()
+    assert cache.get_seq_length() == plain_cache.get_seq_length()
 
 
 def test_reset_stops_recording():
@@ -470,13 +529,6 @@ def test_reconstruction_scorers_refuse_speculative_decoding_up_front():
     assert not cache.is_croppable
 
 
-def test_relay_first_forward_needs_the_prompt_end():
-    cache = _relay("qwen2")
-    with pytest.raises(ValueError, match="expect_prompt"):
-        _generate("qwen2", cache, _prompt(), prompt_lookup_num_tokens=5)
-    assert all(layer.get_seq_length() == 0 for layer in cache.layers)
-
-
 @pytest.mark.parametrize("kind", ["pnmix", "relay"])
 def test_expect_prompt_refuses_a_count_that_is_no_prompt(kind):
     """expect_prompt takes the prompt's total length: 0, or not more than the tokens already
@@ -486,3 +538,71 @@ def test_expect_prompt_refuses_a_count_that_is_no_prompt(kind):
         with pytest.raises(ValueError, match="expect_prompt"):
             cache.expect_prompt(bad)
     cache.expect_prompt(PROMPT)  # accepted
+
+
+# ---------------------------------------------------------------- after a speculative generate
+
+
+def _speculative_kinds(kind: str) -> Any:
+    config = _model("llama").config
+    if kind == "pnmix":
+        return PNMixModelCache(config, SMALL)
+    if kind == "relay-capacity":
+        return RelayModelCache(config, CAPACITY)
+    return ComposedModelCache(config, RATIO, SMALL)
+
+
+@pytest.mark.parametrize("kind", ["pnmix", "relay-capacity", "composed"])
+def test_a_speculative_generate_leaves_no_speculative_mode_behind(kind):
+    """Issue 38, item 1: ``transformers`` never undoes ``activate_past_recording``; the cache
+    stops recording when the speculative ``generate`` returns, so the next, plain turn on the
+    same conversation (a multi-token forward, then decode steps) gives the logits of a twin
+    whose first turn was plain, to float32 rounding (before: up to 0.69 apart with a
+    capacity-mode relay cache, 1.4e-3 composed; the turn ran as speculative decode steps)."""
+    model = _model("llama")
+    ids = _prompt()
+    twin, cache = _speculative_kinds(kind), _speculative_kinds(kind)
+    plain = _generate("llama", twin, ids)
+    cache.expect_prompt(ids.shape[1])
+    assert _generate("llama", cache, ids, prompt_lookup_num_tokens=5).tolist() == plain.tolist()
+    assert not cache.is_croppable  # the generate call is over
+    with pytest.raises(NotImplementedError, match="only while it records"):
+        cache.crop(-1)
+    turn = torch.cat(
+        [plain[-1:], torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(5))]
+    )
+    turn = turn.view(1, -1)
+    with torch.no_grad():
+        got, want = [model(turn, cache=cache).logits], [model(turn, cache=twin).logits]
+        token = want[0][:, -1:].argmax(-1)
+        for _ in range(3):
+            got.append(model(token, cache=cache).logits)
+            want.append(model(token, cache=twin).logits)
+            token = want[-1][:, -1:].argmax(-1)
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-4, rtol=0)
+
+
+def test_a_generate_call_runs_until_it_returns_in_any_thread():
+    """The scope of a generate call's recording: running while its frame executes — on this
+    thread's stack or in another thread (a streamer runs generate in a worker) — and over once
+    it returned (its finished frame is then cleared, letting go of its locals)."""
+    started, release, frames = threading.Event(), threading.Event(), []
+
+    def generate() -> None:
+        held = torch.zeros(3)  # a local the finished frame lets go of
+        frames.append(sys._getframe())
+        started.set()
+        release.wait()
+        assert held.numel() == 3
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    started.wait()
+    call = GenerateCall(frames[0])
+    assert call.running() and call.scoped
+    assert "held" in frames[0].f_locals
+    release.set()
+    worker.join()
+    assert not call.running()
+    assert frames[0].f_locals == {}
+    assert GenerateCall().running() and not GenerateCall().scoped  # recording by hand

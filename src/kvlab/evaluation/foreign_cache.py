@@ -97,6 +97,10 @@ class ForeignCache:
     def end_prompt(self) -> None:
         """A no-op: a foreign cache has no prompt rule."""
 
+    def expect_prompt(self, tokens: int) -> None:
+        """A no-op: a foreign cache's multi-token forward is taken as it comes (exact for
+        ``DynamicCache``; ``QuantizedCache`` stores and attends it as one forward)."""
+
     def storage(self) -> CacheStorage:
         """Every layer's key/value tensors as held (``QuantizedLayer``: quantized and residual
         parts; ``DynamicLayer`` and subclasses: keys and values); no index bytes.

@@ -236,7 +236,11 @@ def answer_nll(
     """Teacher-forced negative log-likelihood of ``answer_ids`` (int64 ``[1, A]``) after the
     compressed context and ``question_ids`` (int64 ``[1, Q]``), on a deep copy of the cache:
     one forward of the ``Q + A`` tokens (at the cache's own RoPE positions where it keeps
-    them), as :func:`answer`'s question forward followed by its decode steps would see them.
+    them) whose answer tokens are decode-phase tokens (the question's end marked,
+    :meth:`~kvlab.integrations.cache_protocol.KVLabCache.expect_prompt`): the cache stores
+    and attends them as :func:`answer`'s question forward followed by its decode steps would
+    (a PN-Mix-family cache: the exact residual as it stood at each step, not the question and
+    answer stored, flushed, then attended; docs/design.md, "Cache life cycle").
 
     Returns:
         ``A`` values in nats (float64 of the float32 logits' log-softmax): token ``i``'s
@@ -249,6 +253,7 @@ def answer_nll(
     _check_ids("question_ids", question_ids)
     _check_ids("answer_ids", answer_ids)
     cache = _copy_cache(compressed)
+    describe(cache).expect_prompt(int(cache.get_seq_length()) + question_ids.shape[1])
     ids = torch.cat([question_ids, answer_ids.to(question_ids.device)], dim=1)
     a = answer_ids.shape[1]
     with use_attention(model, compressed.method.attention):

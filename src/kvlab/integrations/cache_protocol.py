@@ -114,6 +114,18 @@ class KVLabCache(Protocol):
         a prompt rule."""
         ...
 
+    def expect_prompt(self, tokens: int) -> None:
+        """Mark where the prompt ends: token columns ``tokens`` (the conversation so far
+        included). A later forward's tokens after it are decode-phase tokens: the cache
+        stores and attends them as the one-token forwards of a plain run would (a
+        teacher-forced answer as ``answer``'s decode steps; docs/design.md, "Cache life
+        cycle"). A no-op for caches whose multi-token forwards already do (``DynamicCache``).
+
+        Raises:
+            ValueError: ``tokens`` not an int >= 1, or fewer than the tokens already seen.
+        """
+        ...
+
     def storage(self) -> CacheStorage:
         """What the cache holds now, in bytes (module docstring)."""
         ...

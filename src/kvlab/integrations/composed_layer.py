@@ -13,7 +13,6 @@ once the prefill is evicted.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor
 
 from kvlab.integrations.cache_protocol import CacheStorage
+from kvlab.integrations.decode_steps import attend_decode_tokens, rollback_decode_tokens
 from kvlab.integrations.forward import (
     ForwardPlan,
     ForwardState,
@@ -176,7 +176,7 @@ class ComposedLayer(KVLabLayer):
         (:meth:`kvlab.pnmix.PNMixCache.rollback` puts the codes, residual and tables back byte
         for byte) and the stream counters with it."""
         assert self.pnmix is not None
-        self.pnmix.rollback(entries)
+        rollback_decode_tokens(self.pnmix, entries)
         remove = len(entries)
         relay = self.relay_layer
         relay.stream_lengths = [n - remove for n in relay.stream_lengths]
@@ -224,7 +224,9 @@ class ComposedLayer(KVLabLayer):
 
         Raises:
             ValueError: see :meth:`RelayLayer.check_forward`; a row with no real token in the
-                first forward; a deferred check that fails.
+                first forward; a deferred check that fails; more of an open prompt after the
+                forward it was evicted and packed in (a split prompt, whose budget a composed
+                cache cannot honour).
         """
         relay = self.relay_layer
         if self._prefill_queries is not None and not reconstruction:
@@ -260,14 +262,14 @@ class ComposedLayer(KVLabLayer):
                 prompt = [min(r, plan.decode_from) for r in plan.real]
             late = [b for b, r in enumerate(prompt) if r > 1 and relay.prompt_open[b]]
         if late:
-            warnings.warn(
-                f"ComposedModelCache: rows {late} receive more of their prompt after the "
-                "forward it was evicted in; a composed cache evicts a prompt once, after the "
-                "cache's first forward, and stores later tokens whole (details()['"
-                "prompt_forwards']); feed the prompt in one forward, or use RelayModelCache, "
-                "which evicts every chunk of a prompt to its budget",
-                UserWarning,
-                stacklevel=2,
+            raise ValueError(
+                f"ComposedModelCache: rows {late} would receive more of their prompt after the "
+                "forward it was evicted and packed in (a multi-token forward before any decode "
+                "step after that eviction); a composed cache evicts a prompt once, at the "
+                "cache's first forward, and cannot honour the budget of a split prompt: feed the "
+                "prompt in one forward, use RelayModelCache (which evicts every chunk of a prompt "
+                "to its budget), or call cache.end_prompt() first if these tokens continue the "
+                "conversation; nothing was stored"
             )
         if self.pnmix is None:
             empty = [b for b, r in enumerate(plan.real) if r == 0]
@@ -370,38 +372,27 @@ class ComposedLayer(KVLabLayer):
     def attend_decoded(
         self, query: Tensor, forward: Forward, start: int, scaling: float, kwargs: dict[str, Any]
     ) -> Tensor:
-        """Each column from ``start`` on is one PN-Mix decode step
-        (:func:`kvlab.pnmix.pnmix_decode_step`) at the position the relay moved it to, with an
-        undo point while the cache records — what the one-token forwards of a plain run store
-        and see. They close the prompt."""
+        """The columns from ``start`` on as PN-Mix decode steps at the positions the relay
+        moved them to: stored one append each (an undo point before each while the cache
+        records), attended in one call with the decode steps' numbers
+        (:mod:`kvlab.integrations.decode_steps`) — what the one-token forwards of a plain run
+        store and see. They close the prompt."""
         relay = self.relay_layer
         relay.prompt_open = [False] * len(relay.prompt_open)
         pnmix = self.pnmix
         assert pnmix is not None  # the plan refuses a first forward without a prompt
         plan: ForwardPlan = forward.plan
-        recording = self.shared.recording
-        outs: list[Tensor] = []
-        for j in range(start, forward.num_new):
-            shift = relay.shift_after(forward, j)
-            kj, qj = forward.keys[:, :, j : j + 1], query[:, :, j - start : j - start + 1]
-            if shift is not None and relay.uses_rope:
-                kj = rotate_by_delta(kj, shift, relay.rotary)
-                qj = rotate_by_delta(qj, shift, relay.rotary)
-            if recording:
-                self._undo.append(pnmix.undo_point())
-            outs.append(
-                pnmix_decode_step(
-                    qj,
-                    kj,
-                    forward.values[:, :, j : j + 1],
-                    pnmix,
-                    scale=scaling,
-                    logit_softcap=kwargs.get("softcap"),
-                    sink_logits=kwargs.get("s_aux"),
-                )
-            )
+        # the relay moved every decode-phase token by the same shift (one position each)
+        shift = relay.shift_after(forward, start)
+        keys, values = forward.keys[:, :, start:], forward.values[:, :, start:]
+        if shift is not None and relay.uses_rope:
+            keys = rotate_by_delta(keys, shift, relay.rotary)
+            query = rotate_by_delta(query, shift, relay.rotary)
+        undo = self._undo if self.shared.recording else None
+        out = attend_decode_tokens(query, keys, values, pnmix, undo, scaling, kwargs)
+        for _ in range(keys.shape[2]):
             relay.advance(ForwardPlan(plan.forward_index, plan.batch, 1, [1] * plan.batch, None))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out
 
     def _check_storable(self, keys: Tensor, values: Tensor) -> None:
         """Refuse a first forward whose keys or values (padding included) the PN-Mix storage

@@ -17,11 +17,11 @@ A :class:`KVLabLayer` implements a small contract, and gets the rest from this c
   hands the query and the 2-D attention mask.
 * :meth:`KVLabLayer.attend` — the forward, written once: the layer checks and plans it
   (:meth:`KVLabLayer.begin`, before it stores anything) and says where its *decode-phase*
-  tokens start (:meth:`KVLabLayer.decode_start`: while the cache records for speculative
-  decoding, every token after the prompt's end). The columns before go the layer's plain way
-  (:meth:`KVLabLayer.attend_prompt`), the rest as the one-token forwards of a plain run would
-  store and see them (:meth:`KVLabLayer.attend_decoded`), each keeping an undo entry while the
-  cache records.
+  tokens start (:meth:`KVLabLayer.decode_start`: every token after the prompt's end — a
+  speculative draft, an answer scored by teacher forcing). The columns before go the layer's
+  plain way (:meth:`KVLabLayer.attend_prompt`), the rest as the one-token forwards of a plain
+  run would store and see them (:meth:`KVLabLayer.attend_decoded`), each keeping an undo entry
+  while the cache records.
 * :meth:`KVLabLayer.crop` — written once: removes the last forward's decode-phase tokens with
   the layer's :meth:`KVLabLayer.rollback` (docs/design.md, "Cache life cycle": crop).
 * rows (beam search, ``generate``'s batch expansion): :meth:`KVLabLayer.select_batch`.
@@ -358,25 +358,24 @@ class KVLabLayer(CacheLayerMixin):
     # ---------------------------------------------------------------- the forward
     def decode_start(self, seen: int, num_new: int) -> int:
         """Where a forward's decode-phase tokens start among its ``num_new`` columns (after
-        ``seen`` columns): while the cache records, every column at or after the prompt's end
-        (``prompt_end``; without one, every column of a forward into a non-empty layer);
-        ``num_new`` (none) otherwise.
+        ``seen`` columns): every column at or after the prompt's end (``prompt_end``, while the
+        cache records or not); without one, while the cache records, every column of a forward
+        into a non-empty layer; ``num_new`` (none) otherwise.
 
         Raises:
-            ValueError: a recording cache's multi-token first forward without a prompt end:
-                ``transformers``' first speculative forward feeds the prompt and the first
-                draft together.
+            ValueError: a recording cache's multi-token first forward without a prompt end
+                (recording activated by hand: a ``generate`` call gives its prompt's end).
         """
-        if not self.shared.recording:
-            return num_new
         end = self.shared.prompt_end
         if end is None:
+            if not self.shared.recording:
+                return num_new
             if seen == 0 and num_new > 1:
                 raise ValueError(
-                    f"a {self.kind} cache recording for speculative decoding (generate("
-                    "assistant_model=...) or prompt_lookup_num_tokens) cannot tell the prompt "
-                    "from the draft in transformers' first forward, which feeds both: call "
-                    "cache.expect_prompt(input_ids.shape[1]) before generate"
+                    f"a {self.kind} cache recording for speculative decoding cannot tell the "
+                    "prompt from the draft in a first forward that feeds both (a generate call "
+                    "tells it; recording activated by hand does not): call "
+                    "cache.expect_prompt(prompt_tokens) first"
                 )
             end = seen
         return min(max(end - seen, 0), num_new)

@@ -12,6 +12,7 @@ checks, bytes, and the defaults of the evaluation protocol
 
 from __future__ import annotations
 
+import sys
 from typing import Any, ClassVar
 
 import numpy as np
@@ -21,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.integrations.cache_protocol import CacheStorage, crop_count, layers_storage
 from kvlab.integrations.layer import KVLabLayer, SharedState
+from kvlab.integrations.speculative import GenerateCall, calling_generate
 from kvlab.integrations.window_layer import ForwardGuard
 
 __all__ = ["KVLabModelCache"]
@@ -43,6 +45,8 @@ class KVLabModelCache(Cache):
         super().__init__(layers=layers)
         self.shared = shared
         shared.guard = ForwardGuard(self.layers)  # atomic failure with leading window layers
+        # the generate call that activated recording (kvlab.integrations.speculative)
+        self._generate = GenerateCall()
 
     def kvlab_layers(self) -> list[KVLabLayer]:
         """The cache's full-attention layers (its own kind), in decoder order."""
@@ -60,7 +64,13 @@ class KVLabModelCache(Cache):
         forward's tokens after the prompt's end (:meth:`expect_prompt`) are decode-phase
         tokens — stored and attended as the one-token forwards of a plain run would — and
         :meth:`crop` can remove them; window layers keep their states until the next ``crop``
-        (``transformers``' own recording).
+        (``transformers``' own recording). Called inside a ``generate`` call, the prompt ends
+        where that call's ``input_ids`` end (unless :meth:`expect_prompt` marked it) and the
+        recording lasts as long as the call: the first forward after it returns (or
+        :attr:`is_croppable`) finds it over and :meth:`stop_recording` (nothing tells the
+        cache otherwise; :mod:`kvlab.integrations.speculative`); called by hand, until
+        :meth:`stop_recording` or :meth:`reset`, with the prompt's end given by
+        :meth:`expect_prompt`.
 
         Raises:
             NotImplementedError: :meth:`speculative_refusal`; nothing changes.
@@ -73,15 +83,61 @@ class KVLabModelCache(Cache):
                 f"{reason}; nothing was stored"
             )
         self.shared.recording = True
+        self._generate = calling_generate(sys._getframe(1))
+        # the prompt's end: the generate call's input_ids, unless expect_prompt marked one
+        seen, end = self.get_seq_length(), self.shared.prompt_end
+        prompt = self._generate.prompt_tokens()
+        if prompt is not None and prompt >= max(1, seen) and (end is None or end <= seen):
+            self.shared.prompt_end = prompt
         super().activate_past_recording(**kwargs)
+
+    def stop_recording(self) -> None:
+        """Leave speculative decoding's recording: later forwards run as plain ones (no undo
+        entries, no decode-phase tokens unless a prompt end is marked), window layers keep
+        only their window again, and :meth:`crop` refuses. What is stored stays."""
+        self.shared.recording = False
+        self.shared.prompt_end = None
+        self._generate = GenerateCall()
+        for layer in self.layers:
+            if hasattr(layer, "record_past"):
+                layer.record_past = False
+
+    def _end_finished_generate(self) -> None:
+        """Stop recording when the ``generate`` call that activated it has returned."""
+        if self.shared.recording and not self._generate.running():
+            self.stop_recording()
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether every layer can be cropped now: while the cache records (a ``generate``
+        call's recording ends with the call)."""
+        self._end_finished_generate()
+        return bool(super().is_croppable)
+
+    def update(
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        """``transformers``' ``Cache.update``; a forward's first layer first ends a finished
+        ``generate`` call's recording (:meth:`activate_past_recording`) and forgets a prompt
+        end the cache has passed (:meth:`expect_prompt`)."""
+        if layer_idx == 0:
+            self._end_finished_generate()
+            end = self.shared.prompt_end
+            if end is not None and self.get_seq_length() >= end:
+                self.shared.prompt_end = None
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def expect_prompt(self, tokens: int) -> None:
         """Mark where the prompt ends: token columns ``tokens`` (``input_ids.shape[1]`` of the
-        ``generate`` call, the conversation so far included). While recording, a forward's
-        columns before it go the plain way (a prefill attends exactly, an eviction cache's
-        prompt evicts at its end), later ones are decode-phase tokens: ``transformers``' first
-        speculative forward feeds the prompt and the first draft together, which the cache
-        cannot tell apart otherwise.
+        ``generate`` call, the conversation so far included). A forward's columns before it go
+        the plain way (a prefill attends exactly, an eviction cache's prompt evicts at its
+        end), later ones are decode-phase tokens: stored and attended as the one-token forwards
+        of a plain run would (docs/design.md, "Cache life cycle"). ``transformers``' first
+        speculative forward feeds the prompt and the first draft together; a ``generate``
+        call's recording reads its prompt itself (:meth:`activate_past_recording`), so this
+        is the explicit override there, and what recording by hand needs. Teacher-forced
+        scoring marks the question's end, so that the answer's tokens attend as ``answer``'s
+        decode steps do. The mark is forgotten at the first forward after the cache passed it.
 
         Raises:
             ValueError: ``tokens`` not an int >= 1, or fewer than the tokens already seen.
@@ -124,10 +180,8 @@ class KVLabModelCache(Cache):
     def reset(self) -> None:
         """Empty every layer and stop recording (as a new cache: no prompt end, no undo)."""
         super().reset()
+        self.stop_recording()
         self.shared.reset()
-        for layer in self.layers:
-            if hasattr(layer, "record_past"):
-                layer.record_past = False
 
     # ---------------- checks and bytes
     def check_values(self) -> None:

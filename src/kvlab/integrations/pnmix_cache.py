@@ -32,11 +32,13 @@ row-select every buffer and count with :meth:`PNMixCache.select_batch`; nothing 
 re-quantized, so a reorder is bit-exact.
 
 Speculative decoding (``generate(assistant_model=...)``, prompt lookup; docs/design.md "Cache
-life cycle"): after :meth:`PNMixModelCache.activate_past_recording` (``transformers`` calls it)
-and :meth:`PNMixModelCache.expect_prompt`, every token after the prompt is appended as a
-one-token decode step with an undo point, and ``crop(-r)`` removes the last forward's last
-``r`` such tokens byte for byte (groups they flushed are un-flushed); codes already written are
-never rewritten.
+life cycle"): once ``transformers`` calls :meth:`PNMixModelCache.activate_past_recording`, the
+tokens after the prompt's end (the ``generate`` call's, or
+:meth:`PNMixModelCache.expect_prompt`'s) are stored with the bytes of one-token decode steps,
+an undo entry each, and attend in one call with their numbers
+(:mod:`kvlab.integrations.decode_steps`); ``crop(-r)`` removes the last forward's last ``r``
+such tokens byte for byte (groups they flushed are un-flushed); codes already written are
+never rewritten. The recording ends with the ``generate`` call.
 
 Per-layer group sizes: ``layer_group_tokens`` gives each decoder layer its own
 ``group_tokens`` (everything else as ``config``), e.g. an allocation from

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from kvlab.integrations.attention import outputs_unused, unused_output
 from kvlab.integrations.cache_protocol import CacheStorage
+from kvlab.integrations.decode_steps import attend_decode_tokens, rollback_decode_tokens
 from kvlab.integrations.dense_attention import dense_causal_attention
 from kvlab.integrations.inference_mode import InferenceModeTracker
 from kvlab.integrations.layer import Forward, KVLabLayer, LayerView, SharedState
@@ -229,42 +230,29 @@ class PNMixLayer(KVLabLayer):
     def attend_decoded(
         self, query: Tensor, forward: Forward, start: int, scaling: float, kwargs: dict[str, Any]
     ) -> Tensor:
-        """Each token ``j`` is one decode step (:func:`kvlab.pnmix.pnmix_decode_step` with
-        query ``j``, key and value ``j``): it sees the cache exactly as the ``j``-th one-token
-        forward of a plain run would (the exact residual as it stood then, only the groups
-        flushed by then quantized) and stores the same bytes, keeping an undo point while the
-        cache records."""
+        """The columns from ``start`` on as decode steps: each token is stored as its one-token
+        forward would store it (one append each, an undo point before each while the cache
+        records), and all of them attend in ONE call with the numbers of the decode steps —
+        token ``j`` sees the exact residual as it stood at step ``j`` and only the groups
+        flushed by then quantized (:mod:`kvlab.integrations.decode_steps`). A single token is
+        one :func:`kvlab.pnmix.pnmix_decode_step`, as a plain decode step."""
         self._pending = None
-        keys, values = forward.keys, forward.values
+        keys, values = forward.keys[:, :, start:], forward.values[:, :, start:]
         if self._store is None:
             self.lazy_initialization(keys, values)
         store = self._store
         assert store is not None
-        recording = self.shared.recording
-        outs: list[Tensor] = []
-        for j in range(start, forward.num_new):
-            if recording:
-                self._undo.append((store.undo_point(), self.columns))
-            outs.append(
-                pnmix_decode_step(
-                    query[:, :, j - start : j - start + 1],
-                    keys[:, :, j : j + 1],
-                    values[:, :, j : j + 1],
-                    store,
-                    scale=scaling,
-                    logit_softcap=kwargs.get("softcap"),
-                    sink_logits=kwargs.get("s_aux"),
-                )
-            )
-            self.columns += 1
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        undo = self._undo if self.shared.recording else None
+        out = attend_decode_tokens(query, keys, values, store, undo, scaling, kwargs)
+        self.columns += keys.shape[2]
+        return out
 
     def rollback(self, entries: list[Any]) -> None:
         """Roll the store back to the first entry's undo point (groups the removed tokens
         flushed are un-flushed: :meth:`kvlab.pnmix.PNMixCache.rollback`)."""
         assert self._store is not None
-        self._store.rollback([point for point, _ in entries])
-        self.columns = entries[0][1]
+        rollback_decode_tokens(self._store, entries)
+        self.columns -= len(entries)
 
     def batch_rows(self) -> int:
         store = self.store

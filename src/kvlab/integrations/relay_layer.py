@@ -313,7 +313,7 @@ class RelayLayer(RelayEviction, KVLabLayer):
             reconstruction=reconstruction,
         )
         prompt_real = plan.real
-        if self.shared.recording and not reconstruction:
+        if not reconstruction:
             plan.decode_from = self._decode_from(plan)
             if plan.decode_from < plan.num_new:
                 prompt_real = [plan.decode_from] * batch
@@ -333,8 +333,8 @@ class RelayLayer(RelayEviction, KVLabLayer):
         return plan
 
     def _decode_from(self, plan: ForwardPlan) -> int:
-        """While recording: the new columns before the prompt's end (:meth:`decode_start`);
-        the rest are decode-phase tokens.
+        """The new columns before the prompt's end (:meth:`decode_start`); the rest are
+        decode-phase tokens.
 
         Raises:
             ValueError: a multi-token first forward without ``expect_prompt``, or padding in a
@@ -363,6 +363,10 @@ class RelayLayer(RelayEviction, KVLabLayer):
         prompt = plan.num_new
         if accepts and plan.decode_from is not None:
             prompt = plan.decode_from
+            if self.eviction.capacity is None and not plan.first_eviction:
+                # ratio mode: no eviction in the prompt's columns and none while decoding, so
+                # the decode-phase tokens attend as the plain way does, in the same call
+                prompt = plan.num_new
         positions = list(self.next_positions) or [0] * plan.batch
         return Forward(pending.keys, pending.values, prompt, plan, accepts, positions)
 
@@ -374,7 +378,13 @@ class RelayLayer(RelayEviction, KVLabLayer):
         as a forward of their own (a prompt evicts at its end)."""
         plan: ForwardPlan = forward.plan
         if columns == forward.num_new:
-            return self.attend_part(query, forward.keys, forward.values, plan, scaling, kwargs)
+            out = self.attend_part(query, forward.keys, forward.values, plan, scaling, kwargs)
+            decoded = 0 if plan.decode_from is None else columns - plan.decode_from
+            if decoded and forward.accepts:  # decode-phase tokens in this call: they close
+                self.prompt_open = [False] * len(self.prompt_open)  # the prompt, and are
+                if self.shared.recording:  # croppable (ratio mode: cut off the segments)
+                    self._undo = [None] * decoded
+            return out
         head = ForwardPlan(
             plan.forward_index,
             plan.batch,

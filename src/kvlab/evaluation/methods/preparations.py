@@ -175,6 +175,7 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.integrations.calibration_record",
             "kvlab.integrations.pnmix_cache",
             "kvlab.integrations.pnmix_layer",
+            "kvlab.integrations.decode_steps",
             "kvlab.integrations.layer",
             "kvlab.integrations.dense_attention",
             "kvlab.integrations.attention",
