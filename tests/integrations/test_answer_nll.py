@@ -16,7 +16,7 @@ import torch
 from tiny_models import FAMILIES
 
 from kvlab.evaluation.methods import parse_method
-from kvlab.evaluation.protocols import _position_kwargs, cache_keyword
+from kvlab.evaluation.protocols import cache_keyword, position_kwargs
 from kvlab.evaluation.questions import answer, answer_nll, compress_context
 from kvlab.integrations.attention import use_attention
 from kvlab.integrations.model_support import plan_model
@@ -55,9 +55,7 @@ def _decode_path_nll(model: Any, compressed: Any, question: torch.Tensor, reply:
     with torch.no_grad(), use_attention(model, compressed.method.attention):
         ids = question
         for token in reply:
-            out = model(
-                ids, use_cache=True, **{key: cache}, **_position_kwargs(cache, ids.shape[1])
-            )
+            out = model(ids, use_cache=True, **{key: cache}, **position_kwargs(cache, ids.shape[1]))
             logits = out.logits[0, -1].double()
             nll.append(float(-torch.log_softmax(logits, -1)[token]))
             ids = torch.tensor([[token]])

@@ -172,28 +172,31 @@ def _prefilled(prompt: int = 13) -> tuple[PNMixModelCache, PNMixLayer]:
 
 def test_a_recorded_forward_attends_in_one_call_as_one_token_forwards(monkeypatch):
     """Issue 38, item 2: a verification forward of DRAFT tokens stores the bytes of DRAFT
-    one-token forwards (group flushes included) and attends in ONE call (no decode step) with
-    their numbers to float32 rounding: token j sees the exact residual as it stood at step j
-    and only the groups flushed by then (a one-call attention over the final storage would
-    differ by quantization, checked)."""
+    one-token forwards (group flushes included) and attends with their numbers to float32
+    rounding — token j sees the exact residual as it stood at step j and only the groups
+    flushed by then (a one-call attention over the final storage would differ by quantization,
+    checked) — in one packed-attention call per run between flushes and one fused decode step
+    per flushing token: here 3 + 3 calls for 11 tokens (groups of 4 after a full residual)."""
     keys, values, query = _tensors(DRAFT, 1)
     cache, layer = _prefilled()
     cache.activate_past_recording()
-    calls = {"steps": 0, "attention": 0}
-    step, attention = decode_steps.pnmix_decode_step, decode_steps.decode_steps_attention
+    calls = {"steps": 0, "packed": 0}
+    step, packed = decode_steps.pnmix_decode_step, decode_steps.pnmix_attention
 
     def counted_step(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls["steps"] += 1
         return step(*args, **kwargs)
 
-    def counted_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls["attention"] += 1
-        return attention(*args, **kwargs)
+    def counted_packed(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["packed"] += 1
+        return packed(*args, **kwargs)
 
     monkeypatch.setattr(decode_steps, "pnmix_decode_step", counted_step)
-    monkeypatch.setattr(decode_steps, "decode_steps_attention", counted_attention)
+    monkeypatch.setattr(decode_steps, "pnmix_attention", counted_packed)
+    groups = int(layer.store.group_counts.max())
     got = _forward(layer, keys, values, query)
-    assert calls == {"steps": 0, "attention": 1}
+    assert calls == {"steps": 3, "packed": 3}
+    assert int(layer.store.group_counts.max()) - groups == 3  # one decode step per flush
     monkeypatch.undo()
     _, ref = _prefilled()
     want = torch.cat(
@@ -207,6 +210,48 @@ def test_a_recorded_forward_attends_in_one_call_as_one_token_forwards(monkeypatc
     _assert_same(_state(layer), _state(ref))
     final = pnmix_attention(query, layer.store, scale=0.25, causal=True)
     assert (final - want).abs().max() > 1e-3  # the test can tell the storage apart
+
+
+def test_a_draft_that_flushes_nothing_is_one_append_and_one_packed_attention(monkeypatch):
+    """The usual verification forward flushes no group: it is stored in one append and
+    attended by one causal packed-attention call (the compiled kernel on the CPU backend) —
+    the same bytes as one-token forwards and their outputs to float32 rounding."""
+    cache, layer = _prefilled(10)  # the residual just flushed: 3 quiet steps
+    store = layer.store
+    assert store is not None
+    quiet = decode_steps._quiet_run(store, DRAFT)
+    assert quiet == 3  # a run to test; a fourth token would flush
+    keys, values, query = _tensors(quiet, 2)
+    cache.activate_past_recording()
+    calls = {"packed": 0, "steps": 0}
+    packed, steps = decode_steps.pnmix_attention, decode_steps.pnmix_decode_step
+
+    def counted_packed(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["packed"] += 1
+        return packed(*args, **kwargs)
+
+    def counted_steps(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["steps"] += 1
+        return steps(*args, **kwargs)
+
+    monkeypatch.setattr(decode_steps, "pnmix_attention", counted_packed)
+    monkeypatch.setattr(decode_steps, "pnmix_decode_step", counted_steps)
+    got = _forward(layer, keys, values, query)
+    assert calls == {"packed": 1, "steps": 0}
+    monkeypatch.undo()
+    _, ref = _prefilled(10)
+    want = torch.cat(
+        [
+            _forward(ref, keys[:, :, j : j + 1], values[:, :, j : j + 1], query[:, :, j : j + 1])
+            for j in range(quiet)
+        ],
+        2,
+    )
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    _assert_same(_state(layer), _state(ref))
+    layer.crop(-quiet)  # its undo entries put the storage back (only layer 0 was fed)
+    _, before = _prefilled(10)
+    _assert_same(_state(layer), _state(before))
 
 
 @pytest.mark.parametrize("remove", range(1, DRAFT + 1))
