@@ -382,8 +382,9 @@ def test_caches_store_the_same_bytes_with_the_compiled_flush(case: dict) -> None
 
 
 def test_pn_mix_decode_flushes_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode loop of the ``pn-mix`` method's configuration: every flush after the row
-    tables exist is coded by the kernel, and the store equals the reference's."""
+    """A prefill and a decode loop of the ``pn-mix`` method's configuration: every flush is
+    coded by the kernel (the prefill's after its row tables are computed), and the store
+    equals the reference's."""
     config = PNMixConfig(
         bits=2,
         key_coding="bit_alloc",
@@ -426,7 +427,7 @@ def test_pn_mix_decode_flushes_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -
         stores.append(_store_bytes(cache))
         counted.append(calls["coded"])
     _same_stores(stores[0], stores[1])
-    assert counted == [0, 3]  # decode flushes at 544, 576 and 608 tokens
+    assert counted == [0, 4]  # the prefill's flush; decode flushes at 544, 576 and 608 tokens
 
 
 def test_flush_dispatch() -> None:

@@ -30,6 +30,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -183,7 +184,9 @@ def allocate_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: 
     return greedy_pair_bits(distortion, w, average_bits)
 
 
-def greedy_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: int) -> Tensor:
+def greedy_pair_bits(
+    distortion: Tensor, widths: Sequence[int], average_bits: int, *, on_host: bool | None = None
+) -> Tensor:
     """The greedy of :func:`allocate_pair_bits` without input checks, on the distortion's
     device and without any device-to-host read (a fixed number of vectorized steps; the
     cache's decode path, docs/design.md "Host syncs"). Same result as
@@ -194,6 +197,9 @@ def greedy_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: in
         distortion: float ``[len(widths), B, H_kv, P]``.
         widths: strictly increasing widths (bits).
         average_bits: the average width, ``widths[0] <= average_bits <= widths[-1]``.
+        on_host: run the steps in numpy on the host (the same IEEE operations, the same
+            widths; ``None``: for a CPU distortion) or as torch ops on the distortion's device
+            (False).
 
     Returns:
         int64 ``[B, H_kv, P]`` widths, on the distortion's device.
@@ -203,6 +209,11 @@ def greedy_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: in
     lv = torch.tensor(w, dtype=torch.int64, device=dev)
     top = len(w) - 1
     _, batch, heads, pairs = distortion.shape
+    if on_host is None:
+        on_host = dev.type == "cpu"  # no per-op torch overhead there
+    if on_host:
+        host = _greedy_host(distortion.detach().double().cpu().numpy(), w, average_bits)
+        return torch.from_numpy(host).reshape(batch, heads, pairs).to(dev)
     index = torch.zeros(batch, heads * pairs, dtype=torch.int64, device=dev)
     if top == 0 or heads * pairs == 0:
         return lv[index].reshape(batch, heads, pairs)
@@ -225,6 +236,38 @@ def greedy_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: in
         index[rows, flat] += take.long()
         left = left - torch.where(take, cost[rows, flat], torch.zeros_like(left))
     return lv[index].reshape(batch, heads, pairs)
+
+
+def _greedy_host(distortion: np.ndarray, widths: list[int], average_bits: int) -> np.ndarray:
+    """:func:`greedy_pair_bits` on a host float64 ``[W, B, H, P]`` array: the same IEEE
+    float64 operations (gains, costs, what is left of the budget) and the same argmax (the
+    first maximum; a NaN counts as the largest, as in torch), so the same widths; it stops
+    at the first step where no row can take a step (every later step would change nothing).
+    Returns int64 ``[B, H * P]``."""
+    lv = np.asarray(widths, dtype=np.int64)
+    top = len(widths) - 1
+    _, batch, heads, pairs = distortion.shape
+    index = np.zeros((batch, heads * pairs), dtype=np.int64)
+    if top == 0 or heads * pairs == 0:
+        return lv[index]
+    step = (lv[1:] - lv[:-1]).astype(np.float64)
+    d = distortion.reshape(len(widths), batch, heads * pairs)
+    gain = np.ascontiguousarray(((d[:-1] - d[1:]) / step[:, None, None]).transpose(1, 2, 0))
+    left = np.full(batch, float((average_bits - widths[0]) * heads * pairs), dtype=np.float64)
+    rows = np.arange(batch)
+    for _ in range(top * heads * pairs):
+        nxt = np.minimum(index, top - 1)
+        cost = step[nxt]  # [B, HP]
+        ok = (index < top) & (cost <= left[:, None])
+        take = ok.any(axis=-1)
+        if not take.any():
+            break
+        cur = np.take_along_axis(gain, nxt[..., None], axis=2)[..., 0]  # [B, HP]
+        cur = np.where(ok, cur, -np.inf)
+        flat = cur.argmax(axis=-1)  # ties: the lowest flat index
+        index[rows, flat] += take
+        left = left - np.where(take, cost[rows, flat], 0.0)
+    return lv[index]
 
 
 def mixed_bits_quantize(

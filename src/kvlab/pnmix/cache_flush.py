@@ -22,6 +22,7 @@ from torch import Tensor
 from kvlab.pnmix.cache_tables import CacheTables
 from kvlab.pnmix.codecs import TableStatistics
 from kvlab.pnmix.kernels.cpu import encode_groups_cpu
+from kvlab.pnmix.kernels.cpu_tables import table_distortion_cpu
 from kvlab.pnmix.kernels.dispatch import select_flush_backend
 from kvlab.pnmix.packing import pack_codes
 from kvlab.pnmix.store import AppendPlan, EncodedGroups
@@ -60,16 +61,21 @@ class CacheFlush(CacheTables):
         h = self._num_heads
         rep = hq // h
         q = queries.to(dev).double().reshape(b, h, rep, t, d)
-        rb = torch.from_numpy(rows[:, 0]).to(dev)
-        rh = torch.from_numpy(rows[:, 1]).to(dev)
-        picked = q[rb, rh]  # [n, rep, T, D]
+        every = np.arange(b * h)
+        if rows.shape[0] == b * h and (rows[:, 0] * h + rows[:, 1] == every).all():
+            picked = q.reshape(b * h, rep, t, d)  # every row, in order: the same tensor
+        else:
+            rb = torch.from_numpy(rows[:, 0]).to(dev)
+            rh = torch.from_numpy(rows[:, 1]).to(dev)
+            picked = q[rb, rh]  # [n, rep, T, D]
         if query_lengths is None:
             real = plan.lengths[rows[:, 0], rows[:, 1]]  # host [n]
         else:
             real = query_lengths[rows[:, 0]]
-        first = torch.from_numpy(t - real).to(dev)
-        real_q = torch.arange(t, device=dev)[None, :] >= first[:, None]  # [n, T]
-        picked = torch.where(real_q[:, None, :, None], picked, torch.zeros_like(picked))
+        if (real < t).any():  # zero the padding queries (nothing to zero otherwise)
+            first = torch.from_numpy(t - real).to(dev)
+            real_q = torch.arange(t, device=dev)[None, :] >= first[:, None]  # [n, T]
+            picked = torch.where(real_q[:, None, :, None], picked, torch.zeros_like(picked))
         total = torch.einsum("nrtd,nrte->nde", picked, picked)
         count = torch.from_numpy(np.maximum(real, 1) * rep).to(dev).double()
         return total / count[:, None, None]
@@ -98,23 +104,12 @@ class CacheFlush(CacheTables):
             pos_host = self._store.stream_positions(rows[:, :2], rows[:, 2])
             positions = torch.from_numpy(pos_host).to(dev)
         member = ~self._store.mask_rows[rows[:, 0], rows[:, 1]] if codec.table_bits else None
-        if (
-            self._flush_unsupported is None
-            and (member is None or not member.any())
-            and select_flush_backend(dev) == "cpu"
-        ):
-            # the compiled flush (docs/design.md, "Kernels", "Flush"): the same bytes
-            assert isinstance(codec, BitAllocCodec)
-            fast = encode_groups_cpu(
-                gk,
-                gv,
-                codec=codec,
-                value_codec=self._flush_value_codec,
-                layout=lay,
-                table=self._group_tables(plan, self._mask_bool) if codec.table_bits else None,
-                positions=positions,
-                rotary=self._rotary,
-            )
+        # the compiled flush (docs/design.md, "Kernels", "Flush"): the same bytes; and, for
+        # rows computing their tables, the compiled table statistics (the same bits)
+        compiled = self._flush_unsupported is None and select_flush_backend(dev) == "cpu"
+        raw_keys = gk
+        if compiled and (member is None or not member.any()):
+            fast = self._encode_cpu(plan, gk, gv, positions, self._mask_bool)
             if fast is not None:
                 return self._recode_values(plan, rope_keys, gv, fast, state), ok
         if positions is not None:
@@ -126,12 +121,18 @@ class CacheFlush(CacheTables):
             table_all = self._mask_bool
             if member.any():
                 table_all = table_all.clone()
-                new_table, new_rows = self._compute_tables(plan, gk, positions, member, state)
+                new_table, new_rows = self._compute_tables(
+                    plan, gk, positions, member, state, compiled=compiled
+                )
                 table_all[
                     torch.from_numpy(new_rows[:, 0]).to(dev),
                     torch.from_numpy(new_rows[:, 1]).to(dev),
                 ] = new_table
                 state["mask_rows"], state["mask_bits"] = new_rows, new_table
+                if compiled:
+                    fast = self._encode_cpu(plan, raw_keys, gv, positions, table_all)
+                    if fast is not None:
+                        return self._recode_values(plan, rope_keys, gv, fast, state), ok
             table = self._group_tables(plan, table_all)
         coded = codec.encode_groups(gk, dt, lay, table)
         ok = ok & torch.isfinite(coded.scalars).all()
@@ -146,6 +147,30 @@ class CacheFlush(CacheTables):
             payload,
         )
         return self._recode_values(plan, rope_keys, gv, enc, state), ok
+
+    def _encode_cpu(
+        self,
+        plan: AppendPlan,
+        gk: Tensor,
+        gv: Tensor,
+        positions: Tensor | None,
+        table_all: Tensor,
+    ) -> EncodedGroups | None:
+        """The flushed groups coded by the compiled flush with the rows' tables ``table_all
+        [B, H, P]`` (:func:`~kvlab.pnmix.kernels.cpu.encode_groups_cpu`: the bytes of the torch
+        codecs), or ``None`` where the torch codecs must code them."""
+        codec = self._codec
+        assert isinstance(codec, BitAllocCodec)
+        return encode_groups_cpu(
+            gk,
+            gv,
+            codec=codec,
+            value_codec=self._flush_value_codec,
+            layout=self._layout,
+            table=self._group_tables(plan, table_all) if codec.table_bits else None,
+            positions=positions,
+            rotary=self._rotary,
+        )
 
     # ------------------------------------------------------------------ value choice
     #: the last queries of an append that choose a row's value coding (at most; docs/design.md,
@@ -284,9 +309,13 @@ class CacheFlush(CacheTables):
         positions: Tensor | None,
         member: np.ndarray,
         state: dict[str, Any],
+        *,
+        compiled: bool = False,
     ) -> tuple[Tensor, np.ndarray]:
         """Tables of the rows whose groups ``member`` marks (rows without a table: each flushes
-        its first group here), from every group they flush and the append's queries."""
+        its first group here), from every group they flush and the append's queries;
+        ``compiled``: a width table's statistics by the compiled kernel where it takes them
+        (:func:`~kvlab.pnmix.kernels.cpu_tables.table_distortion_cpu`, the same bits)."""
         rows = plan.group_rows
         dev = gk.device
         pick = np.flatnonzero(member)
@@ -310,5 +339,12 @@ class CacheFlush(CacheTables):
             positions=None if positions is None else positions.index_select(0, pick_t),
             rotary=self._rotary,
         )
-        table = self._codec.compute_table(stats).to(self._codec.table_dtype)
-        return table, keys_rows
+        codec = self._codec
+        distortion = None
+        if compiled and isinstance(codec, BitAllocCodec) and gk.dtype == torch.float16:
+            distortion = table_distortion_cpu(codec, stats)
+        if distortion is not None:
+            table = codec.table_from_distortion(distortion)
+        else:
+            table = codec.compute_table(stats)
+        return table.to(codec.table_dtype), keys_rows

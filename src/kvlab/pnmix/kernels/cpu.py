@@ -50,7 +50,7 @@ _LOG = logging.getLogger("kvlab")
 _EMPTY = torch.empty(0)
 
 
-_SOURCES = ("cpu_kernel.cpp", "cpu_flush.cpp")
+_SOURCES = ("cpu_kernel.cpp", "cpu_flush.cpp", "cpu_tables.cpp")
 
 
 def _source() -> str:
@@ -62,7 +62,7 @@ def _compile() -> ModuleType:
     return compile_module(
         "kvlab_pnmix_cpu",
         _source(),
-        ["packed_attention", "append_residual", "decode_step", "encode_groups"],
+        ["packed_attention", "append_residual", "decode_step", "encode_groups", "table_terms"],
         "kvlab: compiling the PN-Mix CPU attention kernel (once per machine, about a minute; "
         f"set {PNMIX.env_var}=torch to skip it)",
     )

@@ -1,0 +1,233 @@
+// PN-Mix per-pair width tables on the CPU: the per-token terms of the table statistics
+// (docs/design.md, "Per-pair tables", "Flush").
+//
+// BitAllocCodec.table_distortion (the torch reference) codes a row's flushed groups at every
+// candidate width w (one table of w for every pair), decodes them with their exact outliers
+// written back, and measures per group and rotary pair the query-weighted squared logit error
+// sum_t [(maa ea) ea + (mbb eb) eb] + ((2 mab) ea) eb of the coding error e = decoded - key
+// (rotated to the key's position for a pre-RoPE codec; ea, eb = ea^2 + eb^2 without queries).
+// This kernel forms the same per-token terms [W, G, T, P] with the same IEEE operations in
+// the same precisions — selection (outliers, lower median, min, max) and float64 code
+// arithmetic as cpu_flush.cpp, float32 decode (zero + code * scale, the product rounded on
+// its own), float64 error, rotation and terms, every product rounded before the sum that
+// follows (no fused multiply-add: the `product` barrier) — and leaves the sums over tokens
+// and groups to torch, whose order they then have: the distortion is bit for bit the
+// reference's. Like the flush, it refuses (returns no tensor) a frame key that is a negative
+// zero or not finite, where the reference's reductions could pick another zero or NaN.
+// Uses kvlab_flush::{Half, to_half, bad, code_of, select_outliers} (cpu_flush.cpp, compiled
+// in the same module, before this file).
+
+#include <atomic>
+
+namespace kvlab_tables {
+
+using kvlab_flush::Half;
+
+// a float64 product the compiler must form on its own (never fused with the sum after it)
+inline double product64(double a, double b) {
+  double v = a * b;
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+x"(v));
+#elif defined(__aarch64__)
+  __asm__("" : "+w"(v));
+#else
+  volatile double opaque = v;
+  v = opaque;
+#endif
+  return v;
+}
+
+struct Inputs {
+  int64_t G, T, D, P, W, K;
+  const Half* keys;       // [G, T, D] frame keys
+  const double* cs;       // [G, T, P] or null
+  const double* sn;       // [G, T, P] or null
+  const int64_t* first;   // [P]
+  const int64_t* second;  // [P]
+  const int64_t* widths;  // [W]
+  const double* moment;   // [N, D, D] or null
+  const int64_t* owner;   // [G] or null
+  double* terms;          // [W, G, T, P]
+};
+
+// the terms of group g; false when the reference might differ (see the file comment)
+bool group_terms(const Inputs& in, int64_t g) {
+  const int64_t T = in.T, D = in.D, P = in.P, K = in.K, TD = T * D;
+  const Half* k = in.keys + g * TD;
+  std::vector<double> x(TD);
+  for (int64_t i = 0; i < TD; ++i) {
+    const float v = static_cast<float>(k[i]);
+    if (kvlab_flush::bad(v)) return false;
+    x[i] = v;
+  }
+  std::vector<uint8_t> excl(TD, 0);
+  if (K > 0) {
+    std::vector<double> dist, tmp;
+    std::vector<int32_t> order(K);
+    kvlab_flush::select_outliers(x, T, D, K, dist, tmp, order.data());
+    for (int64_t j = 0; j < K; ++j) excl[order[j]] = 1;
+  }
+  // per pair channel: min and max of the non-outliers, and their mean (width 0)
+  std::vector<int64_t> chan(2 * P);
+  for (int64_t p = 0; p < P; ++p) {
+    chan[p] = in.first[p];
+    chan[P + p] = in.second[p];
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> lo(2 * P), hi(2 * P), mean(2 * P);
+  for (int64_t c = 0; c < 2 * P; ++c) {
+    const int64_t d = chan[c];
+    double l = inf, h = -inf, sum = 0.0, count = 0.0;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t i = t * D + d;
+      const double kept = excl[i] ? 0.0 : 1.0;
+      sum += x[i] * kept;  // exact for float16 keys (cpu_flush.cpp): any order
+      count += kept;
+      if (!excl[i]) {
+        l = x[i] < l ? x[i] : l;
+        h = x[i] > h ? x[i] : h;
+      }
+    }
+    if (l > h) l = h = 0.0;  // every token an outlier
+    lo[c] = l;
+    hi[c] = h;
+    mean[c] = count > 0.0 ? sum / std::max(count, 1.0) : 0.0;
+  }
+  std::vector<float> dec(2 * P * T);  // [channel, t] decoded (float32)
+  for (int64_t w = 0; w < in.W; ++w) {
+    const int64_t bits = in.widths[w];
+    for (int64_t c = 0; c < 2 * P; ++c) {
+      const int64_t d = chan[c];
+      float zf, sf;
+      int64_t levels = 0;
+      double z64 = 0.0, s64 = 0.0;
+      if (bits == 0) {  // the mean of the non-outliers, scale 0, codes 0
+        zf = static_cast<float>(kvlab_flush::to_half(mean[c]));
+        sf = 0.f;
+      } else {
+        levels = (int64_t{1} << bits) - 1;
+        const Half zh = kvlab_flush::to_half(lo[c]);
+        const Half sh = kvlab_flush::to_half((hi[c] - lo[c]) / static_cast<double>(levels));
+        zf = static_cast<float>(zh);
+        sf = static_cast<float>(sh);
+        z64 = zf;
+        s64 = sf;
+      }
+      const bool valid = bits > 0 && s64 > 0.0 && std::isfinite(s64) && std::isfinite(z64);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t i = t * D + d;
+        float v;
+        if (excl[i]) {
+          v = static_cast<float>(x[i]);  // the payload's exact value
+        } else {
+          const float code =
+              valid ? static_cast<float>(kvlab_flush::code_of(x[i], z64, s64, levels)) : 0.f;
+          v = zf + kvlab_flush::product(code, sf);
+        }
+        dec[c * T + t] = v;
+      }
+    }
+    double* out = in.terms + (w * in.G + g) * T * P;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t p = 0; p < P; ++p) {
+        double ea = static_cast<double>(dec[p * T + t]) - x[t * D + in.first[p]];
+        double eb = static_cast<double>(dec[(P + p) * T + t]) - x[t * D + in.second[p]];
+        if (in.cs != nullptr) {  // rotate_by_delta in float64: x1 c - x2 s, x1 s + x2 c
+          const double c = in.cs[(g * T + t) * P + p], s = in.sn[(g * T + t) * P + p];
+          const double ra = product64(ea, c) - product64(eb, s);
+          const double rb = product64(ea, s) + product64(eb, c);
+          ea = ra;
+          eb = rb;
+        }
+        double term;
+        if (in.moment != nullptr) {
+          const double* m = in.moment + in.owner[g] * D * D;
+          const double maa = m[in.first[p] * D + in.first[p]];
+          const double mbb = m[in.second[p] * D + in.second[p]];
+          const double mab2 = 2.0 * m[in.first[p] * D + in.second[p]];
+          term = (product64(product64(maa, ea), ea) + product64(product64(mbb, eb), eb)) +
+                 product64(product64(mab2, ea), eb);
+        } else {
+          term = product64(ea, ea) + product64(eb, eb);
+        }
+        out[t * P + p] = term;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace kvlab_tables
+
+// The per-token terms of the width-table statistics (file comment).
+//   keys [G, T, D] float16 frame keys (storage-rounded, in the codec's frame); rope_cos /
+//   rope_sin float64 [G, T, P] (rotate_by_delta's tables for the keys' positions) or empty;
+//   pair_first / pair_second int64 [P]; widths int64 [W] (candidate widths, 0..8); outliers K
+//   per group; moment float64 [N, D, D] (per row) and owner int64 [G] (each group's row), or
+//   an empty moment (plain squared errors).
+// Returns {terms float64 [W, G, T, P]}, or an empty list when the reference must compute them.
+std::vector<torch::Tensor> table_terms(torch::Tensor keys, torch::Tensor rope_cos,
+                                       torch::Tensor rope_sin, torch::Tensor pair_first,
+                                       torch::Tensor pair_second, torch::Tensor widths,
+                                       int64_t outliers, torch::Tensor moment,
+                                       torch::Tensor owner) {
+  using kvlab_flush::Half;
+  TORCH_CHECK(keys.device().is_cpu() && keys.dim() == 3 && keys.scalar_type() == at::kHalf &&
+                  keys.is_contiguous(),
+              "keys must be contiguous float16 [G, T, D] on the CPU");
+  kvlab_tables::Inputs in{};
+  in.G = keys.size(0);
+  in.T = keys.size(1);
+  in.D = keys.size(2);
+  in.P = pair_first.numel();
+  in.W = widths.numel();
+  in.K = outliers;
+  TORCH_CHECK(in.T >= 1 && in.T <= 8192, "group tokens must lie in 1..8192");
+  TORCH_CHECK(in.K >= 0 && in.K < in.T * in.D && in.T * in.D <= (1 << 15),
+              "outliers must lie in 0..T*D-1 with T*D <= 2^15");
+  TORCH_CHECK(pair_first.scalar_type() == at::kLong && pair_second.scalar_type() == at::kLong &&
+                  pair_first.is_contiguous() && pair_second.is_contiguous() &&
+                  pair_second.numel() == in.P,
+              "pair indices must be contiguous int64 [P]");
+  TORCH_CHECK(widths.scalar_type() == at::kLong && widths.is_contiguous() && widths.dim() == 1,
+              "widths must be contiguous int64 [W]");
+  in.first = pair_first.data_ptr<int64_t>();
+  in.second = pair_second.data_ptr<int64_t>();
+  in.widths = widths.data_ptr<int64_t>();
+  for (int64_t p = 0; p < in.P; ++p)
+    TORCH_CHECK(in.first[p] >= 0 && in.first[p] < in.D && in.second[p] >= 0 &&
+                    in.second[p] < in.D,
+                "pair indices must lie in 0..D-1");
+  for (int64_t w = 0; w < in.W; ++w)
+    TORCH_CHECK(in.widths[w] >= 0 && in.widths[w] <= 8, "widths must lie in 0..8");
+  if (rope_cos.numel() > 0) {
+    for (const auto* t : {&rope_cos, &rope_sin})
+      TORCH_CHECK(t->scalar_type() == at::kDouble && t->is_contiguous() && t->dim() == 3 &&
+                      t->size(0) == in.G && t->size(1) == in.T && t->size(2) == in.P,
+                  "rope_cos/rope_sin must be contiguous float64 [G, T, P]");
+    in.cs = rope_cos.data_ptr<double>();
+    in.sn = rope_sin.data_ptr<double>();
+  }
+  if (moment.numel() > 0) {
+    TORCH_CHECK(moment.scalar_type() == at::kDouble && moment.is_contiguous() &&
+                    moment.dim() == 3 && moment.size(1) == in.D && moment.size(2) == in.D,
+                "moment must be contiguous float64 [N, D, D]");
+    TORCH_CHECK(owner.scalar_type() == at::kLong && owner.is_contiguous() &&
+                    owner.numel() == in.G,
+                "owner must be contiguous int64 [G]");
+    in.moment = moment.data_ptr<double>();
+    in.owner = owner.data_ptr<int64_t>();
+    for (int64_t g = 0; g < in.G; ++g)
+      TORCH_CHECK(in.owner[g] >= 0 && in.owner[g] < moment.size(0), "owner out of range");
+  }
+  in.keys = reinterpret_cast<const Half*>(keys.data_ptr());
+  auto terms = torch::empty({in.W, in.G, in.T, in.P}, keys.options().dtype(at::kDouble));
+  in.terms = terms.data_ptr<double>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, in.G, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end && exact.load(); ++g)
+      if (!kvlab_tables::group_terms(in, g)) exact.store(false);
+  });
+  if (!exact.load()) return {};
+  return {terms};
+}
