@@ -220,3 +220,30 @@ def test_pn_mix_prefill_tables_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     assert calls == [True]  # KVLAB_PNMIX_BACKEND=torch: the reference; else the kernel
     assert torch.equal(stores[0][0], stores[2][0]) and torch.equal(stores[0][1], stores[2][1])
     assert torch.equal(stores[1], stores[3])
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    queries=st.integers(1, 50),
+    pairs=st.integers(1, 6),
+    layout=st.sampled_from(["half", "interleaved"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_query_pair_moment_is_the_moments_pair_entries(rows, queries, pairs, layout, seed) -> None:
+    """The pair entries of ``E[q q^T]`` without the ``D x D`` product: ``pair_moment_entries``
+    reads them exactly; ``query_pair_moment`` sums them itself (float64 rounding apart)."""
+    from kvlab.pnmix.bitalloc import pair_moment_entries, query_pair_moment
+
+    gen = torch.Generator().manual_seed(seed)
+    d = 2 * pairs + 1
+    lay = KeyLayout.for_rotary(d, 2 * pairs, layout)
+    q = torch.randn(rows, queries, d, generator=gen, dtype=torch.float64)
+    count = torch.full((rows,), float(queries), dtype=torch.float64)
+    full = q.transpose(-1, -2) @ q / queries
+    entries = pair_moment_entries(full, lay.first, lay.second)
+    f, s = lay.first, lay.second
+    assert torch.equal(entries[:, 0], full[:, f, f]) and torch.equal(entries[:, 2], full[:, f, s])
+    assert torch.equal(entries[:, 1], full[:, s, s])
+    got = query_pair_moment(q, lay.first, lay.second, count)
+    torch.testing.assert_close(got, entries, rtol=1e-12, atol=1e-12)

@@ -44,6 +44,9 @@ __all__ = [
     "mixed_bits_quantize",
     "pair_logit_error",
     "pair_logit_error_unchecked",
+    "pair_moment_entries",
+    "pair_moment_logit_error",
+    "query_pair_moment",
     "query_second_moment",
 ]
 
@@ -128,14 +131,54 @@ def pair_logit_error_unchecked(
     """:func:`pair_logit_error` without input checks and without any device-to-host read (the
     cache's decode path, docs/design.md "Host syncs"); ``moment=None`` is the identity (the
     pair's plain squared key error ``Σ_t e_a² + e_b²``)."""
+    entries = None if moment is None else pair_moment_entries(moment, first, second)
+    return pair_moment_logit_error(errors, entries, first, second)
+
+
+def pair_moment_entries(moment: Tensor, first: Tensor, second: Tensor) -> Tensor:
+    """float64 ``[..., 3, P]``: the entries of a moment ``[..., D, D]`` a pair's logit error
+    reads — ``M_aa``, ``M_bb``, ``M_ab`` of every rotary pair ``(a, b) = (first[p],
+    second[p])`` — exactly (no arithmetic)."""
+    first, second = first.to(moment.device), second.to(moment.device)
+    m = moment.double()
+    return torch.stack([m[..., first, first], m[..., second, second], m[..., first, second]], -2)
+
+
+def query_pair_moment(queries: Tensor, first: Tensor, second: Tensor, count: Tensor) -> Tensor:
+    """The pair entries of the query second moment (:func:`pair_moment_entries` of ``E[q
+    q^T]``) without forming the ``D x D`` moment: float64 ``[n, 3, P]``, ``(Σ q_a², Σ q_b²,
+    Σ q_a q_b) / count`` over the ``K`` queries of each of ``n`` rows.
+
+    Args:
+        queries: float64 ``[n, K, D]`` (a row's queries, padding zeroed).
+        first, second: int64 ``[P]`` pair channels.
+        count: float64 ``[n]`` queries each mean divides by.
+
+    Returns:
+        float64 ``[n, 3, P]``: sums of exact float64 products, in torch's reduction order over
+        ``K``; they agree with ``q^T q`` (a BLAS product) to float64 rounding. No device read.
+    """
+    first, second = first.to(queries.device), second.to(queries.device)
+    qa, qb = queries[..., first], queries[..., second]
+    total = torch.stack([(qa * qa).sum(1), (qb * qb).sum(1), (qa * qb).sum(1)], 1)
+    return total / count[:, None, None]
+
+
+def pair_moment_logit_error(
+    errors: Tensor, pair_moment: Tensor | None, first: Tensor, second: Tensor
+) -> Tensor:
+    """:func:`pair_logit_error_unchecked` with the moment given by its pair entries
+    ``pair_moment [..., 3, P]`` (:func:`pair_moment_entries`; broadcastable to the errors'
+    leading dims; ``None``: the identity): float64 ``[..., P]``, ``Σ_t (M_aa e_a) e_a + (M_bb
+    e_b) e_b + ((2 M_ab) e_a) e_b`` in that order of operations. No device read."""
     first, second = first.to(errors.device), second.to(errors.device)
     ea, eb = errors[..., first].double(), errors[..., second].double()
-    if moment is None:
+    if pair_moment is None:
         return (ea * ea + eb * eb).sum(-2)
-    m = moment.double().to(errors.device)
-    maa = m[..., first, first].unsqueeze(-2)
-    mbb = m[..., second, second].unsqueeze(-2)
-    mab = m[..., first, second].unsqueeze(-2)
+    m = pair_moment.double().to(errors.device)
+    maa = m[..., 0, :].unsqueeze(-2)
+    mbb = m[..., 1, :].unsqueeze(-2)
+    mab = m[..., 2, :].unsqueeze(-2)
     return (maa * ea * ea + mbb * eb * eb + 2.0 * mab * ea * eb).sum(-2)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvlab.pnmix.bitalloc import query_pair_moment
 from kvlab.pnmix.cache_tables import CacheTables
 from kvlab.pnmix.codecs import TableStatistics
 from kvlab.pnmix.kernels.cpu import encode_groups_cpu
@@ -53,9 +54,10 @@ class CacheFlush(CacheTables):
         rows: np.ndarray,
         query_lengths: np.ndarray | None = None,
     ) -> Tensor:
-        """float64 ``[n, D, D]``: per row ``(b, h)`` of ``rows [n, 2]``, the mean of ``q q^T``
-        over the append's real queries of the row's GQA group (the last ``query_lengths[b]``,
-        or those of the row's real tokens; no device read)."""
+        """float64 ``[n, 3, P]``: per row ``(b, h)`` of ``rows [n, 2]``, the pair entries of
+        the mean of ``q q^T`` (:func:`~kvlab.pnmix.bitalloc.query_pair_moment`) over the
+        append's real queries of the row's GQA group (the last ``query_lengths[b]``, or those
+        of the row's real tokens; no device read)."""
         dev = self.device
         b, hq, t, d = queries.shape
         h = self._num_heads
@@ -63,7 +65,7 @@ class CacheFlush(CacheTables):
         q = queries.to(dev).double().reshape(b, h, rep, t, d)
         every = np.arange(b * h)
         if rows.shape[0] == b * h and (rows[:, 0] * h + rows[:, 1] == every).all():
-            picked = q.reshape(b * h, rep, t, d)  # every row, in order: the same tensor
+            picked = q.reshape(b * h, rep, t, d)  # every row, in order: no copy
         else:
             rb = torch.from_numpy(rows[:, 0]).to(dev)
             rh = torch.from_numpy(rows[:, 1]).to(dev)
@@ -76,9 +78,9 @@ class CacheFlush(CacheTables):
             first = torch.from_numpy(t - real).to(dev)
             real_q = torch.arange(t, device=dev)[None, :] >= first[:, None]  # [n, T]
             picked = torch.where(real_q[:, None, :, None], picked, torch.zeros_like(picked))
-        total = torch.einsum("nrtd,nrte->nde", picked, picked)
         count = torch.from_numpy(np.maximum(real, 1) * rep).to(dev).double()
-        return total / count[:, None, None]
+        lay = self._layout
+        return query_pair_moment(picked.reshape(-1, rep * t, d), lay.first, lay.second, count)
 
     def _to_frame(self, keys: Tensor, positions: Tensor) -> Tensor:
         """Storage-rounded keys ``[N, T, D]`` rotated back from ``positions [N, T]`` to
@@ -331,7 +333,7 @@ class CacheFlush(CacheTables):
             first=torch.from_numpy(first).to(dev),
             storage_dtype=self._config.storage_dtype,
             layout=self._layout,
-            moment=(
+            pair_moment=(
                 None
                 if queries is None
                 else self._query_moment(queries, plan, keys_rows, state.get("query_lengths"))

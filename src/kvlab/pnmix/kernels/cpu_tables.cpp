@@ -45,7 +45,7 @@ struct Inputs {
   const int64_t* first;   // [P]
   const int64_t* second;  // [P]
   const int64_t* widths;  // [W]
-  const double* moment;   // [N, D, D] or null
+  const double* moment;   // [N, 3, P] (M_aa, M_bb, M_ab per pair) or null
   const int64_t* owner;   // [G] or null
   double* terms;          // [W, G, T, P]
 };
@@ -141,10 +141,8 @@ bool group_terms(const Inputs& in, int64_t g) {
         }
         double term;
         if (in.moment != nullptr) {
-          const double* m = in.moment + in.owner[g] * D * D;
-          const double maa = m[in.first[p] * D + in.first[p]];
-          const double mbb = m[in.second[p] * D + in.second[p]];
-          const double mab2 = 2.0 * m[in.first[p] * D + in.second[p]];
+          const double* m = in.moment + in.owner[g] * 3 * P;
+          const double maa = m[p], mbb = m[P + p], mab2 = 2.0 * m[2 * P + p];
           term = (product64(product64(maa, ea), ea) + product64(product64(mbb, eb), eb)) +
                  product64(product64(mab2, ea), eb);
         } else {
@@ -163,8 +161,8 @@ bool group_terms(const Inputs& in, int64_t g) {
 //   keys [G, T, D] float16 frame keys (storage-rounded, in the codec's frame); rope_cos /
 //   rope_sin float64 [G, T, P] (rotate_by_delta's tables for the keys' positions) or empty;
 //   pair_first / pair_second int64 [P]; widths int64 [W] (candidate widths, 0..8); outliers K
-//   per group; moment float64 [N, D, D] (per row) and owner int64 [G] (each group's row), or
-//   an empty moment (plain squared errors).
+//   per group; moment float64 [N, 3, P] (per row the moment's pair entries M_aa, M_bb, M_ab)
+//   and owner int64 [G] (each group's row), or an empty moment (plain squared errors).
 // Returns {terms float64 [W, G, T, P]}, or an empty list when the reference must compute them.
 std::vector<torch::Tensor> table_terms(torch::Tensor keys, torch::Tensor rope_cos,
                                        torch::Tensor rope_sin, torch::Tensor pair_first,
@@ -210,8 +208,8 @@ std::vector<torch::Tensor> table_terms(torch::Tensor keys, torch::Tensor rope_co
   }
   if (moment.numel() > 0) {
     TORCH_CHECK(moment.scalar_type() == at::kDouble && moment.is_contiguous() &&
-                    moment.dim() == 3 && moment.size(1) == in.D && moment.size(2) == in.D,
-                "moment must be contiguous float64 [N, D, D]");
+                    moment.dim() == 3 && moment.size(1) == 3 && moment.size(2) == in.P,
+                "moment must be contiguous float64 [N, 3, P]");
     TORCH_CHECK(owner.scalar_type() == at::kLong && owner.is_contiguous() &&
                     owner.numel() == in.G,
                 "owner must be contiguous int64 [G]");

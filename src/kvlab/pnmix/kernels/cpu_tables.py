@@ -46,7 +46,7 @@ def table_distortion_cpu(codec: BitAllocCodec, stats: TableStatistics) -> Tensor
     keys, lay = stats.keys, stats.layout
     if keys.dtype != torch.float16 or keys.device.type != "cpu":
         raise ValueError(f"the compiled statistics take float16 CPU keys, got {keys.dtype}")
-    moment = stats.moment if codec.query_aware else None
+    moment = stats.moment_entries() if codec.query_aware else None
     cos = sin = _EMPTY
     if moment is not None and stats.positions is not None and stats.rotary is not None:
         cos, sin = rotation_tables(stats.positions, stats.rotary, torch.float64)
