@@ -233,7 +233,8 @@ def test_pn_mix_prefill_tables_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -
 def test_query_pair_moment_is_the_moments_pair_entries(rows, queries, pairs, layout, seed) -> None:
     """The pair entries of ``E[q q^T]`` without the ``D x D`` product: ``pair_moment_entries``
     reads them exactly; ``query_pair_moment`` sums them itself (float64 rounding apart)."""
-    from kvlab.pnmix.bitalloc import pair_moment_entries, query_pair_moment
+    from kvlab.pnmix.bitalloc import pair_moment_entries
+    from kvlab.pnmix.key_codec import query_pair_moment
 
     gen = torch.Generator().manual_seed(seed)
     d = 2 * pairs + 1
@@ -245,5 +246,7 @@ def test_query_pair_moment_is_the_moments_pair_entries(rows, queries, pairs, lay
     f, s = lay.first, lay.second
     assert torch.equal(entries[:, 0], full[:, f, f]) and torch.equal(entries[:, 2], full[:, f, s])
     assert torch.equal(entries[:, 1], full[:, s, s])
-    got = query_pair_moment(q, lay.first, lay.second, count)
+    qa, qb = lay.pair_channels(q)
+    assert torch.equal(qa, q[..., lay.first]) and torch.equal(qb, q[..., lay.second])
+    got = query_pair_moment(q, lay, count)
     torch.testing.assert_close(got, entries, rtol=1e-12, atol=1e-12)

@@ -46,7 +46,6 @@ __all__ = [
     "pair_logit_error_unchecked",
     "pair_moment_entries",
     "pair_moment_logit_error",
-    "query_pair_moment",
     "query_second_moment",
 ]
 
@@ -142,26 +141,6 @@ def pair_moment_entries(moment: Tensor, first: Tensor, second: Tensor) -> Tensor
     first, second = first.to(moment.device), second.to(moment.device)
     m = moment.double()
     return torch.stack([m[..., first, first], m[..., second, second], m[..., first, second]], -2)
-
-
-def query_pair_moment(queries: Tensor, first: Tensor, second: Tensor, count: Tensor) -> Tensor:
-    """The pair entries of the query second moment (:func:`pair_moment_entries` of ``E[q
-    q^T]``) without forming the ``D x D`` moment: float64 ``[n, 3, P]``, ``(Σ q_a², Σ q_b²,
-    Σ q_a q_b) / count`` over the ``K`` queries of each of ``n`` rows.
-
-    Args:
-        queries: float64 ``[n, K, D]`` (a row's queries, padding zeroed).
-        first, second: int64 ``[P]`` pair channels.
-        count: float64 ``[n]`` queries each mean divides by.
-
-    Returns:
-        float64 ``[n, 3, P]``: sums of exact float64 products, in torch's reduction order over
-        ``K``; they agree with ``q^T q`` (a BLAS product) to float64 rounding. No device read.
-    """
-    first, second = first.to(queries.device), second.to(queries.device)
-    qa, qb = queries[..., first], queries[..., second]
-    total = torch.stack([(qa * qa).sum(1), (qb * qb).sum(1), (qa * qb).sum(1)], 1)
-    return total / count[:, None, None]
 
 
 def pair_moment_logit_error(

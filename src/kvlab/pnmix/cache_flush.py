@@ -19,12 +19,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvlab.pnmix.bitalloc import query_pair_moment
 from kvlab.pnmix.cache_tables import CacheTables
 from kvlab.pnmix.codecs import TableStatistics
 from kvlab.pnmix.kernels.cpu import encode_groups_cpu
 from kvlab.pnmix.kernels.cpu_tables import table_distortion_cpu
 from kvlab.pnmix.kernels.dispatch import select_flush_backend
+from kvlab.pnmix.key_codec import query_pair_moment
 from kvlab.pnmix.packing import pack_codes
 from kvlab.pnmix.store import AppendPlan, EncodedGroups
 from kvlab.pnmix.values import AutoHadamardValueCodec, ValueCodec, attention_weighted_value_error
@@ -55,7 +55,7 @@ class CacheFlush(CacheTables):
         query_lengths: np.ndarray | None = None,
     ) -> Tensor:
         """float64 ``[n, 3, P]``: per row ``(b, h)`` of ``rows [n, 2]``, the pair entries of
-        the mean of ``q q^T`` (:func:`~kvlab.pnmix.bitalloc.query_pair_moment`) over the
+        the mean of ``q q^T`` (:func:`~kvlab.pnmix.key_codec.query_pair_moment`) over the
         append's real queries of the row's GQA group (the last ``query_lengths[b]``, or those
         of the row's real tokens; no device read)."""
         dev = self.device
@@ -79,8 +79,7 @@ class CacheFlush(CacheTables):
             real_q = torch.arange(t, device=dev)[None, :] >= first[:, None]  # [n, T]
             picked = torch.where(real_q[:, None, :, None], picked, torch.zeros_like(picked))
         count = torch.from_numpy(np.maximum(real, 1) * rep).to(dev).double()
-        lay = self._layout
-        return query_pair_moment(picked.reshape(-1, rep * t, d), lay.first, lay.second, count)
+        return query_pair_moment(picked.reshape(-1, rep * t, d), self._layout, count)
 
     def _to_frame(self, keys: Tensor, positions: Tensor) -> Tensor:
         """Storage-rounded keys ``[N, T, D]`` rotated back from ``positions [N, T]`` to

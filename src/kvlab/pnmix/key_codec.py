@@ -49,6 +49,7 @@ __all__ = [
     "columns",
     "minmax_decode",
     "minmax_encode",
+    "query_pair_moment",
 ]
 
 
@@ -124,11 +125,44 @@ class KeyLayout:
         """Rotary pairs ``P``."""
         return self.first.numel()
 
+    def pair_channels(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The first and second channels of every rotary pair of ``x [..., D]``: ``[..., P]``
+        each, as views for the ``"half"`` and ``"interleaved"`` layouts (else gathered)."""
+        p = self.num_pairs
+        if self.rotary_layout == "half":
+            return x[..., :p], x[..., p : 2 * p]
+        if self.rotary_layout == "interleaved":
+            return x[..., 0 : 2 * p : 2], x[..., 1 : 2 * p : 2]
+        return x[..., self.first.to(x.device)], x[..., self.second.to(x.device)]
+
     def to(self, device: torch.device | str) -> KeyLayout:
         """The same layout with its index tensors on ``device``."""
         return KeyLayout(
             self.head_dim, self.first.to(device), self.second.to(device), self.rotary_layout
         )
+
+
+def query_pair_moment(queries: Tensor, layout: KeyLayout, count: Tensor) -> Tensor:
+    """The entries of the query second moment ``E[q q^T]`` that the pair rules read
+    (:func:`~kvlab.pnmix.bitalloc.pair_moment_entries`) without forming the ``D x D``
+    product: float64 ``[n, 3, P]``, ``(Σ q_a², Σ q_b², Σ q_a q_b) / count`` of every rotary
+    pair ``(a, b)`` over the ``K`` queries of each of ``n`` rows.
+
+    Args:
+        queries: float64 ``[n, K, D]`` (a row's queries, padding zeroed).
+        layout: the head's pairs.
+        count: float64 ``[n]``: the queries each mean divides by.
+
+    Returns:
+        float64 ``[n, 3, P]``: sums of exact float64 products in torch's reduction order over
+        ``K`` (they agree with a BLAS ``q^T q`` to float64 rounding). No device read.
+    """
+    square = (queries * queries).sum(1)  # [n, D]
+    qa, qb = layout.pair_channels(queries)
+    cross = (qa * qb).sum(1)  # [n, P]
+    first, second = layout.first.to(queries.device), layout.second.to(queries.device)
+    total = torch.stack([square[:, first], square[:, second], cross], 1)
+    return total / count[:, None, None]
 
 
 class KeyCodes(NamedTuple):
@@ -163,7 +197,7 @@ class TableStatistics:
             the queries.
         rotary: the layer's RoPE (with ``positions``).
         pair_moment: float64 ``[N, 3, P]``: the moment's entries the rules read, ``(M_aa,
-            M_bb, M_ab)`` of every rotary pair (:func:`kvlab.pnmix.bitalloc.query_pair_moment`;
+            M_bb, M_ab)`` of every rotary pair (:func:`query_pair_moment`;
             what a cache passes), in place of :attr:`moment`; ``None``: :attr:`moment`'s.
     """
 

@@ -8,10 +8,10 @@
 // (rotated to the key's position for a pre-RoPE codec; ea, eb = ea^2 + eb^2 without queries).
 // This kernel forms the same per-token terms [W, G, T, P] with the same IEEE operations in
 // the same precisions — selection (outliers, lower median, min, max) and float64 code
-// arithmetic as cpu_flush.cpp, float32 decode (zero + code * scale, the product rounded on
-// its own), float64 error, rotation and terms, every product rounded before the sum that
-// follows (no fused multiply-add: the `product` barrier) — and leaves the sums over tokens
-// and groups to torch, whose order they then have: the distortion is bit for bit the
+// arithmetic as cpu_flush.cpp, float32 decode (zero + code * scale), float64 error, rotation
+// and terms, every product rounded before the sum that follows (no fused multiply-add in this
+// file's loops, see the pragma) — and leaves the sums over tokens and groups to torch, whose
+// order they then have: the distortion is bit for bit the
 // reference's. Like the flush, it refuses (returns no tensor) a frame key that is a negative
 // zero or not finite, where the reference's reductions could pick another zero or NaN.
 // Uses kvlab_flush::{Half, to_half, bad, code_of, select_outliers} (cpu_flush.cpp, compiled
@@ -22,20 +22,6 @@
 namespace kvlab_tables {
 
 using kvlab_flush::Half;
-
-// a float64 product the compiler must form on its own (never fused with the sum after it)
-inline double product64(double a, double b) {
-  double v = a * b;
-#if defined(__x86_64__) || defined(__i386__)
-  __asm__("" : "+x"(v));
-#elif defined(__aarch64__)
-  __asm__("" : "+w"(v));
-#else
-  volatile double opaque = v;
-  v = opaque;
-#endif
-  return v;
-}
 
 struct Inputs {
   int64_t G, T, D, P, W, K;
@@ -50,9 +36,17 @@ struct Inputs {
   double* terms;          // [W, G, T, P]
 };
 
+// The hot loops are written for the vectorizer: the pair channels gathered token-major
+// ([t][c], first channels then second ones), per-channel constants in arrays, no branch in the
+// inner loops. Fused multiply-adds are off in this function (the pragma below; the module's
+// flags allow them elsewhere): every product is rounded before the sum that follows, as torch
+// rounds each elementwise op.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
 // the terms of group g; false when the reference might differ (see the file comment)
 bool group_terms(const Inputs& in, int64_t g) {
-  const int64_t T = in.T, D = in.D, P = in.P, K = in.K, TD = T * D;
+  const int64_t T = in.T, D = in.D, P = in.P, K = in.K, TD = T * D, C = 2 * P;
   const Half* k = in.keys + g * TD;
   std::vector<double> x(TD);
   for (int64_t i = 0; i < TD; ++i) {
@@ -67,93 +61,117 @@ bool group_terms(const Inputs& in, int64_t g) {
     kvlab_flush::select_outliers(x, T, D, K, dist, tmp, order.data());
     for (int64_t j = 0; j < K; ++j) excl[order[j]] = 1;
   }
-  // per pair channel: min and max of the non-outliers, and their mean (width 0)
-  std::vector<int64_t> chan(2 * P);
+  // the pair channels token-major: xp[t * C + c], channel c = first[c] (c < P) or second[c - P]
+  std::vector<int64_t> chan(C);
   for (int64_t p = 0; p < P; ++p) {
     chan[p] = in.first[p];
     chan[P + p] = in.second[p];
   }
-  const double inf = std::numeric_limits<double>::infinity();
-  std::vector<double> lo(2 * P), hi(2 * P), mean(2 * P);
-  for (int64_t c = 0; c < 2 * P; ++c) {
-    const int64_t d = chan[c];
-    double l = inf, h = -inf, sum = 0.0, count = 0.0;
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t i = t * D + d;
-      const double kept = excl[i] ? 0.0 : 1.0;
-      sum += x[i] * kept;  // exact for float16 keys (cpu_flush.cpp): any order
-      count += kept;
-      if (!excl[i]) {
-        l = x[i] < l ? x[i] : l;
-        h = x[i] > h ? x[i] : h;
-      }
+  std::vector<double> xp(T * C);
+  std::vector<float> xf(T * C);
+  std::vector<uint8_t> ex(T * C);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t i = t * D + chan[c];
+      xp[t * C + c] = x[i];
+      xf[t * C + c] = static_cast<float>(x[i]);
+      ex[t * C + c] = excl[i];
     }
-    if (l > h) l = h = 0.0;  // every token an outlier
-    lo[c] = l;
-    hi[c] = h;
-    mean[c] = count > 0.0 ? sum / std::max(count, 1.0) : 0.0;
   }
-  std::vector<float> dec(2 * P * T);  // [channel, t] decoded (float32)
+  // per channel: min and max of the non-outliers, and their mean (width 0)
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> lo(C, inf), hi(C, -inf), sum(C, 0.0), count(C, 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < C; ++c) {
+      const double v = xp[t * C + c];
+      const bool kept = !ex[t * C + c];
+      sum[c] += kept ? v : 0.0;  // exact for float16 keys (cpu_flush.cpp): any order
+      count[c] += kept ? 1.0 : 0.0;
+      lo[c] = kept && v < lo[c] ? v : lo[c];
+      hi[c] = kept && v > hi[c] ? v : hi[c];
+    }
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    if (lo[c] > hi[c]) lo[c] = hi[c] = 0.0;  // every token an outlier
+  }
+  std::vector<double> z64(C), s64(C);
+  std::vector<float> zf(C), sf(C);
+  std::vector<float> dec(T * C);
+  std::vector<double> ea(P), eb(P);
+  std::vector<double> maa(P, 0.0), mbb(P, 0.0), mab2(P, 0.0);
+  if (in.moment != nullptr) {
+    const double* m = in.moment + in.owner[g] * 3 * P;
+    for (int64_t p = 0; p < P; ++p) {
+      maa[p] = m[p];
+      mbb[p] = m[P + p];
+      mab2[p] = 2.0 * m[2 * P + p];
+    }
+  }
   for (int64_t w = 0; w < in.W; ++w) {
     const int64_t bits = in.widths[w];
-    for (int64_t c = 0; c < 2 * P; ++c) {
-      const int64_t d = chan[c];
-      float zf, sf;
-      int64_t levels = 0;
-      double z64 = 0.0, s64 = 0.0;
+    const int64_t levels = bits == 0 ? 0 : (int64_t{1} << bits) - 1;
+    const double top = static_cast<double>(levels);
+    for (int64_t c = 0; c < C; ++c) {
       if (bits == 0) {  // the mean of the non-outliers, scale 0, codes 0
-        zf = static_cast<float>(kvlab_flush::to_half(mean[c]));
-        sf = 0.f;
-      } else {
-        levels = (int64_t{1} << bits) - 1;
-        const Half zh = kvlab_flush::to_half(lo[c]);
-        const Half sh = kvlab_flush::to_half((hi[c] - lo[c]) / static_cast<double>(levels));
-        zf = static_cast<float>(zh);
-        sf = static_cast<float>(sh);
-        z64 = zf;
-        s64 = sf;
+        const double mean = count[c] > 0.0 ? sum[c] / std::max(count[c], 1.0) : 0.0;
+        zf[c] = static_cast<float>(kvlab_flush::to_half(mean));
+        sf[c] = 0.f;
+        z64[c] = 0.0;
+        s64[c] = 1.0;  // unused: every code is 0
+        continue;
       }
-      const bool valid = bits > 0 && s64 > 0.0 && std::isfinite(s64) && std::isfinite(z64);
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t i = t * D + d;
-        float v;
-        if (excl[i]) {
-          v = static_cast<float>(x[i]);  // the payload's exact value
-        } else {
-          const float code =
-              valid ? static_cast<float>(kvlab_flush::code_of(x[i], z64, s64, levels)) : 0.f;
-          v = zf + kvlab_flush::product(code, sf);
-        }
-        dec[c * T + t] = v;
+      zf[c] = static_cast<float>(kvlab_flush::to_half(lo[c]));
+      sf[c] = static_cast<float>(kvlab_flush::to_half((hi[c] - lo[c]) / top));
+      const double z = zf[c], sc = sf[c];
+      const bool valid = sc > 0.0 && std::isfinite(sc) && std::isfinite(z);
+      z64[c] = valid ? z : 0.0;
+      s64[c] = valid ? sc : 1.0;
+      if (!valid) z64[c] = std::numeric_limits<double>::quiet_NaN();  // marks: codes 0
+    }
+    // decoded values: zero + code * scale (float32), the payload's exact value at outliers;
+    // code = round-half-even((x - zero) / scale) clamped to 0..levels (cpu_flush.cpp's code_of)
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t c = 0; c < C; ++c) {
+        const double r = std::nearbyint((xp[t * C + c] - z64[c]) / s64[c]);
+        double code = r < 0.0 ? 0.0 : r;
+        code = code > top ? top : code;
+        code = r == r ? code : 0.0;  // NaN: an invalid scale or width 0
+        const float v = zf[c] + static_cast<float>(code) * sf[c];
+        dec[t * C + c] = ex[t * C + c] ? xf[t * C + c] : v;
       }
     }
     double* out = in.terms + (w * in.G + g) * T * P;
+    const double* cs = in.cs != nullptr ? in.cs + g * T * P : nullptr;
+    const double* sn = in.sn != nullptr ? in.sn + g * T * P : nullptr;
     for (int64_t t = 0; t < T; ++t) {
+      const float* dt = dec.data() + t * C;
+      const double* xt = xp.data() + t * C;
       for (int64_t p = 0; p < P; ++p) {
-        double ea = static_cast<double>(dec[p * T + t]) - x[t * D + in.first[p]];
-        double eb = static_cast<double>(dec[(P + p) * T + t]) - x[t * D + in.second[p]];
-        if (in.cs != nullptr) {  // rotate_by_delta in float64: x1 c - x2 s, x1 s + x2 c
-          const double c = in.cs[(g * T + t) * P + p], s = in.sn[(g * T + t) * P + p];
-          const double ra = product64(ea, c) - product64(eb, s);
-          const double rb = product64(ea, s) + product64(eb, c);
-          ea = ra;
-          eb = rb;
+        ea[p] = static_cast<double>(dt[p]) - xt[p];
+        eb[p] = static_cast<double>(dt[P + p]) - xt[P + p];
+      }
+      if (cs != nullptr) {  // rotate_by_delta in float64: x1 c - x2 s, x1 s + x2 c
+        for (int64_t p = 0; p < P; ++p) {
+          const double c = cs[t * P + p], s = sn[t * P + p];
+          const double a = ea[p] * c - eb[p] * s;
+          const double b = ea[p] * s + eb[p] * c;
+          ea[p] = a;
+          eb[p] = b;
         }
-        double term;
-        if (in.moment != nullptr) {
-          const double* m = in.moment + in.owner[g] * 3 * P;
-          const double maa = m[p], mbb = m[P + p], mab2 = 2.0 * m[2 * P + p];
-          term = (product64(product64(maa, ea), ea) + product64(product64(mbb, eb), eb)) +
-                 product64(product64(mab2, ea), eb);
-        } else {
-          term = product64(ea, ea) + product64(eb, eb);
-        }
-        out[t * P + p] = term;
+      }
+      double* o = out + t * P;
+      if (in.moment != nullptr) {
+        for (int64_t p = 0; p < P; ++p)
+          o[p] = (maa[p] * ea[p] * ea[p] + mbb[p] * eb[p] * eb[p]) + mab2[p] * ea[p] * eb[p];
+      } else {
+        for (int64_t p = 0; p < P; ++p) o[p] = ea[p] * ea[p] + eb[p] * eb[p];
       }
     }
   }
   return true;
 }
+
+#pragma GCC pop_options
 
 }  // namespace kvlab_tables
 
