@@ -194,14 +194,14 @@ def test_pn_mix_prefill_tables_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     )
     rotary = RotaryConfig(head_dim=64, base=100000.0)
     calls = []
-    compiled = cache_module.table_distortion_cpu
+    compiled = cache_module.table_terms_cpu
 
-    def spy(*args: object, **kwargs: object) -> torch.Tensor | None:
+    def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor] | None:
         out = compiled(*args, **kwargs)  # type: ignore[arg-type]
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(cache_module, "table_distortion_cpu", spy)
+    monkeypatch.setattr(cache_module, "table_terms_cpu", spy)
     stores = []
     for env in ("torch", None):
         if env is None:

@@ -25,7 +25,9 @@ using kvlab_flush::Half;
 
 struct Inputs {
   int64_t G, T, D, P, W, K;
-  const Half* keys;       // [G, T, D] frame keys
+  const Half* keys;       // [G, T, D] keys (in the frame unless fcs is given)
+  const float* fcs;       // [G, T, P] rotation to the frame (cpu_flush.cpp's to_frame) or null
+  const float* fsn;       // [G, T, P] or null
   const double* cs;       // [G, T, P] or null
   const double* sn;       // [G, T, P] or null
   const int64_t* first;   // [P]
@@ -34,6 +36,7 @@ struct Inputs {
   const double* moment;   // [N, 3, P] (M_aa, M_bb, M_ab per pair) or null
   const int64_t* owner;   // [G] or null
   double* terms;          // [W, G, T, P]
+  int32_t* outliers;      // [G, K]
 };
 
 // The hot loops are written for the vectorizer: the pair channels gathered token-major
@@ -48,6 +51,13 @@ struct Inputs {
 bool group_terms(const Inputs& in, int64_t g) {
   const int64_t T = in.T, D = in.D, P = in.P, K = in.K, TD = T * D, C = 2 * P;
   const Half* k = in.keys + g * TD;
+  std::vector<Half> frame;
+  if (in.fcs != nullptr) {  // the keys in the codec's frame, as the flush forms them
+    frame.resize(TD);
+    kvlab_flush::to_frame(k, in.fcs + g * T * P, in.fsn + g * T * P, in.first, in.second, T, D,
+                          P, frame.data());
+    k = frame.data();
+  }
   std::vector<double> x(TD);
   for (int64_t i = 0; i < TD; ++i) {
     const float v = static_cast<float>(k[i]);
@@ -57,8 +67,8 @@ bool group_terms(const Inputs& in, int64_t g) {
   std::vector<uint8_t> excl(TD, 0);
   if (K > 0) {
     std::vector<double> dist, tmp;
-    std::vector<int32_t> order(K);
-    kvlab_flush::select_outliers(x, T, D, K, dist, tmp, order.data());
+    int32_t* order = in.outliers + g * K;
+    kvlab_flush::select_outliers(x, T, D, K, dist, tmp, order);
     for (int64_t j = 0; j < K; ++j) excl[order[j]] = 1;
   }
   // the pair channels token-major: xp[t * C + c], channel c = first[c] (c < P) or second[c - P]
@@ -176,13 +186,18 @@ bool group_terms(const Inputs& in, int64_t g) {
 }  // namespace kvlab_tables
 
 // The per-token terms of the width-table statistics (file comment).
-//   keys [G, T, D] float16 frame keys (storage-rounded, in the codec's frame); rope_cos /
-//   rope_sin float64 [G, T, P] (rotate_by_delta's tables for the keys' positions) or empty;
-//   pair_first / pair_second int64 [P]; widths int64 [W] (candidate widths, 0..8); outliers K
-//   per group; moment float64 [N, 3, P] (per row the moment's pair entries M_aa, M_bb, M_ab)
-//   and owner int64 [G] (each group's row), or an empty moment (plain squared errors).
-// Returns {terms float64 [W, G, T, P]}, or an empty list when the reference must compute them.
-std::vector<torch::Tensor> table_terms(torch::Tensor keys, torch::Tensor rope_cos,
+//   keys [G, T, D] float16: storage-rounded keys in the codec's frame, or — with frame_cos /
+//   frame_sin float32 [G, T, P] (rotate_by_delta's tables for -position, as encode_groups
+//   takes them) — as gathered, rotated to the frame here; rope_cos / rope_sin float64
+//   [G, T, P] (rotate_by_delta's tables for the keys' positions: the error's rotation) or
+//   empty; pair_first / pair_second int64 [P]; widths int64 [W] (candidate widths, 0..8);
+//   outliers K per group; moment float64 [N, 3, P] (per row the moment's pair entries M_aa,
+//   M_bb, M_ab) and owner int64 [G] (each group's row), or an empty moment (plain squared
+//   errors).
+// Returns {terms float64 [W, G, T, P], outlier_index int32 [G, K] (select_outliers' indices,
+//   what encode_groups takes)}, or an empty list when the reference must compute them.
+std::vector<torch::Tensor> table_terms(torch::Tensor keys, torch::Tensor frame_cos,
+                                       torch::Tensor frame_sin, torch::Tensor rope_cos,
                                        torch::Tensor rope_sin, torch::Tensor pair_first,
                                        torch::Tensor pair_second, torch::Tensor widths,
                                        int64_t outliers, torch::Tensor moment,
@@ -216,6 +231,14 @@ std::vector<torch::Tensor> table_terms(torch::Tensor keys, torch::Tensor rope_co
                 "pair indices must lie in 0..D-1");
   for (int64_t w = 0; w < in.W; ++w)
     TORCH_CHECK(in.widths[w] >= 0 && in.widths[w] <= 8, "widths must lie in 0..8");
+  if (frame_cos.numel() > 0) {
+    for (const auto* t : {&frame_cos, &frame_sin})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                      t->size(0) == in.G && t->size(1) == in.T && t->size(2) == in.P,
+                  "frame_cos/frame_sin must be contiguous float32 [G, T, P]");
+    in.fcs = frame_cos.data_ptr<float>();
+    in.fsn = frame_sin.data_ptr<float>();
+  }
   if (rope_cos.numel() > 0) {
     for (const auto* t : {&rope_cos, &rope_sin})
       TORCH_CHECK(t->scalar_type() == at::kDouble && t->is_contiguous() && t->dim() == 3 &&
@@ -239,11 +262,13 @@ std::vector<torch::Tensor> table_terms(torch::Tensor keys, torch::Tensor rope_co
   in.keys = reinterpret_cast<const Half*>(keys.data_ptr());
   auto terms = torch::empty({in.W, in.G, in.T, in.P}, keys.options().dtype(at::kDouble));
   in.terms = terms.data_ptr<double>();
+  auto index = torch::empty({in.G, in.K}, keys.options().dtype(at::kInt));
+  in.outliers = index.data_ptr<int32_t>();
   std::atomic<bool> exact{true};
   at::parallel_for(0, in.G, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end && exact.load(); ++g)
       if (!kvlab_tables::group_terms(in, g)) exact.store(false);
   });
   if (!exact.load()) return {};
-  return {terms};
+  return {terms, index};
 }
