@@ -93,15 +93,43 @@ void to_frame(const Half* k, const float* cs, const float* sn, const int64_t* fi
 // element beyond the K-th largest distance, then the first of those equal to it.
 void select_outliers(const std::vector<double>& x, int64_t T, int64_t D, int64_t K,
                      std::vector<double>& dist, std::vector<double>& tmp, int32_t* out) {
-  const int64_t n = T * D;
+  const int64_t n = T * D, mid = (T - 1) / 2;  // torch.median: the lower median
   dist.resize(n);
   tmp.resize(std::max(K, T));
-  for (int64_t d = 0; d < D; ++d) {
-    for (int64_t t = 0; t < T; ++t) tmp[t] = x[t * D + d];
-    std::nth_element(tmp.begin(), tmp.begin() + (T - 1) / 2, tmp.begin() + T);
-    const double med = tmp[(T - 1) / 2];  // torch.median: the lower median
-    for (int64_t t = 0; t < T; ++t) dist[t * D + d] = std::fabs(x[t * D + d] - med);
+  thread_local std::vector<double> med;
+  thread_local std::vector<float> sorted, v;
+  med.resize(D);
+  if (T <= 64) {
+    // every channel's mid + 1 smallest values at once, by insertion with the channels the
+    // inner loop (float32: the values are float16, so exact); row j of `sorted` holds each
+    // channel's j-th smallest value of the tokens so far
+    const int64_t keep = mid + 1;
+    sorted.resize(keep * D);
+    v.resize(D);
+    float* __restrict vp = v.data();
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t d = 0; d < D; ++d) vp[d] = static_cast<float>(x[t * D + d]);
+      const int64_t rows = std::min(t, keep);
+      for (int64_t j = 0; j < rows; ++j) {
+        float* __restrict row = sorted.data() + j * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float lo = std::min(row[d], vp[d]), hi = std::max(row[d], vp[d]);
+          row[d] = lo;
+          vp[d] = hi;
+        }
+      }
+      if (t < keep) std::copy(vp, vp + D, sorted.begin() + t * D);
+    }
+    for (int64_t d = 0; d < D; ++d) med[d] = sorted[mid * D + d];
+  } else {
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t t = 0; t < T; ++t) tmp[t] = x[t * D + d];
+      std::nth_element(tmp.begin(), tmp.begin() + mid, tmp.begin() + T);
+      med[d] = tmp[mid];
+    }
   }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) dist[t * D + d] = std::fabs(x[t * D + d] - med[d]);
   // the K-th largest distance: the top of a min-heap of the K largest
   tmp.assign(dist.begin(), dist.begin() + K);
   std::make_heap(tmp.begin(), tmp.begin() + K, std::greater<double>());

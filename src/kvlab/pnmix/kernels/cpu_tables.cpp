@@ -18,6 +18,9 @@
 // in the same module, before this file).
 
 #include <atomic>
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace kvlab_tables {
 
@@ -47,68 +50,135 @@ struct Inputs {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-// the terms of group g; false when the reference might differ (see the file comment)
-bool group_terms(const Inputs& in, int64_t g) {
-  const int64_t T = in.T, D = in.D, P = in.P, K = in.K, TD = T * D, C = 2 * P;
-  const Half* k = in.keys + g * TD;
+// Buffers of one thread, reused from group to group (every entry written before it is read).
+struct Workspace {
   std::vector<Half> frame;
-  if (in.fcs != nullptr) {  // the keys in the codec's frame, as the flush forms them
+  std::vector<double> x, dist, tmp, xp, lo, hi, sum, count, z64, s64, ea, eb, maa, mbb, mab2;
+  std::vector<float> xf, zf, sf, dec;
+  std::vector<uint8_t> excl, ex;
+  std::vector<int64_t> chan;
+
+  void size(int64_t T, int64_t D, int64_t P) {
+    const int64_t TD = T * D, C = 2 * P;
     frame.resize(TD);
-    kvlab_flush::to_frame(k, in.fcs + g * T * P, in.fsn + g * T * P, in.first, in.second, T, D,
-                          P, frame.data());
-    k = frame.data();
+    x.resize(TD);
+    excl.resize(TD);
+    xp.resize(T * C);
+    xf.resize(T * C);
+    dec.resize(T * C);
+    ex.resize(T * C);
+    for (auto* v : {&lo, &hi, &sum, &count, &z64, &s64}) v->resize(C);
+    zf.resize(C);
+    sf.resize(C);
+    for (auto* v : {&ea, &eb, &maa, &mbb, &mab2}) v->resize(P);
+    chan.resize(C);
   }
-  std::vector<double> x(TD);
-  for (int64_t i = 0; i < TD; ++i) {
-    const float v = static_cast<float>(k[i]);
-    if (kvlab_flush::bad(v)) return false;
+};
+
+// x[i] = keys[i] as float64 for i < n; false if one is not finite or a negative zero
+inline bool load_keys(const Half* keys, int64_t n, double* __restrict x) {
+  bool bad = false;
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8) {  // the hardware conversion (exact, as every one here)
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + i)));
+    alignas(32) float v[8];
+    _mm256_store_ps(v, f);
+    for (int j = 0; j < 8; ++j) {
+      bad |= kvlab_flush::bad(v[j]);
+      x[i + j] = v[j];
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(keys[i]);
+    bad |= kvlab_flush::bad(v);
     x[i] = v;
   }
-  std::vector<uint8_t> excl(TD, 0);
+  return !bad;
+}
+
+// the terms of group g; false when the reference might differ (see the file comment)
+bool group_terms(const Inputs& in, int64_t g, Workspace& ws) {
+  const int64_t T = in.T, D = in.D, P = in.P, K = in.K, TD = T * D, C = 2 * P;
+  const Half* k = in.keys + g * TD;
+  if (in.fcs != nullptr) {  // the keys in the codec's frame, as the flush forms them
+    kvlab_flush::to_frame(k, in.fcs + g * T * P, in.fsn + g * T * P, in.first, in.second, T, D,
+                          P, ws.frame.data());
+    k = ws.frame.data();
+  }
+  double* __restrict x = ws.x.data();
+  if (!load_keys(k, TD, x)) return false;
+  uint8_t* __restrict excl = ws.excl.data();
+  std::fill(excl, excl + TD, uint8_t{0});
   if (K > 0) {
-    std::vector<double> dist, tmp;
     int32_t* order = in.outliers + g * K;
-    kvlab_flush::select_outliers(x, T, D, K, dist, tmp, order);
+    kvlab_flush::select_outliers(ws.x, T, D, K, ws.dist, ws.tmp, order);
     for (int64_t j = 0; j < K; ++j) excl[order[j]] = 1;
   }
   // the pair channels token-major: xp[t * C + c], channel c = first[c] (c < P) or second[c - P]
-  std::vector<int64_t> chan(C);
+  int64_t* __restrict chan = ws.chan.data();
   for (int64_t p = 0; p < P; ++p) {
     chan[p] = in.first[p];
     chan[P + p] = in.second[p];
   }
-  std::vector<double> xp(T * C);
-  std::vector<float> xf(T * C);
-  std::vector<uint8_t> ex(T * C);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t c = 0; c < C; ++c) {
-      const int64_t i = t * D + chan[c];
-      xp[t * C + c] = x[i];
-      xf[t * C + c] = static_cast<float>(x[i]);
-      ex[t * C + c] = excl[i];
+  double* __restrict xp = ws.xp.data();
+  float* __restrict xf = ws.xf.data();
+  uint8_t* __restrict ex = ws.ex.data();
+  bool identity = C == D;  // the half layout over every channel: no gather
+  for (int64_t c = 0; c < C && identity; ++c) identity = chan[c] == c;
+  if (identity) {
+    for (int64_t i = 0; i < TD; ++i) {
+      xp[i] = x[i];
+      xf[i] = static_cast<float>(x[i]);
+      ex[i] = excl[i];
+    }
+  } else {
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t i = t * D + chan[c];
+        xp[t * C + c] = x[i];
+        xf[t * C + c] = static_cast<float>(x[i]);
+        ex[t * C + c] = excl[i];
+      }
     }
   }
   // per channel: min and max of the non-outliers, and their mean (width 0)
   const double inf = std::numeric_limits<double>::infinity();
-  std::vector<double> lo(C, inf), hi(C, -inf), sum(C, 0.0), count(C, 0.0);
+  double* __restrict lo = ws.lo.data();
+  double* __restrict hi = ws.hi.data();
+  double* __restrict sum = ws.sum.data();
+  double* __restrict count = ws.count.data();
+  for (int64_t c = 0; c < C; ++c) {
+    lo[c] = inf;
+    hi[c] = -inf;
+    sum[c] = 0.0;
+    count[c] = 0.0;
+  }
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t c = 0; c < C; ++c) {
       const double v = xp[t * C + c];
       const bool kept = !ex[t * C + c];
       sum[c] += kept ? v : 0.0;  // exact for float16 keys (cpu_flush.cpp): any order
       count[c] += kept ? 1.0 : 0.0;
-      lo[c] = kept && v < lo[c] ? v : lo[c];
-      hi[c] = kept && v > hi[c] ? v : hi[c];
+      const double vl = kept ? v : inf, vh = kept ? v : -inf;  // an outlier changes neither
+      lo[c] = vl < lo[c] ? vl : lo[c];
+      hi[c] = vh > hi[c] ? vh : hi[c];
     }
   }
   for (int64_t c = 0; c < C; ++c) {
     if (lo[c] > hi[c]) lo[c] = hi[c] = 0.0;  // every token an outlier
   }
-  std::vector<double> z64(C), s64(C);
-  std::vector<float> zf(C), sf(C);
-  std::vector<float> dec(T * C);
-  std::vector<double> ea(P), eb(P);
-  std::vector<double> maa(P, 0.0), mbb(P, 0.0), mab2(P, 0.0);
+  double* __restrict z64 = ws.z64.data();
+  double* __restrict s64 = ws.s64.data();
+  float* __restrict zf = ws.zf.data();
+  float* __restrict sf = ws.sf.data();
+  float* __restrict dec = ws.dec.data();
+  double* __restrict ea = ws.ea.data();
+  double* __restrict eb = ws.eb.data();
+  double* __restrict maa = ws.maa.data();
+  double* __restrict mbb = ws.mbb.data();
+  double* __restrict mab2 = ws.mab2.data();
   if (in.moment != nullptr) {
     const double* m = in.moment + in.owner[g] * 3 * P;
     for (int64_t p = 0; p < P; ++p) {
@@ -134,42 +204,46 @@ bool group_terms(const Inputs& in, int64_t g) {
       sf[c] = static_cast<float>(kvlab_flush::to_half((hi[c] - lo[c]) / top));
       const double z = zf[c], sc = sf[c];
       const bool valid = sc > 0.0 && std::isfinite(sc) && std::isfinite(z);
-      z64[c] = valid ? z : 0.0;
+      z64[c] = valid ? z : std::numeric_limits<double>::quiet_NaN();  // NaN: codes 0
       s64[c] = valid ? sc : 1.0;
-      if (!valid) z64[c] = std::numeric_limits<double>::quiet_NaN();  // marks: codes 0
     }
     // decoded values: zero + code * scale (float32), the payload's exact value at outliers;
     // code = round-half-even((x - zero) / scale) clamped to 0..levels (cpu_flush.cpp's code_of)
     for (int64_t t = 0; t < T; ++t) {
+      const double* __restrict xt = xp + t * C;
+      const float* __restrict ft = xf + t * C;
+      const uint8_t* __restrict et = ex + t * C;
+      float* __restrict dt = dec + t * C;
       for (int64_t c = 0; c < C; ++c) {
-        const double r = std::nearbyint((xp[t * C + c] - z64[c]) / s64[c]);
+        const double r = std::nearbyint((xt[c] - z64[c]) / s64[c]);
         double code = r < 0.0 ? 0.0 : r;
         code = code > top ? top : code;
-        code = r == r ? code : 0.0;  // NaN: an invalid scale or width 0
+        code = r == r ? code : 0.0;  // NaN: an invalid scale
         const float v = zf[c] + static_cast<float>(code) * sf[c];
-        dec[t * C + c] = ex[t * C + c] ? xf[t * C + c] : v;
+        dt[c] = et[c] ? ft[c] : v;
       }
     }
     double* out = in.terms + (w * in.G + g) * T * P;
     const double* cs = in.cs != nullptr ? in.cs + g * T * P : nullptr;
     const double* sn = in.sn != nullptr ? in.sn + g * T * P : nullptr;
     for (int64_t t = 0; t < T; ++t) {
-      const float* dt = dec.data() + t * C;
-      const double* xt = xp.data() + t * C;
+      const float* __restrict dt = dec + t * C;
+      const double* __restrict xt = xp + t * C;
       for (int64_t p = 0; p < P; ++p) {
         ea[p] = static_cast<double>(dt[p]) - xt[p];
         eb[p] = static_cast<double>(dt[P + p]) - xt[P + p];
       }
       if (cs != nullptr) {  // rotate_by_delta in float64: x1 c - x2 s, x1 s + x2 c
+        const double* __restrict ct = cs + t * P;
+        const double* __restrict st = sn + t * P;
         for (int64_t p = 0; p < P; ++p) {
-          const double c = cs[t * P + p], s = sn[t * P + p];
-          const double a = ea[p] * c - eb[p] * s;
-          const double b = ea[p] * s + eb[p] * c;
+          const double a = ea[p] * ct[p] - eb[p] * st[p];
+          const double b = ea[p] * st[p] + eb[p] * ct[p];
           ea[p] = a;
           eb[p] = b;
         }
       }
-      double* o = out + t * P;
+      double* __restrict o = out + t * P;
       if (in.moment != nullptr) {
         for (int64_t p = 0; p < P; ++p)
           o[p] = (maa[p] * ea[p] * ea[p] + mbb[p] * eb[p] * eb[p]) + mab2[p] * ea[p] * eb[p];
@@ -266,8 +340,10 @@ std::vector<torch::Tensor> table_terms(torch::Tensor keys, torch::Tensor frame_c
   in.outliers = index.data_ptr<int32_t>();
   std::atomic<bool> exact{true};
   at::parallel_for(0, in.G, 1, [&](int64_t begin, int64_t end) {
+    kvlab_tables::Workspace ws;
+    ws.size(in.T, in.D, in.P);
     for (int64_t g = begin; g < end && exact.load(); ++g)
-      if (!kvlab_tables::group_terms(in, g)) exact.store(false);
+      if (!kvlab_tables::group_terms(in, g, ws)) exact.store(false);
   });
   if (!exact.load()) return {};
   return {terms, index};
