@@ -6,9 +6,10 @@ the window per query head and over the GQA group, the last query's, the largest)
 The probabilities ``[B, H, G*w, S]`` are never all held at once beyond
 :data:`ONE_PIECE_LOGITS` logits: a larger window is computed in chunks of its queries of about
 :data:`CHUNK_LOGITS` logits each (memory bounded by the chunk, cache-resident passes), and the
-sums accumulate chunk by chunk in float64. Up to :data:`ONE_PIECE_LOGITS` the window is one
-piece and every reduction is the one of a single ``[B, H, G, w, S]`` tensor; in chunks the sums
-are formed in another order (float32 rounding apart, the same values).
+sums over a chunk's queries (float32) accumulate chunk by chunk in float64. Up to
+:data:`ONE_PIECE_LOGITS` the window is one piece and every reduction is the one of a single
+``[B, H, G, w, S]`` tensor; in chunks the sums are formed in another order (float32 rounding
+apart, the same values).
 """
 
 from __future__ import annotations
@@ -45,14 +46,24 @@ class WindowAttention:
 
 
 def _causal_logits(
-    q: Tensor, keys_t: Tensor, scaling: float, limit: Tensor, valid: Tensor, slot: Tensor
+    q: Tensor,
+    keys_t: Tensor,
+    scaling: float,
+    limit: Tensor,
+    valid: Tensor | None,
+    slot: Tensor,
+    start: int,
 ) -> Tensor:
     """Logits ``[B, H, R, S]`` of queries ``q`` ``[B, H, R, D]`` (float32) over ``keys_t``
-    ``[B, H, D, S]``, ``-inf`` where a slot lies past the query's ``limit`` ``[H, R]`` or is
-    not ``valid`` ``[B, H, S]``."""
+    ``[B, H, D, S]``, ``-inf`` where a slot lies past the query's ``limit`` ``[H, R]`` (only
+    slots from ``start`` on can) or is not ``valid`` ``[B, H, S]`` (``None``: all are)."""
     logits = q @ keys_t * scaling
-    allowed = (slot.view(1, 1, -1) <= limit.unsqueeze(-1)).unsqueeze(0) & valid.unsqueeze(2)
-    return logits.masked_fill_(~allowed, float("-inf"))
+    tail = logits[..., start:]
+    late = (slot[start:].view(1, 1, -1) > limit.unsqueeze(-1)).unsqueeze(0)
+    tail.masked_fill_(late, float("-inf"))
+    if valid is not None:
+        logits.masked_fill_(~valid.unsqueeze(2), float("-inf"))
+    return logits
 
 
 def window_attention(
@@ -71,7 +82,8 @@ def window_attention(
     cache positions, and see the slots up to their own (causal: query ``j`` of the window sees
     slot ``i`` of head ``h`` when ``i <= count_h - w + j``, ``count_h`` the head's valid slots
     in row 0). Computed in one piece up to :data:`ONE_PIECE_LOGITS` logits, else in chunks of
-    queries (module docstring). No device read."""
+    queries (module docstring). Reads the heads' counts and whether every slot is valid to the
+    host (one device read)."""
     batch, hq, q_len, dim = query.shape
     heads, s = keys.shape[1], keys.shape[2]
     group = hq // heads
@@ -80,12 +92,16 @@ def window_attention(
     keys_t = keys.float().transpose(-1, -2)
     counts = valid[0].sum(-1)  # [H]
     slot = torch.arange(s, device=query.device)
+    # every query sees the slots before the shortest head's count - w + 1 (one host read)
+    start = max(0, min(int(counts.min()) - w + 1, s))
+    every = bool(valid.all())
+    mask = None if every else valid
     logits_per_query = batch * heads * group * s
     if logits_per_query * w <= ONE_PIECE_LOGITS:
         j = torch.arange(w, device=query.device).repeat(group)  # [G*w]
         limit = counts.view(heads, 1) - w + j.view(1, -1)  # [H, G*w]
         logits = _causal_logits(
-            q.reshape(batch, heads, group * w, dim), keys_t, scaling, limit, valid, slot
+            q.reshape(batch, heads, group * w, dim), keys_t, scaling, limit, mask, slot, start
         )
         probs = torch.softmax(logits, dim=-1).reshape(batch, heads, group, w, s)
         return WindowAttention(
@@ -103,9 +119,9 @@ def window_attention(
         j = torch.arange(j0, j1, device=query.device).repeat(group)
         limit = counts.view(heads, 1) - w + j.view(1, -1)
         part = q[:, :, :, j0:j1].reshape(batch, heads, group * (j1 - j0), dim)
-        logits = _causal_logits(part, keys_t, scaling, limit, valid, slot)
+        logits = _causal_logits(part, keys_t, scaling, limit, mask, slot, start)
         probs = torch.softmax(logits, dim=-1).view(batch, heads, group, j1 - j0, s)
-        sums += probs.sum(3, dtype=torch.float64)
+        sums += probs.sum(3).double()  # float32 within a chunk, float64 across chunks
         if top is not None:
             top = torch.maximum(top, probs.amax(dim=(2, 3)))
         if j1 == w:
