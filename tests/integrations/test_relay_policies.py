@@ -122,8 +122,13 @@ class _WindowProbe(SnapKVScorer):
         self.shapes = []
 
     def score(self, inputs):
-        self.shapes.append(tuple(inputs.window_probs.shape))
-        torch.testing.assert_close(inputs.window_probs.sum((2, 3)), inputs.window_attention)
+        groups = inputs.window_groups
+        # each query's probabilities sum to 1: the window's queries per query head
+        window = round(float(groups.sum(-1).mean()))
+        torch.testing.assert_close(groups.sum(-1), torch.full(groups.shape[:-1], float(window)))
+        self.shapes.append((*groups.shape[:3], window, groups.shape[3]))
+        torch.testing.assert_close(groups.sum(2), inputs.window_attention)
+        assert inputs.window_last.shape == groups.shape
         return super().score(inputs)
 
 

@@ -382,8 +382,9 @@ def test_caches_store_the_same_bytes_with_the_compiled_flush(case: dict) -> None
 
 
 def test_pn_mix_decode_flushes_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode loop of the ``pn-mix`` method's configuration: every flush after the row
-    tables exist is coded by the kernel, and the store equals the reference's."""
+    """A prefill and a decode loop of the ``pn-mix`` method's configuration: every flush is
+    coded by the kernel (the prefill's after its row tables are computed), and the store
+    equals the reference's."""
     config = PNMixConfig(
         bits=2,
         key_coding="bit_alloc",
@@ -426,7 +427,7 @@ def test_pn_mix_decode_flushes_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -
         stores.append(_store_bytes(cache))
         counted.append(calls["coded"])
     _same_stores(stores[0], stores[1])
-    assert counted == [0, 3]  # decode flushes at 544, 576 and 608 tokens
+    assert counted == [0, 4]  # the prefill's flush; decode flushes at 544, 576 and 608 tokens
 
 
 def test_flush_dispatch() -> None:
@@ -465,13 +466,16 @@ def test_encode_groups_refuses_bad_buffers() -> None:
     layout = KeyLayout.for_rotary(8, 8)
     empty = torch.empty(0)
     good = torch.zeros(2, 4, 8, dtype=F16)
-    args = (empty, empty, layout.first, layout.second, empty, good, 2, 0, False)
+    args = (empty, empty, layout.first, layout.second, empty, good, 2, 0, False, empty)
     with pytest.raises(RuntimeError, match="float16"):
         module.encode_groups(good.float(), *args)
     with pytest.raises(RuntimeError, match="outliers"):
-        module.encode_groups(good, *args[:7], 32, False)
+        module.encode_groups(good, *args[:7], 32, False, empty)
     with pytest.raises(RuntimeError, match="power-of-two"):
-        module.encode_groups(good, *args[:5], torch.zeros(2, 4, 6, dtype=F16), 2, 0, True)
+        module.encode_groups(good, *args[:5], torch.zeros(2, 4, 6, dtype=F16), 2, 0, True, empty)
     bad_widths = torch.full((2, 4), 9, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="widths"):
         module.encode_groups(good, *args[:4], bad_widths, *args[5:])
+    for index in (torch.tensor([[3, 1], [0, 2]]), torch.tensor([[0, 32], [0, 1]])):
+        with pytest.raises(RuntimeError, match="outlier_index"):
+            module.encode_groups(good, *args[:7], 2, False, index.to(torch.int32))

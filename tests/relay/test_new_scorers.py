@@ -158,7 +158,7 @@ def test_tova_averages_the_last_query_over_all_heads_by_token():
         values=torch.zeros(1, 2, 4, 8),
         valid=valid,
         original_positions=orig,
-        window_probs=probs,
+        window_last=probs[:, :, :, -1],
     )
     got = TOVAScorer().score(inputs).double()
     last = probs[:, :, :, -1].double().mean(2)  # [1, 2, 4], per kv head
@@ -195,7 +195,7 @@ def test_snapkv_options_match_a_float64_reference(pooling, group_reduction, valu
         valid=valid,
         original_positions=torch.where(valid, torch.arange(slots), -1),
         window_attention=probs.sum((2, 3)),
-        window_probs=probs,
+        window_groups=probs.sum(3),
     )
     scorer = SnapKVScorer(
         kernel, pooling=pooling, group_reduction=group_reduction, value_norm=value_norm

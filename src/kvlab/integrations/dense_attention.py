@@ -92,6 +92,18 @@ def _window_band(q_len: int, k_len: int, sliding_window: int, device: torch.devi
     return (cols > rows - sliding_window).view(1, 1, q_len, k_len)
 
 
+def _no_padding(attention_mask: Tensor | None, k_len: int) -> bool:
+    """Whether ``attention_mask`` masks nothing: ``None``, or a 2-D ``[B, K]`` keep mask of all
+    ones on the CPU (read there, where reading costs no device sync; a mask elsewhere, a 4-D
+    mask or a 2-D mask of another width is left to the masked path, which uses or refuses
+    it)."""
+    if attention_mask is None:
+        return True
+    if attention_mask.dim() != 2 or attention_mask.shape[-1] != k_len:
+        return False
+    return attention_mask.device.type == "cpu" and bool(attention_mask.all())
+
+
 def dense_causal_attention(
     query: Tensor,
     key: Tensor,
@@ -140,6 +152,28 @@ def dense_causal_attention(
     if sliding_window is not None and int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be >= 1 token, got {sliding_window}")
     device = query.device
+    if (
+        is_causal
+        and dropout == 0.0
+        and softcap is None
+        and s_aux is None
+        and (sliding_window is None or k_len <= int(sliding_window))
+        and _no_padding(attention_mask, k_len)
+    ):
+        # SDPA's own causal (or unmasked) attention, as transformers' "sdpa" runs it: no mask
+        # materialized, blocks above the diagonal skipped, GQA without copying the kv heads;
+        # bit-identical to the masked call below (tests/integrations/test_dense_attention.py)
+        if q_len == k_len or q_len == 1:
+            return F.scaled_dot_product_attention(
+                query,
+                key.to(query.dtype),
+                value.to(query.dtype),
+                dropout_p=dropout,
+                is_causal=q_len > 1,
+                scale=scaling,
+                enable_gqa=hq != hkv,
+            )
+        attention_mask = None
     mask: Tensor | None
     if attention_mask is not None and attention_mask.dim() == 4:
         mask = attention_mask

@@ -73,6 +73,9 @@ class RelayLayer(RelayEviction, KVLabLayer):
     #: ratio mode: evict again after each later multi-token forward of an open prompt (False
     #: for the composed cache's eviction stage, which packs after the first forward)
     reevict_prompt = True
+    #: free rows per segment the store keeps after an eviction (docs/design.md, "RoPE-Relay:
+    #: Segment layout and growth"): its buffers shrink to the kept tokens plus this
+    PROMPT_ROOM = 64
 
     def __init__(
         self,
@@ -517,7 +520,9 @@ class RelayLayer(RelayEviction, KVLabLayer):
         for b in due:
             self.evict(query[b : b + 1, :, plan.num_new - plan.real[b] :], scaling, row=b)
         if due:
-            self.store.shrink()
+            # the evicted rows leave the buffers: keep what the budget keeps, plus a little room
+            # (a prompt's next chunk or the decode re-lays out with its own headroom)
+            self.store.shrink(slack=1.0, room=self.PROMPT_ROOM)
         return out
 
     def take_pending(

@@ -30,6 +30,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,6 +44,8 @@ __all__ = [
     "mixed_bits_quantize",
     "pair_logit_error",
     "pair_logit_error_unchecked",
+    "pair_moment_entries",
+    "pair_moment_logit_error",
     "query_second_moment",
 ]
 
@@ -127,14 +130,34 @@ def pair_logit_error_unchecked(
     """:func:`pair_logit_error` without input checks and without any device-to-host read (the
     cache's decode path, docs/design.md "Host syncs"); ``moment=None`` is the identity (the
     pair's plain squared key error ``Σ_t e_a² + e_b²``)."""
+    entries = None if moment is None else pair_moment_entries(moment, first, second)
+    return pair_moment_logit_error(errors, entries, first, second)
+
+
+def pair_moment_entries(moment: Tensor, first: Tensor, second: Tensor) -> Tensor:
+    """float64 ``[..., 3, P]``: the entries of a moment ``[..., D, D]`` a pair's logit error
+    reads — ``M_aa``, ``M_bb``, ``M_ab`` of every rotary pair ``(a, b) = (first[p],
+    second[p])`` — exactly (no arithmetic)."""
+    first, second = first.to(moment.device), second.to(moment.device)
+    m = moment.double()
+    return torch.stack([m[..., first, first], m[..., second, second], m[..., first, second]], -2)
+
+
+def pair_moment_logit_error(
+    errors: Tensor, pair_moment: Tensor | None, first: Tensor, second: Tensor
+) -> Tensor:
+    """:func:`pair_logit_error_unchecked` with the moment given by its pair entries
+    ``pair_moment [..., 3, P]`` (:func:`pair_moment_entries`; broadcastable to the errors'
+    leading dims; ``None``: the identity): float64 ``[..., P]``, ``Σ_t (M_aa e_a) e_a + (M_bb
+    e_b) e_b + ((2 M_ab) e_a) e_b`` in that order of operations. No device read."""
     first, second = first.to(errors.device), second.to(errors.device)
     ea, eb = errors[..., first].double(), errors[..., second].double()
-    if moment is None:
+    if pair_moment is None:
         return (ea * ea + eb * eb).sum(-2)
-    m = moment.double().to(errors.device)
-    maa = m[..., first, first].unsqueeze(-2)
-    mbb = m[..., second, second].unsqueeze(-2)
-    mab = m[..., first, second].unsqueeze(-2)
+    m = pair_moment.double().to(errors.device)
+    maa = m[..., 0, :].unsqueeze(-2)
+    mbb = m[..., 1, :].unsqueeze(-2)
+    mab = m[..., 2, :].unsqueeze(-2)
     return (maa * ea * ea + mbb * eb * eb + 2.0 * mab * ea * eb).sum(-2)
 
 
@@ -183,7 +206,9 @@ def allocate_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: 
     return greedy_pair_bits(distortion, w, average_bits)
 
 
-def greedy_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: int) -> Tensor:
+def greedy_pair_bits(
+    distortion: Tensor, widths: Sequence[int], average_bits: int, *, on_host: bool | None = None
+) -> Tensor:
     """The greedy of :func:`allocate_pair_bits` without input checks, on the distortion's
     device and without any device-to-host read (a fixed number of vectorized steps; the
     cache's decode path, docs/design.md "Host syncs"). Same result as
@@ -194,6 +219,9 @@ def greedy_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: in
         distortion: float ``[len(widths), B, H_kv, P]``.
         widths: strictly increasing widths (bits).
         average_bits: the average width, ``widths[0] <= average_bits <= widths[-1]``.
+        on_host: run the steps in numpy on the host (the same IEEE operations, the same
+            widths; ``None``: for a CPU distortion) or as torch ops on the distortion's device
+            (False).
 
     Returns:
         int64 ``[B, H_kv, P]`` widths, on the distortion's device.
@@ -203,6 +231,11 @@ def greedy_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: in
     lv = torch.tensor(w, dtype=torch.int64, device=dev)
     top = len(w) - 1
     _, batch, heads, pairs = distortion.shape
+    if on_host is None:
+        on_host = dev.type == "cpu"  # no per-op torch overhead there
+    if on_host:
+        host = _greedy_host(distortion.detach().double().cpu().numpy(), w, average_bits)
+        return torch.from_numpy(host).reshape(batch, heads, pairs).to(dev)
     index = torch.zeros(batch, heads * pairs, dtype=torch.int64, device=dev)
     if top == 0 or heads * pairs == 0:
         return lv[index].reshape(batch, heads, pairs)
@@ -225,6 +258,38 @@ def greedy_pair_bits(distortion: Tensor, widths: Sequence[int], average_bits: in
         index[rows, flat] += take.long()
         left = left - torch.where(take, cost[rows, flat], torch.zeros_like(left))
     return lv[index].reshape(batch, heads, pairs)
+
+
+def _greedy_host(distortion: np.ndarray, widths: list[int], average_bits: int) -> np.ndarray:
+    """:func:`greedy_pair_bits` on a host float64 ``[W, B, H, P]`` array: the same IEEE
+    float64 operations (gains, costs, what is left of the budget) and the same argmax (the
+    first maximum; a NaN counts as the largest, as in torch), so the same widths; it stops
+    at the first step where no row can take a step (every later step would change nothing).
+    Returns int64 ``[B, H * P]``."""
+    lv = np.asarray(widths, dtype=np.int64)
+    top = len(widths) - 1
+    _, batch, heads, pairs = distortion.shape
+    index = np.zeros((batch, heads * pairs), dtype=np.int64)
+    if top == 0 or heads * pairs == 0:
+        return lv[index]
+    step = (lv[1:] - lv[:-1]).astype(np.float64)
+    d = distortion.reshape(len(widths), batch, heads * pairs)
+    gain = np.ascontiguousarray(((d[:-1] - d[1:]) / step[:, None, None]).transpose(1, 2, 0))
+    left = np.full(batch, float((average_bits - widths[0]) * heads * pairs), dtype=np.float64)
+    rows = np.arange(batch)
+    for _ in range(top * heads * pairs):
+        nxt = np.minimum(index, top - 1)
+        cost = step[nxt]  # [B, HP]
+        ok = (index < top) & (cost <= left[:, None])
+        take = ok.any(axis=-1)
+        if not take.any():
+            break
+        cur = np.take_along_axis(gain, nxt[..., None], axis=2)[..., 0]  # [B, HP]
+        cur = np.where(ok, cur, -np.inf)
+        flat = cur.argmax(axis=-1)  # ties: the lowest flat index
+        index[rows, flat] += take
+        left = left - np.where(take, cost[rows, flat], 0.0)
+    return lv[index]
 
 
 def mixed_bits_quantize(

@@ -22,12 +22,14 @@ from torch import Tensor
 from kvlab.pnmix.cache_tables import CacheTables
 from kvlab.pnmix.codecs import TableStatistics
 from kvlab.pnmix.kernels.cpu import encode_groups_cpu
+from kvlab.pnmix.kernels.cpu_tables import distortion_from_terms, table_terms_cpu
 from kvlab.pnmix.kernels.dispatch import select_flush_backend
+from kvlab.pnmix.key_codec import query_pair_moment
 from kvlab.pnmix.packing import pack_codes
 from kvlab.pnmix.store import AppendPlan, EncodedGroups
 from kvlab.pnmix.values import AutoHadamardValueCodec, ValueCodec, attention_weighted_value_error
 from kvlab.pnmix.width_codec import BitAllocCodec
-from kvlab.rope import rotate_by_delta
+from kvlab.rope import rotate_by_delta, rotation_tables
 
 __all__ = ["CacheFlush"]
 
@@ -52,27 +54,32 @@ class CacheFlush(CacheTables):
         rows: np.ndarray,
         query_lengths: np.ndarray | None = None,
     ) -> Tensor:
-        """float64 ``[n, D, D]``: per row ``(b, h)`` of ``rows [n, 2]``, the mean of ``q q^T``
-        over the append's real queries of the row's GQA group (the last ``query_lengths[b]``,
-        or those of the row's real tokens; no device read)."""
+        """float64 ``[n, 3, P]``: per row ``(b, h)`` of ``rows [n, 2]``, the pair entries of
+        the mean of ``q q^T`` (:func:`~kvlab.pnmix.key_codec.query_pair_moment`) over the
+        append's real queries of the row's GQA group (the last ``query_lengths[b]``, or those
+        of the row's real tokens; no device read)."""
         dev = self.device
         b, hq, t, d = queries.shape
         h = self._num_heads
         rep = hq // h
         q = queries.to(dev).double().reshape(b, h, rep, t, d)
-        rb = torch.from_numpy(rows[:, 0]).to(dev)
-        rh = torch.from_numpy(rows[:, 1]).to(dev)
-        picked = q[rb, rh]  # [n, rep, T, D]
+        every = np.arange(b * h)
+        if rows.shape[0] == b * h and (rows[:, 0] * h + rows[:, 1] == every).all():
+            picked = q.reshape(b * h, rep, t, d)  # every row, in order: no copy
+        else:
+            rb = torch.from_numpy(rows[:, 0]).to(dev)
+            rh = torch.from_numpy(rows[:, 1]).to(dev)
+            picked = q[rb, rh]  # [n, rep, T, D]
         if query_lengths is None:
             real = plan.lengths[rows[:, 0], rows[:, 1]]  # host [n]
         else:
             real = query_lengths[rows[:, 0]]
-        first = torch.from_numpy(t - real).to(dev)
-        real_q = torch.arange(t, device=dev)[None, :] >= first[:, None]  # [n, T]
-        picked = torch.where(real_q[:, None, :, None], picked, torch.zeros_like(picked))
-        total = torch.einsum("nrtd,nrte->nde", picked, picked)
+        if (real < t).any():  # zero the padding queries (nothing to zero otherwise)
+            first = torch.from_numpy(t - real).to(dev)
+            real_q = torch.arange(t, device=dev)[None, :] >= first[:, None]  # [n, T]
+            picked = torch.where(real_q[:, None, :, None], picked, torch.zeros_like(picked))
         count = torch.from_numpy(np.maximum(real, 1) * rep).to(dev).double()
-        return total / count[:, None, None]
+        return query_pair_moment(picked.reshape(-1, rep * t, d), self._layout, count)
 
     def _to_frame(self, keys: Tensor, positions: Tensor) -> Tensor:
         """Storage-rounded keys ``[N, T, D]`` rotated back from ``positions [N, T]`` to
@@ -98,23 +105,10 @@ class CacheFlush(CacheTables):
             pos_host = self._store.stream_positions(rows[:, :2], rows[:, 2])
             positions = torch.from_numpy(pos_host).to(dev)
         member = ~self._store.mask_rows[rows[:, 0], rows[:, 1]] if codec.table_bits else None
-        if (
-            self._flush_unsupported is None
-            and (member is None or not member.any())
-            and select_flush_backend(dev) == "cpu"
-        ):
-            # the compiled flush (docs/design.md, "Kernels", "Flush"): the same bytes
-            assert isinstance(codec, BitAllocCodec)
-            fast = encode_groups_cpu(
-                gk,
-                gv,
-                codec=codec,
-                value_codec=self._flush_value_codec,
-                layout=lay,
-                table=self._group_tables(plan, self._mask_bool) if codec.table_bits else None,
-                positions=positions,
-                rotary=self._rotary,
-            )
+        if self._flush_unsupported is None and select_flush_backend(dev) == "cpu":
+            # the compiled flush and table statistics (docs/design.md, "Kernels", "Flush"):
+            # the same bytes as the torch codecs below, which code what the kernels decline
+            fast = self._encode_compiled(plan, gk, gv, positions, member, state)
             if fast is not None:
                 return self._recode_values(plan, rope_keys, gv, fast, state), ok
         if positions is not None:
@@ -146,6 +140,111 @@ class CacheFlush(CacheTables):
             payload,
         )
         return self._recode_values(plan, rope_keys, gv, enc, state), ok
+
+    def _encode_compiled(
+        self,
+        plan: AppendPlan,
+        gk: Tensor,
+        gv: Tensor,
+        positions: Tensor | None,
+        member: np.ndarray | None,
+        state: dict[str, Any],
+    ) -> EncodedGroups | None:
+        """The flushed groups coded by the compiled flush
+        (:func:`~kvlab.pnmix.kernels.cpu.encode_groups_cpu`), the tables of rows flushing
+        their first group computed first by the compiled statistics (:meth:`_compiled_tables`)
+        and recorded in ``state`` — the bytes and tables of the torch path; or ``None`` (and
+        ``state`` untouched) where a kernel declines and the torch codecs must code them."""
+        codec = self._codec
+        assert isinstance(codec, BitAllocCodec)
+        frame_tables = None
+        if positions is not None:
+            assert self._rotary is not None
+            frame_tables = rotation_tables(-positions, self._rotary, torch.float32)
+        table_all = self._mask_bool
+        new = None
+        index = None
+        if member is not None and member.any():
+            new = self._compiled_tables(plan, gk, positions, frame_tables, member, state)
+            if new is None:
+                return None
+            new_table, new_rows, index = new
+            table_all = table_all.clone()
+            dev = table_all.device
+            table_all[
+                torch.from_numpy(new_rows[:, 0]).to(dev),
+                torch.from_numpy(new_rows[:, 1]).to(dev),
+            ] = new_table
+        fast = encode_groups_cpu(
+            gk,
+            gv,
+            codec=codec,
+            value_codec=self._flush_value_codec,
+            layout=self._layout,
+            table=self._group_tables(plan, table_all) if codec.table_bits else None,
+            positions=positions,
+            rotary=self._rotary,
+            frame_tables=frame_tables,
+            outlier_index=index,
+        )
+        if fast is not None and new is not None:
+            state["mask_rows"], state["mask_bits"] = new[1], new[0]
+        return fast
+
+    def _compiled_tables(
+        self,
+        plan: AppendPlan,
+        gk: Tensor,
+        positions: Tensor | None,
+        frame_tables: tuple[Tensor, Tensor] | None,
+        member: np.ndarray,
+        state: dict[str, Any],
+    ) -> tuple[Tensor, np.ndarray, Tensor | None] | None:
+        """:meth:`_compute_tables` of a width codec by the compiled statistics
+        (:func:`~kvlab.pnmix.kernels.cpu_tables.table_terms_cpu`; the reference's bits):
+        ``(tables, rows, outlier_index)`` — the outliers of every flushed group when every
+        group computes a table (else ``None``) — or ``None`` where the kernel declines."""
+        codec = self._codec
+        assert isinstance(codec, BitAllocCodec)
+        rows = plan.group_rows
+        dev = gk.device
+        pick = np.flatnonzero(member)
+        every = pick.size == rows.shape[0]
+        keys_rows, owner = np.unique(rows[pick, :2], axis=0, return_inverse=True)
+        pick_t = torch.from_numpy(pick).to(dev)
+        owner_t = torch.from_numpy(owner.reshape(-1)).to(dev)
+        queries = state.get("queries")
+        moment = None
+        if queries is not None and codec.query_aware:
+            moment = self._query_moment(queries, plan, keys_rows, state.get("query_lengths"))
+        error_tables = None
+        if moment is not None and positions is not None:
+            assert self._rotary is not None
+            error_tables = rotation_tables(
+                positions.index_select(0, pick_t), self._rotary, torch.float64
+            )
+        keys, tables = gk, frame_tables
+        if not every:
+            keys = gk.index_select(0, pick_t)
+            if frame_tables is not None:
+                tables = (frame_tables[0][pick_t], frame_tables[1][pick_t])
+        t, d = gk.shape[1:]
+        out = table_terms_cpu(
+            keys,
+            layout=self._layout,
+            widths=codec.widths,
+            outliers=codec.outlier_count(t, d),
+            frame_tables=tables,
+            error_tables=error_tables,
+            pair_moment=moment,
+            owner=owner_t,
+        )
+        if out is None:
+            return None
+        terms, index = out
+        distortion = distortion_from_terms(terms, owner_t, keys_rows.shape[0])
+        table = codec.table_from_distortion(distortion).to(codec.table_dtype)
+        return table, keys_rows, index if every else None
 
     # ------------------------------------------------------------------ value choice
     #: the last queries of an append that choose a row's value coding (at most; docs/design.md,
@@ -302,7 +401,7 @@ class CacheFlush(CacheTables):
             first=torch.from_numpy(first).to(dev),
             storage_dtype=self._config.storage_dtype,
             layout=self._layout,
-            moment=(
+            pair_moment=(
                 None
                 if queries is None
                 else self._query_moment(queries, plan, keys_rows, state.get("query_lengths"))

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from kvlab.pnmix.bitalloc import pair_logit_error_unchecked
+from kvlab.pnmix.bitalloc import pair_moment_entries, pair_moment_logit_error
 from kvlab.pnmix.packing import pack_codes, packed_length, unpack_codes
 from kvlab.pnmix.quantizers import minmax_dequantize, minmax_quantize, rotary_pair_indices
 from kvlab.rope import rotate_by_delta
@@ -49,6 +49,7 @@ __all__ = [
     "columns",
     "minmax_decode",
     "minmax_encode",
+    "query_pair_moment",
 ]
 
 
@@ -124,11 +125,44 @@ class KeyLayout:
         """Rotary pairs ``P``."""
         return self.first.numel()
 
+    def pair_channels(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The first and second channels of every rotary pair of ``x [..., D]``: ``[..., P]``
+        each, as views for the ``"half"`` and ``"interleaved"`` layouts (else gathered)."""
+        p = self.num_pairs
+        if self.rotary_layout == "half":
+            return x[..., :p], x[..., p : 2 * p]
+        if self.rotary_layout == "interleaved":
+            return x[..., 0 : 2 * p : 2], x[..., 1 : 2 * p : 2]
+        return x[..., self.first.to(x.device)], x[..., self.second.to(x.device)]
+
     def to(self, device: torch.device | str) -> KeyLayout:
         """The same layout with its index tensors on ``device``."""
         return KeyLayout(
             self.head_dim, self.first.to(device), self.second.to(device), self.rotary_layout
         )
+
+
+def query_pair_moment(queries: Tensor, layout: KeyLayout, count: Tensor) -> Tensor:
+    """The entries of the query second moment ``E[q q^T]`` that the pair rules read
+    (:func:`~kvlab.pnmix.bitalloc.pair_moment_entries`) without forming the ``D x D``
+    product: float64 ``[n, 3, P]``, ``(Σ q_a², Σ q_b², Σ q_a q_b) / count`` of every rotary
+    pair ``(a, b)`` over the ``K`` queries of each of ``n`` rows.
+
+    Args:
+        queries: float64 ``[n, K, D]`` (a row's queries, padding zeroed).
+        layout: the head's pairs.
+        count: float64 ``[n]``: the queries each mean divides by.
+
+    Returns:
+        float64 ``[n, 3, P]``: sums of exact float64 products in torch's reduction order over
+        ``K`` (they agree with a BLAS ``q^T q`` to float64 rounding). No device read.
+    """
+    square = (queries * queries).sum(1)  # [n, D]
+    qa, qb = layout.pair_channels(queries)
+    cross = (qa * qb).sum(1)  # [n, P]
+    first, second = layout.first.to(queries.device), layout.second.to(queries.device)
+    total = torch.stack([square[:, first], square[:, second], cross], 1)
+    return total / count[:, None, None]
 
 
 class KeyCodes(NamedTuple):
@@ -156,11 +190,15 @@ class TableStatistics:
         layout: the head's channel geometry.
         moment: float64 ``[N, D, D]``: per row, the mean of ``q q^T`` over the commit's real
             (RoPE-rotated) queries of the row's GQA group; ``None`` when the commit brought no
-            queries (then rules use the identity: plain squared key errors).
+            queries (then rules use the identity: plain squared key errors) or when
+            :attr:`pair_moment` gives it.
         positions: ``[G, T]`` RoPE positions (tokens) of the keys, for position-aware codecs
             (``None`` otherwise): a pre-RoPE error is rotated to its position before it meets
             the queries.
         rotary: the layer's RoPE (with ``positions``).
+        pair_moment: float64 ``[N, 3, P]``: the moment's entries the rules read, ``(M_aa,
+            M_bb, M_ab)`` of every rotary pair (:func:`query_pair_moment`;
+            what a cache passes), in place of :attr:`moment`; ``None``: :attr:`moment`'s.
     """
 
     keys: Tensor
@@ -171,6 +209,7 @@ class TableStatistics:
     moment: Tensor | None = None
     positions: Tensor | None = None
     rotary: RotaryConfig | None = None
+    pair_moment: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -181,6 +220,15 @@ class TableStatistics:
         """Keys ``[N, T, D]`` of each row's first group."""
         return self.keys.index_select(0, self.first)
 
+    def moment_entries(self) -> Tensor | None:
+        """float64 ``[N, 3, P]``: :attr:`pair_moment`, else the pair entries of :attr:`moment`
+        (:func:`~kvlab.pnmix.bitalloc.pair_moment_entries`), else ``None``."""
+        if self.pair_moment is not None:
+            return self.pair_moment.double()
+        if self.moment is None:
+            return None
+        return pair_moment_entries(self.moment, self.layout.first, self.layout.second)
+
     def logit_error(self, error: Tensor, *, query_weighted: bool = True) -> Tensor:
         """Per row and rotary pair, float64 ``[N, P]``: ``Σ_groups Σ_t E_q[(q_pair ·
         e_pair)²]`` (the issue-8 criterion; :func:`kvlab.pnmix.bitalloc.pair_logit_error`)
@@ -190,11 +238,11 @@ class TableStatistics:
         back from the device."""
         lay = self.layout
         e = error.double()
-        moment = self.moment if query_weighted else None
+        moment = self.moment_entries() if query_weighted else None
         if moment is not None and self.positions is not None and self.rotary is not None:
             e = rotate_by_delta(e, self.positions.to(e.device), self.rotary)
         m = None if moment is None else moment.index_select(0, self.owner).unsqueeze(1)
-        per_group = pair_logit_error_unchecked(e.unsqueeze(1), m, lay.first, lay.second)[:, 0]
+        per_group = pair_moment_logit_error(e.unsqueeze(1), m, lay.first, lay.second)[:, 0]
         out = per_group.new_zeros((self.num_rows, lay.num_pairs))
         return out.index_add_(0, self.owner, per_group)
 

@@ -227,7 +227,21 @@ class BitAllocCodec(KeyCodec):
         """Widths ``[N, P]`` (uint8): per row, :func:`~kvlab.pnmix.bitalloc.greedy_pair_bits`
         of the distortion of each width on every group the row flushes in the commit
         (query-weighted logit error, or the plain key error), with a budget of ``bits * P``
-        bits per row (each row's own kv head)."""
+        bits per row (each row's own kv head): :meth:`table_from_distortion` of
+        :meth:`table_distortion`."""
+        return self.table_from_distortion(self.table_distortion(stats))
+
+    def table_distortion(self, stats: TableStatistics) -> Tensor:
+        """float64 ``[W, N, P]``: per candidate width ``widths[w]`` (a table of it for every
+        pair), row and rotary pair, the error of coding the row's groups at that width
+        (:meth:`~kvlab.pnmix.key_codec.TableStatistics.logit_error`: query-weighted logit
+        error, or the plain key error), outliers written back. No device read. The compiled
+        CPU statistics (:func:`kvlab.pnmix.kernels.cpu_tables.table_distortion_cpu`) give the
+        same bits.
+
+        Raises:
+            NotImplementedError: a one-width codec (no table).
+        """
         if self.table_bits == 0:
             raise NotImplementedError(f"{self} keeps no per-pair table")
         keys, lay, dt = stats.keys, stats.layout, stats.storage_dtype
@@ -243,8 +257,14 @@ class BitAllocCodec(KeyCodec):
             decoded = self.apply_payload(decoded, coded.payload, dt)
             error = decoded.double() - keys.double()
             dist.append(stats.logit_error(error, query_weighted=self.query_aware))
-        distortion = torch.stack(dist).unsqueeze(2)  # [W, N, 1, P]: one budget per row
-        return greedy_pair_bits(distortion, self.widths, self.bits)[:, 0].to(torch.uint8)
+        return torch.stack(dist)
+
+    def table_from_distortion(self, distortion: Tensor) -> Tensor:
+        """Widths ``[N, P]`` (uint8) from :meth:`table_distortion`'s ``[W, N, P]``: per row,
+        :func:`~kvlab.pnmix.bitalloc.greedy_pair_bits` with a budget of ``bits * P`` bits."""
+        return greedy_pair_bits(distortion.unsqueeze(2), self.widths, self.bits)[:, 0].to(
+            torch.uint8
+        )
 
     # ------------------------------------------------------------------ coding
     def _outliers(self, x: Tensor) -> tuple[Tensor | None, Tensor | None]:

@@ -91,6 +91,14 @@ def ragged_attention(
             )
     group = q_heads // heads
     segments = batch * heads
+    if (
+        q_len > 1
+        and softcap is None
+        and s_aux is None
+        and (query_lengths is None or all(r == q_len for r in query_lengths))
+        and min(store.lengths) == max(store.lengths) >= q_len
+    ):
+        return _equal_segments_attention(query, store, scale)
     # [B*H, G, S, D] views of the buffers, the group a stride-0 axis: no copy
     view = store.padded_view(group)
     longest, keys, values = view.longest, view.keys, view.values
@@ -139,6 +147,37 @@ def ragged_attention(
     if pad_queries is not None:
         out = out.masked_fill(pad_queries.view(batch, 1, q_len, 1), 0)
     return out
+
+
+def _equal_segments_attention(query: Tensor, store: RelayStore, scale: float) -> Tensor:
+    """A multi-token forward of real queries over segments that all hold ``S >= Q`` tokens (a
+    prefill, or a chunk of one, before any eviction): one SDPA call on ``[B, H_q, Q, D]`` over
+    ``[B, H_kv, S, D]`` views of the buffers (GQA without copying the kv heads), causal —
+    SDPA's own ``is_causal`` when ``S == Q`` (no mask; the blocks above the diagonal are never
+    computed), else the bottom-right band ``[Q, S]`` shared by every segment. The bits of the
+    per-segment masked call it replaces (tests/relay/test_prefill_attention.py)."""
+    batch, q_heads, q_len, _ = query.shape
+    heads, stride, length = store.heads, store.stride, store.lengths[0]
+    d, dv = store.head_dim, store.value_dim
+    keys = store.keys.as_strided((batch, heads, length, d), (heads * stride * d, stride * d, d, 1))
+    values = store.values.as_strided(
+        (batch, heads, length, dv), (heads * stride * dv, stride * dv, dv, 1)
+    )
+    if keys.dtype != query.dtype:
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
+    mask = None
+    if length > q_len:
+        row = torch.arange(q_len, device=query.device).view(-1, 1) + (length - q_len)
+        mask = store.slots(length).view(1, -1) <= row  # [Q, S]
+    return F.scaled_dot_product_attention(
+        query,
+        keys,
+        values,
+        attn_mask=mask,
+        scale=scale,
+        is_causal=mask is None,
+        enable_gqa=q_heads != heads,
+    )
 
 
 def _kernel_covers(

@@ -10,8 +10,9 @@ Per sequence (a row's result never depends on its batch neighbours):
 2. a scorer (:mod:`kvlab.relay.scorers`: recency, key norm, SnapKV, ExpectedAttention, TOVA,
    combinations) scores every token of every head — SnapKV and TOVA from the per-query-head
    attention probabilities of the forward's last queries (the observation window,
-   :func:`window_attention`), which the attention function has at hand; ExpectedAttention from
-   the forward's queries; KVzip from a reconstruction pass's scores;
+   :func:`kvlab.relay.observation.window_attention`), which the attention function has at
+   hand; ExpectedAttention from the forward's queries; KVzip from a reconstruction pass's
+   scores;
 3. the layer budget is split into per-head counts (:mod:`kvlab.relay.budgets`), sinks and the
    recent window always kept;
 4. with ``relay=True`` (RoPE-Relay) the kept keys are relayed with :func:`kvlab.relay.relay` —
@@ -35,36 +36,12 @@ from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.relay.core import relay
 from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
+from kvlab.relay.observation import window_attention
 from kvlab.relay.scorers import ScoreInputs, Scorer
 from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig
 
-__all__ = ["Evictor", "window_attention"]
-
-
-def window_attention(
-    query: Tensor, scaling: float, keys: Tensor, valid: Tensor, window: int
-) -> Tensor:
-    """Softmax probabilities ``[B, H, G, w, S]`` (float32) of the last ``w = window`` queries
-    (at most the forward's) of ``query`` ``[B, H_q, Q, D]`` over the padded ``keys``
-    ``[B, H, S, D]`` (``valid`` bool ``[B, H, S]``), per query head ``g`` of each GQA group; the
-    queries are the newest tokens of every head, rotated at cache positions, and see the slots
-    up to their own (causal)."""
-    batch, hq, q_len, dim = query.shape
-    heads = keys.shape[1]
-    group = hq // heads
-    w = max(1, min(window, q_len))
-    q = query[:, :, q_len - w :].float().reshape(batch, heads, group * w, dim)
-    logits = q @ keys.float().transpose(-1, -2) * scaling  # [B, H, G*w, S]
-    counts = valid[0].sum(-1)  # [H]
-    # query j of the window is the token at per-head slot counts - w + j: causal mask
-    j = torch.arange(w, device=query.device).repeat(group)  # [G*w]
-    limit = counts.view(heads, 1) - w + j.view(1, -1)  # [H, G*w]
-    slot = torch.arange(keys.shape[2], device=query.device)
-    allowed = slot.view(1, 1, -1) <= limit.unsqueeze(-1)  # [H, G*w, S]
-    allowed = allowed.unsqueeze(0) & valid.unsqueeze(2)
-    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-    return probs.reshape(batch, heads, group, w, keys.shape[2])
+__all__ = ["Evictor"]
 
 
 class Evictor:
@@ -323,11 +300,12 @@ class Evictor:
         view = store.padded([row])
         keys, values, valid = view.keys, view.values, view.valid
         orig, rot = view.original_positions, view.rotary_positions
-        window = probs = None
+        observed = None
         if self.scorer.needs_window_attention:
             assert query is not None and scaling is not None
-            probs = window_attention(query, scaling, keys, valid, self.observation_tokens(recent))
-            window = probs.sum((2, 3))
+            observed = window_attention(
+                query, scaling, keys, valid, self.observation_tokens(recent)
+            )
         query_positions = None
         if query is not None:
             q_len = query.shape[2]
@@ -340,8 +318,9 @@ class Evictor:
                 values=values,
                 valid=valid,
                 original_positions=orig,
-                window_attention=window,
-                window_probs=probs,
+                window_attention=None if observed is None else observed.total,
+                window_groups=None if observed is None else observed.groups,
+                window_last=None if observed is None else observed.last,
                 queries=query if self.scorer.needs_queries else None,
                 query_positions=query_positions,
                 rotary=self.rotary if self.uses_rope else None,  # None: a NoPE layer

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvlab.relay.evictor import window_attention
 from kvlab.relay.kvzip import reconstruction_attention
+from kvlab.relay.observation import window_attention
 from kvlab.relay.storage import RelayStore
 
 __all__ = ["ReconstructionSpan", "join_max", "observe", "reconstruct_row", "split_by_scores"]
@@ -47,8 +47,9 @@ def observe(store: RelayStore, row: int, query: Tensor, scaling: float, queries:
     queries and the GQA group: float32 ``[1, H, S]`` (padded view), which the eviction joins to
     the reconstruction scores by a max (``KVzipScorer(prefill_queries=...)``)."""
     view = store.padded([row])
-    probs = window_attention(query, scaling, view.keys, view.valid, queries)
-    return probs.amax(dim=(2, 3))
+    peak = window_attention(query, scaling, view.keys, view.valid, queries, peak=True).peak
+    assert peak is not None
+    return peak
 
 
 def reconstruct_row(

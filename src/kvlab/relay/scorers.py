@@ -68,9 +68,12 @@ class ScoreInputs:
         original_positions: ``[B, H, S]`` int64 stream index of each token (-1 when invalid).
         window_attention: ``[B, H, S]`` float32 attention mass from the observation window's
             queries (summed over queries and the GQA group), or ``None`` when not computed.
-        window_probs: ``[B, H, G, w, S]`` float32 softmax probabilities of the observation
-            window's ``w`` queries, per query head ``g`` of the GQA group (zero at invalid and
-            causally masked slots); ``window_attention`` is their sum over ``G`` and ``w``.
+        window_groups: ``[B, H, G, S]`` float32 softmax probabilities of the observation
+            window's ``w`` queries summed over them, per query head ``g`` of the GQA group
+            (zero at invalid and causally masked slots); ``window_attention`` is their sum over
+            ``G`` (:class:`kvlab.relay.observation.WindowAttention`).
+        window_last: ``[B, H, G, S]`` float32 probabilities of the window's last query (the
+            newest token), per query head.
         queries: ``[B, H_q, Q, D]`` the current forward's queries, rotated at
             ``query_positions`` (for scorers with ``needs_queries``), or ``None``.
         query_positions: ``[Q]`` int64 rotary positions of ``queries``.
@@ -86,7 +89,8 @@ class ScoreInputs:
     valid: Tensor
     original_positions: Tensor
     window_attention: Tensor | None = None
-    window_probs: Tensor | None = None
+    window_groups: Tensor | None = None
+    window_last: Tensor | None = None
     queries: Tensor | None = None
     query_positions: Tensor | None = None
     rotary: RotaryConfig | None = None
@@ -98,8 +102,9 @@ class Scorer:
     """Base class; each scorer is a frozen dataclass whose fields are its options
     (:meth:`settings`: the ``scorer_options`` of a policy, :func:`scorer_from_settings`).
     Attributes: ``name``; ``needs_window_attention`` (the cache then computes
-    :attr:`ScoreInputs.window_attention` and ``window_probs``); ``observation_tokens`` (the
-    observation window this scorer needs, or ``None`` for the cache's setting);
+    :attr:`ScoreInputs.window_attention`, ``window_groups`` and ``window_last``);
+    ``observation_tokens`` (the observation window this scorer needs, or ``None`` for the
+    cache's setting);
     ``needs_queries`` (the cache then passes the forward's queries and positions);
     ``needs_reconstruction`` (the cache then defers a ratio eviction until a reconstruction
     pass scored its tokens: :mod:`kvlab.relay.kvzip`);
@@ -222,9 +227,9 @@ class SnapKVScorer(Scorer):
             raise ValueError("the snapkv scorer needs window_attention (observation-window probs)")
         attn = inputs.window_attention.float()
         if self.group_reduction == "mean":
-            if inputs.window_probs is None:
-                raise ValueError("group_reduction='mean' needs window_probs")
-            attn = inputs.window_probs.float().sum(3).mean(2)
+            if inputs.window_groups is None:
+                raise ValueError("group_reduction='mean' needs window_groups")
+            attn = inputs.window_groups.float().mean(2)
         out = pool_scores(attn, inputs.valid, self.kernel_size, self.pooling)
         if self.value_norm:
             out = out * torch.linalg.vector_norm(inputs.values.float(), dim=-1)

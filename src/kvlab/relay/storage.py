@@ -317,13 +317,13 @@ class RelayStore:
         mean = sum(self.lengths) / self.num_segments
         return max(self.min_headroom, math.ceil(self.growth * mean))
 
-    def relayout(self, extra: Sequence[int] | None = None) -> None:
+    def relayout(self, extra: Sequence[int] | None = None, room: int | None = None) -> None:
         """Copy the used rows into a new buffer whose common segment capacity (``stride``) fits
-        the longest ``lengths[s] + extra[s]`` plus :meth:`headroom` (one gather and one
-        scatter per buffer)."""
+        the longest ``lengths[s] + extra[s]`` plus ``room`` free rows (default
+        :meth:`headroom`; one gather and one scatter per buffer)."""
         self._write_positions()
         extra = [0] * self.num_segments if extra is None else list(extra)
-        room = self.headroom()
+        room = self.headroom() if room is None else max(self.min_headroom, int(room))
         stride = max(n + e for n, e in zip(self.lengths, extra, strict=True)) + room
         src = _arange_segments(self.offsets, self.lengths).to(self.device)
         old = (self.keys, self.values, self.original_positions, self.rotary_positions)
@@ -339,12 +339,14 @@ class RelayStore:
         self._mark_bias(slice(None))
         self.relayouts += 1
 
-    def shrink(self, slack: float = 2.0) -> bool:
+    def shrink(self, slack: float = 2.0, room: int | None = None) -> bool:
         """Re-lay out (freeing memory) when the allocation exceeds ``slack`` times what a fresh
-        layout would reserve; returns whether it did."""
-        target = self.num_segments * (max(self.lengths, default=0) + self.headroom())
+        layout with ``room`` free rows per segment (default :meth:`headroom`, at least
+        ``min_headroom``) would reserve; returns whether it did."""
+        free = self.headroom() if room is None else max(self.min_headroom, int(room))
+        target = self.num_segments * (max(self.lengths, default=0) + free)
         if self.rows_allocated > slack * target:
-            self.relayout()
+            self.relayout(room=free)
             return True
         return False
 

@@ -31,7 +31,7 @@ class TOVAScorer(Scorer):
             (mean over each kv head's GQA group).
 
     Raises:
-        ValueError: an unknown ``head_reduction``; at scoring time, missing ``window_probs``.
+        ValueError: an unknown ``head_reduction``; at scoring time, missing ``window_last``.
     """
 
     name = "tova"
@@ -52,9 +52,9 @@ class TOVAScorer(Scorer):
         return "uniform" if self.head_reduction == "layer" else "adaptive"
 
     def score(self, inputs: ScoreInputs) -> Tensor:
-        if inputs.window_probs is None:
-            raise ValueError("the tova scorer needs window_probs (last-query attention)")
-        last = inputs.window_probs[:, :, :, -1].float()  # [B, H, G, S]
+        if inputs.window_last is None:
+            raise ValueError("the tova scorer needs window_last (last-query attention)")
+        last = inputs.window_last.float()  # [B, H, G, S]
         per_head = last.mean(2)  # [B, H, S]
         if self.head_reduction == "group":
             return per_head.masked_fill(~inputs.valid, 0.0)

@@ -50,7 +50,7 @@ _LOG = logging.getLogger("kvlab")
 _EMPTY = torch.empty(0)
 
 
-_SOURCES = ("cpu_kernel.cpp", "cpu_flush.cpp")
+_SOURCES = ("cpu_kernel.cpp", "cpu_flush.cpp", "cpu_tables.cpp")
 
 
 def _source() -> str:
@@ -62,7 +62,7 @@ def _compile() -> ModuleType:
     return compile_module(
         "kvlab_pnmix_cpu",
         _source(),
-        ["packed_attention", "append_residual", "decode_step", "encode_groups"],
+        ["packed_attention", "append_residual", "decode_step", "encode_groups", "table_terms"],
         "kvlab: compiling the PN-Mix CPU attention kernel (once per machine, about a minute; "
         f"set {PNMIX.env_var}=torch to skip it)",
     )
@@ -302,6 +302,8 @@ def encode_groups_cpu(
     table: Tensor | None,
     positions: Tensor | None,
     rotary: RotaryConfig | None,
+    frame_tables: tuple[Tensor, Tensor] | None = None,
+    outlier_index: Tensor | None = None,
 ) -> EncodedGroups | None:
     """The groups one append flushes, coded by the compiled kernel exactly as the torch
     reference codes them (``PNMixCache`` without the compiled flush): the keys rotated back to
@@ -321,6 +323,11 @@ def encode_groups_cpu(
         positions: int64 ``[N, T]`` RoPE positions (tokens) of the keys for a position-aware
             codec, else ``None``.
         rotary: the layer's RoPE (with ``positions``).
+        frame_tables: ``rotation_tables(-positions, rotary, torch.float32)`` when the caller
+            has them (else computed here).
+        outlier_index: int32 ``[N, K]``: the groups' outliers as the flush selects them (the
+            table kernel's, :func:`kvlab.pnmix.kernels.cpu_tables.table_terms_cpu`), or
+            ``None`` (selected here).
 
     Returns:
         :class:`~kvlab.pnmix.store.EncodedGroups` (``key_payload`` ``None`` without outliers),
@@ -336,7 +343,9 @@ def encode_groups_cpu(
         raise RuntimeError("the PN-Mix CPU kernel is not loaded")
     t, d = keys.shape[1:]
     cos = sin = _EMPTY
-    if positions is not None:
+    if frame_tables is not None:
+        cos, sin = frame_tables
+    elif positions is not None:
         assert rotary is not None
         cos, sin = rotation_tables(-positions, rotary, torch.float32)
     widths = _EMPTY
@@ -354,6 +363,7 @@ def encode_groups_cpu(
         codec.bits,
         codec.outlier_count(t, d),
         isinstance(value_codec, HadamardValueCodec),
+        _EMPTY if outlier_index is None else outlier_index.to(torch.int32).contiguous(),
     )
     if not out:
         return None

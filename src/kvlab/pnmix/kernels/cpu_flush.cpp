@@ -93,15 +93,43 @@ void to_frame(const Half* k, const float* cs, const float* sn, const int64_t* fi
 // element beyond the K-th largest distance, then the first of those equal to it.
 void select_outliers(const std::vector<double>& x, int64_t T, int64_t D, int64_t K,
                      std::vector<double>& dist, std::vector<double>& tmp, int32_t* out) {
-  const int64_t n = T * D;
+  const int64_t n = T * D, mid = (T - 1) / 2;  // torch.median: the lower median
   dist.resize(n);
   tmp.resize(std::max(K, T));
-  for (int64_t d = 0; d < D; ++d) {
-    for (int64_t t = 0; t < T; ++t) tmp[t] = x[t * D + d];
-    std::nth_element(tmp.begin(), tmp.begin() + (T - 1) / 2, tmp.begin() + T);
-    const double med = tmp[(T - 1) / 2];  // torch.median: the lower median
-    for (int64_t t = 0; t < T; ++t) dist[t * D + d] = std::fabs(x[t * D + d] - med);
+  thread_local std::vector<double> med;
+  thread_local std::vector<float> sorted, v;
+  med.resize(D);
+  if (T <= 64) {
+    // every channel's mid + 1 smallest values at once, by insertion with the channels the
+    // inner loop (float32: the values are float16, so exact); row j of `sorted` holds each
+    // channel's j-th smallest value of the tokens so far
+    const int64_t keep = mid + 1;
+    sorted.resize(keep * D);
+    v.resize(D);
+    float* __restrict vp = v.data();
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t d = 0; d < D; ++d) vp[d] = static_cast<float>(x[t * D + d]);
+      const int64_t rows = std::min(t, keep);
+      for (int64_t j = 0; j < rows; ++j) {
+        float* __restrict row = sorted.data() + j * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float lo = std::min(row[d], vp[d]), hi = std::max(row[d], vp[d]);
+          row[d] = lo;
+          vp[d] = hi;
+        }
+      }
+      if (t < keep) std::copy(vp, vp + D, sorted.begin() + t * D);
+    }
+    for (int64_t d = 0; d < D; ++d) med[d] = sorted[mid * D + d];
+  } else {
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t t = 0; t < T; ++t) tmp[t] = x[t * D + d];
+      std::nth_element(tmp.begin(), tmp.begin() + mid, tmp.begin() + T);
+      med[d] = tmp[mid];
+    }
   }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < D; ++d) dist[t * D + d] = std::fabs(x[t * D + d] - med[d]);
   // the K-th largest distance: the top of a min-heap of the K largest
   tmp.assign(dist.begin(), dist.begin() + K);
   std::make_heap(tmp.begin(), tmp.begin() + K, std::greater<double>());
@@ -125,10 +153,11 @@ struct Sizes {
 };
 
 // Codes one group (index n); false when the result might differ from the reference's.
+// `outliers` [N, K] (the groups' outlier indices as select_outliers gives them) or null
 bool encode_group(const Sizes& z, int64_t n, const Half* keys, const float* cs, const float* sn,
                   const int64_t* first, const int64_t* second, const uint8_t* table,
-                  const Half* values, bool hadamard, uint8_t* kcodes, Half* kscal,
-                  uint8_t* payload, uint8_t* vcodes, Half* vscal) {
+                  const Half* values, bool hadamard, const int32_t* outliers, uint8_t* kcodes,
+                  Half* kscal, uint8_t* payload, uint8_t* vcodes, Half* vscal) {
   const int64_t T = z.T, D = z.D, Dv = z.Dv, P = z.P, K = z.K, TD = T * D;
   // ---- keys in the codec's frame
   std::vector<Half> frame(TD);
@@ -158,7 +187,11 @@ bool encode_group(const Sizes& z, int64_t n, const Half* keys, const float* cs, 
   if (K > 0) {
     std::vector<double> dist, tmp;
     std::vector<int32_t> order(K);
-    select_outliers(x, T, D, K, dist, tmp, order.data());
+    if (outliers != nullptr) {
+      std::memcpy(order.data(), outliers + n * K, sizeof(int32_t) * K);
+    } else {
+      select_outliers(x, T, D, K, dist, tmp, order.data());
+    }
     uint8_t* pv = payload + n * z.E;
     uint8_t* pi = pv + K * static_cast<int64_t>(sizeof(Half));
     for (int64_t j = 0; j < K; ++j) {
@@ -260,7 +293,8 @@ bool encode_group(const Sizes& z, int64_t n, const Half* keys, const float* cs, 
 //   (rotate_by_delta's tables for -position) or empty (keys already in the codec's frame),
 //   pair_first/pair_second int64 [P], widths uint8 [N, P] (per-pair code widths) or empty
 //   (every channel `bits`), values [N, T, Dv] float16 (Dv a power of two when hadamard),
-//   outliers K per group.
+//   outliers K per group, outlier_index int32 [N, K] (each group's outliers as the flush
+//   would select them: table_terms' second output) or empty (selected here).
 // Returns {key_codes uint8 [N, ceil(T D bits / 8)], key_scalars float16 [N, 2D] ([scale |
 //   zero]), payload uint8 [N, K * 4] ([values | int16 indices]), value_codes uint8 [N, ceil(T
 //   Dv bits / 8)], value_scalars float16 [N, 2T]}, or an empty list when the reference must
@@ -269,7 +303,7 @@ std::vector<torch::Tensor> encode_groups(torch::Tensor keys, torch::Tensor rope_
                                          torch::Tensor rope_sin, torch::Tensor pair_first,
                                          torch::Tensor pair_second, torch::Tensor widths,
                                          torch::Tensor values, int64_t bits, int64_t outliers,
-                                         bool hadamard) {
+                                         bool hadamard, torch::Tensor outlier_index) {
   using kvlab_flush::Half;
   TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu(), "keys and values on the CPU");
   TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == at::kHalf && keys.is_contiguous(),
@@ -318,6 +352,18 @@ std::vector<torch::Tensor> encode_groups(torch::Tensor keys, torch::Tensor rope_
     const uint8_t* w = widths.data_ptr<uint8_t>();
     for (int64_t i = 0; i < z.N * z.P; ++i) TORCH_CHECK(w[i] <= 8, "widths must be <= 8");
   }
+  const bool given = outlier_index.numel() > 0;
+  if (given) {
+    TORCH_CHECK(outlier_index.scalar_type() == at::kInt && outlier_index.is_contiguous() &&
+                    outlier_index.numel() == z.N * z.K,
+                "outlier_index must be contiguous int32 [N, K]");
+    const int32_t* o = outlier_index.data_ptr<int32_t>();
+    for (int64_t n = 0; n < z.N; ++n)
+      for (int64_t j = 0; j < z.K; ++j)
+        TORCH_CHECK(o[n * z.K + j] >= (j ? o[n * z.K + j - 1] + 1 : 0) &&
+                        o[n * z.K + j] < z.T * z.D,
+                    "outlier_index rows must be ascending indices in 0..T*D-1");
+  }
   const auto u8 = keys.options().dtype(at::kByte);
   auto kcodes = torch::zeros({z.N, z.Kb}, u8);
   auto kscal = torch::empty({z.N, 2 * z.D}, keys.options());
@@ -329,7 +375,8 @@ std::vector<torch::Tensor> encode_groups(torch::Tensor keys, torch::Tensor rope_
         z, n, reinterpret_cast<const Half*>(keys.data_ptr()),
         rot ? rope_cos.data_ptr<float>() : nullptr, rot ? rope_sin.data_ptr<float>() : nullptr,
         first, second, has_table ? widths.data_ptr<uint8_t>() : nullptr,
-        reinterpret_cast<const Half*>(values.data_ptr()), hadamard, kcodes.data_ptr<uint8_t>(),
+        reinterpret_cast<const Half*>(values.data_ptr()), hadamard,
+        given ? outlier_index.data_ptr<int32_t>() : nullptr, kcodes.data_ptr<uint8_t>(),
         reinterpret_cast<Half*>(kscal.data_ptr()), payload.data_ptr<uint8_t>(),
         vcodes.data_ptr<uint8_t>(), reinterpret_cast<Half*>(vscal.data_ptr()));
     if (!exact) return {};

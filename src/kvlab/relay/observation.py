@@ -1,0 +1,129 @@
+"""The attention of an eviction's observation window (docs/design.md, "RoPE-Relay: Eviction
+policy"): the softmax probabilities that the last ``w`` queries of a forward pay to every stored
+token of each kv head, reduced as the scorers read them (:class:`WindowAttention`: summed over
+the window per query head and over the GQA group, the last query's, the largest).
+
+The probabilities ``[B, H, G*w, S]`` are never all held at once beyond
+:data:`ONE_PIECE_LOGITS` logits: a larger window is computed in chunks of its queries of about
+:data:`CHUNK_LOGITS` logits each (memory bounded by the chunk, cache-resident passes), and the
+sums over a chunk's queries (float32) accumulate chunk by chunk in float64. Up to
+:data:`ONE_PIECE_LOGITS` the window is one piece and every reduction is the one of a single
+``[B, H, G, w, S]`` tensor; in chunks the sums are formed in another order (float32 rounding
+apart, the same values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["CHUNK_LOGITS", "ONE_PIECE_LOGITS", "WindowAttention", "window_attention"]
+
+#: Logits ``B * H * G * w * S`` up to which the observation window is computed in one piece.
+ONE_PIECE_LOGITS = 1 << 22
+#: Logits per chunk of queries beyond :data:`ONE_PIECE_LOGITS` (about 1 MiB of float32).
+CHUNK_LOGITS = 1 << 18
+
+
+@dataclass(frozen=True)
+class WindowAttention:
+    """The observation window's attention, reduced (:func:`window_attention`).
+
+    Attributes:
+        total: float32 ``[B, H, S]``: summed over the window's queries and the GQA group.
+        groups: float32 ``[B, H, G, S]``: summed over the window's queries, per query head.
+        last: float32 ``[B, H, G, S]``: the window's last query's (the newest token's).
+        peak: float32 ``[B, H, S]``: the largest over the window's queries and the group, or
+            ``None`` when not asked for.
+    """
+
+    total: Tensor
+    groups: Tensor
+    last: Tensor
+    peak: Tensor | None = None
+
+
+def _causal_logits(
+    q: Tensor,
+    keys_t: Tensor,
+    scaling: float,
+    limit: Tensor,
+    valid: Tensor | None,
+    slot: Tensor,
+    start: int,
+) -> Tensor:
+    """Logits ``[B, H, R, S]`` of queries ``q`` ``[B, H, R, D]`` (float32) over ``keys_t``
+    ``[B, H, D, S]``, ``-inf`` where a slot lies past the query's ``limit`` ``[H, R]`` (only
+    slots from ``start`` on can) or is not ``valid`` ``[B, H, S]`` (``None``: all are)."""
+    logits = q @ keys_t * scaling
+    tail = logits[..., start:]
+    late = (slot[start:].view(1, 1, -1) > limit.unsqueeze(-1)).unsqueeze(0)
+    tail.masked_fill_(late, float("-inf"))
+    if valid is not None:
+        logits.masked_fill_(~valid.unsqueeze(2), float("-inf"))
+    return logits
+
+
+def window_attention(
+    query: Tensor,
+    scaling: float,
+    keys: Tensor,
+    valid: Tensor,
+    window: int,
+    *,
+    peak: bool = False,
+) -> WindowAttention:
+    """The attention of the last ``w = min(window, Q)`` queries of ``query`` ``[B, H_q, Q, D]``
+    over the padded ``keys`` ``[B, H, S, D]`` (``valid`` bool ``[B, H, S]``): float32 softmax
+    probabilities per query head ``g`` of each GQA group, reduced (:class:`WindowAttention`;
+    ``peak``: also the largest). The queries are the newest tokens of every head, rotated at
+    cache positions, and see the slots up to their own (causal: query ``j`` of the window sees
+    slot ``i`` of head ``h`` when ``i <= count_h - w + j``, ``count_h`` the head's valid slots
+    in row 0). Computed in one piece up to :data:`ONE_PIECE_LOGITS` logits, else in chunks of
+    queries (module docstring). Reads the heads' counts and whether every slot is valid to the
+    host (one device read)."""
+    batch, hq, q_len, dim = query.shape
+    heads, s = keys.shape[1], keys.shape[2]
+    group = hq // heads
+    w = max(1, min(window, q_len))
+    q = query[:, :, q_len - w :].float().reshape(batch, heads, group, w, dim)
+    keys_t = keys.float().transpose(-1, -2)
+    counts = valid[0].sum(-1)  # [H]
+    slot = torch.arange(s, device=query.device)
+    # every query sees the slots before the shortest head's count - w + 1 (one host read)
+    start = max(0, min(int(counts.min()) - w + 1, s))
+    every = bool(valid.all())
+    mask = None if every else valid
+    logits_per_query = batch * heads * group * s
+    if logits_per_query * w <= ONE_PIECE_LOGITS:
+        j = torch.arange(w, device=query.device).repeat(group)  # [G*w]
+        limit = counts.view(heads, 1) - w + j.view(1, -1)  # [H, G*w]
+        logits = _causal_logits(
+            q.reshape(batch, heads, group * w, dim), keys_t, scaling, limit, mask, slot, start
+        )
+        probs = torch.softmax(logits, dim=-1).reshape(batch, heads, group, w, s)
+        return WindowAttention(
+            total=probs.sum((2, 3)),
+            groups=probs.sum(3),
+            last=probs[:, :, :, -1],
+            peak=probs.amax(dim=(2, 3)) if peak else None,
+        )
+    step = max(1, CHUNK_LOGITS // logits_per_query)
+    sums = torch.zeros(batch, heads, group, s, dtype=torch.float64, device=query.device)
+    top = torch.zeros(batch, heads, s, device=query.device) if peak else None
+    last = sums.new_zeros(())
+    for j0 in range(0, w, step):
+        j1 = min(w, j0 + step)
+        j = torch.arange(j0, j1, device=query.device).repeat(group)
+        limit = counts.view(heads, 1) - w + j.view(1, -1)
+        part = q[:, :, :, j0:j1].reshape(batch, heads, group * (j1 - j0), dim)
+        logits = _causal_logits(part, keys_t, scaling, limit, mask, slot, start)
+        probs = torch.softmax(logits, dim=-1).view(batch, heads, group, j1 - j0, s)
+        sums += probs.sum(3).double()  # float32 within a chunk, float64 across chunks
+        if top is not None:
+            top = torch.maximum(top, probs.amax(dim=(2, 3)))
+        if j1 == w:
+            last = probs[:, :, :, -1].clone()
+    return WindowAttention(total=sums.sum(2).float(), groups=sums.float(), last=last, peak=top)

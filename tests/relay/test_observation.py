@@ -1,0 +1,72 @@
+"""The observation window's attention (kvlab.relay.observation): in one piece, the reductions of
+one softmax tensor, bit for bit; in chunks of queries (bounded memory), the same values up to
+float32 rounding of the sums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab.relay import observation
+from kvlab.relay.observation import window_attention
+
+
+def _reference(query, scaling, keys, valid, window):
+    """The full ``[B, H, G, w, S]`` probabilities, causal per head (the definition)."""
+    batch, hq, q_len, dim = query.shape
+    heads, s = keys.shape[1], keys.shape[2]
+    group = hq // heads
+    w = max(1, min(window, q_len))
+    q = query[:, :, q_len - w :].float().reshape(batch, heads, group * w, dim)
+    logits = q @ keys.float().transpose(-1, -2) * scaling
+    counts = valid[0].sum(-1)
+    j = torch.arange(w).repeat(group)
+    limit = counts.view(heads, 1) - w + j.view(1, -1)
+    allowed = torch.arange(s).view(1, 1, -1) <= limit.unsqueeze(-1)
+    allowed = allowed.unsqueeze(0) & valid.unsqueeze(2)
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    return probs.reshape(batch, heads, group, w, s)
+
+
+def _case(heads, group, q_len, slots, missing, seed):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, heads * group, q_len, 8, generator=gen)
+    keys = torch.randn(1, heads, slots, 8, generator=gen)
+    counts = torch.tensor([slots - missing * (h % 2) for h in range(heads)])
+    valid = (torch.arange(slots).view(1, -1) < counts.view(-1, 1)).unsqueeze(0)
+    return query, keys, valid
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3]),
+    q_len=st.integers(1, 30),
+    extra=st.integers(0, 20),
+    missing=st.integers(0, 3),
+    window=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_window_attention_reduces_the_probabilities(
+    heads, group, q_len, extra, missing, window, seed
+) -> None:
+    slots = q_len + extra + missing
+    query, keys, valid = _case(heads, group, q_len, slots, missing, seed)
+    probs = _reference(query, 0.4, keys, valid, window)
+    got = window_attention(query, 0.4, keys, valid, window, peak=True)
+    assert torch.equal(got.total, probs.sum((2, 3)))
+    assert torch.equal(got.groups, probs.sum(3))
+    assert torch.equal(got.last, probs[:, :, :, -1])
+    assert got.peak is not None and torch.equal(got.peak, probs.amax(dim=(2, 3)))
+    with pytest.MonkeyPatch.context() as mp:  # the same window in chunks of a few queries
+        mp.setattr(observation, "ONE_PIECE_LOGITS", 0)
+        mp.setattr(observation, "CHUNK_LOGITS", heads * group * slots * 3)
+        chunked = window_attention(query, 0.4, keys, valid, window, peak=True)
+    torch.testing.assert_close(chunked.total, got.total, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(chunked.groups, got.groups, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(chunked.last, got.last, rtol=1e-6, atol=1e-7)
+    assert chunked.peak is not None
+    torch.testing.assert_close(chunked.peak, got.peak, rtol=1e-6, atol=1e-7)
+    assert chunked.total.dtype == chunked.groups.dtype == torch.float32

@@ -1,0 +1,64 @@
+"""The prefill path of ``ragged_attention``: segments of equal length read as ``[B, H, S, D]``
+views in one causal SDPA call, bit for bit the per-segment masked call it replaces."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab.relay.attention import ragged_attention
+from kvlab.relay.storage import RelayStore
+
+
+def _masked_reference(query: torch.Tensor, store: RelayStore, scale: float) -> torch.Tensor:
+    """The general path: ``[B*H, G, Q, D]`` queries over the stride-0 padded view with the
+    per-segment bottom-right causal mask ``[B*H, 1, Q, S]``."""
+    batch, q_heads, q_len, dim = query.shape
+    heads = store.heads
+    group, segments = q_heads // heads, batch * heads
+    view = store.padded_view(group)
+    keys, values = view.keys.to(query.dtype), view.values.to(query.dtype)
+    slot = torch.arange(view.longest)
+    lengths = torch.tensor(store.lengths)
+    limit = lengths.view(-1, 1) + (torch.arange(q_len) - q_len).view(1, -1)
+    mask = (slot.view(1, 1, -1) <= limit.unsqueeze(-1)).unsqueeze(1)
+    q = query.reshape(segments, group, q_len, dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(batch, q_heads, q_len, store.value_dim)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3]),
+    q_len=st.integers(2, 70),
+    past=st.sampled_from([0, 0, 1, 5, 33]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_equal_segments_attention_is_the_masked_call(
+    batch, heads, group, q_len, past, dtype, seed
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    d, dv = 16, 8
+    store = RelayStore(batch, heads, d, dv, dtype=dtype, device="cpu")
+    for tokens, start in ((past, 0), (q_len, past)):
+        if tokens:
+            keys = torch.randn(batch, heads, tokens, d, generator=gen).to(dtype)
+            values = torch.randn(batch, heads, tokens, dv, generator=gen).to(dtype)
+            store.append(
+                keys,
+                values,
+                real=[tokens] * batch,
+                original_start=[start] * batch,
+                rotary_start=[start] * batch,
+            )
+    assert store.lengths == [past + q_len] * (batch * heads)
+    query = torch.randn(batch, heads * group, q_len, d, generator=gen).to(dtype)
+    got = ragged_attention(query, store, scale=0.3, backend="torch")
+    want = _masked_reference(query, store, 0.3)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
