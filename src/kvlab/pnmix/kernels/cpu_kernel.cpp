@@ -45,7 +45,7 @@
 #include <limits>
 #include <vector>
 
-#include "kvlab_simd.h"  // v8f, load8, store8, hsum8, dot, dot4 (kernels_common)
+#include "kvlab_simd.h"  // v8f, load8, store8, hsum8, dot, dot4, exp_approx (kernels_common)
 
 namespace {
 
@@ -55,29 +55,6 @@ constexpr int64_t kKeysWidths = 2;      // scalars [scale(D) | zero(D)], per-pai
 constexpr int64_t kPairCartesian = 0;
 constexpr int64_t kPairPhaseNorm = 1;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x) for the softmax weights, branch-free so that loops over it vectorize (Cephes expf
-// polynomial, relative error about 2e-7; n = round(x / ln 2) by the 1.5 * 2^23 trick, exact
-// without fast-math). Inputs below -87.3 give ~1e-38; masked tokens never reach it.
-inline float exp_approx(float x) {
-  x = x < -87.3365f ? -87.3365f : x;
-  x = x > 88.3762f ? 88.3762f : x;
-  const float fx = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - fx * 0.693359375f;
-  r = r - fx * -2.12194440e-4f;
-  const float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(fx) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return y * scale;
-}
 
 typedef int32_t v8i __attribute__((vector_size(32)));  // v8f: kvlab_simd.h
 
