@@ -150,7 +150,8 @@ inline void score_block(const float* q, int64_t D, const float* k, float* p, int
 template <int NH>
 inline void score_heads(const float* q, int64_t D, const float* k, int64_t T, float* p,
                         int64_t ps) {
-  constexpr int NT = NH >= 5 ? 2 : (NH == 4 ? 3 : 4);  // at most 14 accumulators
+  // 12 accumulators (three groups of four for hsum8x4), or 8 for two rows
+  constexpr int NT = NH == 4 ? 3 : 4;
   int64_t t = 0;
   for (; t + NT <= T; t += NT) score_block<NH, NT>(q, D, k + t * D, p + t, ps);
   for (; t < T; ++t) score_block<NH, 1>(q, D, k + t * D, p + t, ps);
@@ -162,18 +163,25 @@ inline void score_heads(const float* q, int64_t D, const float* k, int64_t T, fl
 inline void score_tile(const float* q, int64_t G, int64_t D, const float* k, int64_t T, float* p,
                        int64_t ps, int64_t tail) {
   const int64_t n = std::min(T, std::max<int64_t>(tail, 0));
+  // rows in blocks of three or four (a multiple of three in threes)
   int64_t g = 0;
-  for (; g + 7 <= G; g += 7) score_heads<7>(q + g * D, D, k, n, p + g * ps, ps);
-  const float* qg = q + g * D;
-  float* pg = p + g * ps;
-  switch (G - g) {
-    case 6: score_heads<6>(qg, D, k, n, pg, ps); break;
-    case 5: score_heads<5>(qg, D, k, n, pg, ps); break;
-    case 4: score_heads<4>(qg, D, k, n, pg, ps); break;
-    case 3: score_heads<3>(qg, D, k, n, pg, ps); break;
-    case 2: score_heads<2>(qg, D, k, n, pg, ps); break;
-    case 1: score_heads<1>(qg, D, k, n, pg, ps); break;
-    default: break;
+  while (g < G) {
+    const int64_t left = G - g;
+    const float* qg = q + g * D;
+    float* pg = p + g * ps;
+    if (left % 3 == 0 || left == 5) {
+      score_heads<3>(qg, D, k, n, pg, ps);
+      g += 3;
+    } else if (left >= 4) {
+      score_heads<4>(qg, D, k, n, pg, ps);
+      g += 4;
+    } else if (left == 2) {
+      score_heads<2>(qg, D, k, n, pg, ps);
+      g += 2;
+    } else {
+      score_heads<1>(qg, D, k, n, pg, ps);
+      g += 1;
+    }
   }
   for (int64_t h = 0; h < G; ++h)
     for (int64_t t = n; t < T; ++t) p[h * ps + t] = dot(q + h * D, k + t * D, D);
@@ -206,10 +214,11 @@ inline void value_heads(const float* w, int64_t ws, const float* v, int64_t T, i
 }
 
 // acc[g * Dv + d] += sum_t w[g * ws + t] * v[t * Dv + d] for query rows g < G and value rows
-// t < T (v [T, Dv]); Dv a multiple of 32. Each channel is a chain of multiply-adds over the
-// tokens in order, as the kernels' loops with several accumulators compile it (fused: GCC
-// tuned for Zen keeps a loop with a single accumulator chain as multiply, then add, so dot
-// and one-accumulator loops round differently and are not replaced by tiles)
+// t < T (v [T, Dv]); Dv a multiple of 32. Each channel is a chain of fused multiply-adds over
+// the tokens in order: the bits of the kernels' weighted-sum loops over 64 channels at a time
+// in eight accumulators (for Dv % 64 == 0). Not of their loops with one accumulator (eight
+// channels at a time, dot): GCC tuned for Zen keeps a single multiply-add chain in a loop as a
+// multiply, then an add, which rounds differently.
 inline void value_tile(const float* w, int64_t ws, int64_t G, const float* v, int64_t T,
                        int64_t Dv, float* acc) {
   int64_t g = 0;

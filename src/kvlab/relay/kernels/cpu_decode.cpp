@@ -149,7 +149,7 @@ void segment_heads(const Segments& s, int64_t m, int64_t g0, int64_t g1, int64_t
   acc.assign(heads * Dv, 0.f);
   for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
     const int64_t rows = std::min(n, b0 + kBlock) - b0;
-    if (Dv % 32 == 0) {  // the same bits as the loop below (value_tile's note)
+    if (Dv % 64 == 0) {  // the same bits as the loop below (value_tile's note)
       value_tile(p.data() + b0, n, heads, vm + b0 * Dv, rows, Dv, acc.data());
       continue;
     }
