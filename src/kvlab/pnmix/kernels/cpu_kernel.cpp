@@ -55,6 +55,8 @@ constexpr int64_t kKeysWidths = 2;      // scalars [scale(D) | zero(D)], per-pai
 constexpr int64_t kPairCartesian = 0;
 constexpr int64_t kPairPhaseNorm = 1;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// quantized groups a row attends before the next row takes its turn (run, one split)
+constexpr int64_t kGroupBlock = 8;
 
 typedef int32_t v8i __attribute__((vector_size(32)));  // v8f: kvlab_simd.h
 
@@ -304,10 +306,30 @@ __attribute__((optimize("fp-contract=off"))) void rotate_keys(
   }
 }
 
+// The working buffers of RowTask's groups and exact segment; one per thread, shared by the
+// row tasks it runs one after another
+struct Scratch {
+  std::vector<int64_t> idx;
+  std::vector<const float*> cs_rows, sn_rows;
+  std::vector<float> keys, codes, p, w, vals, scale, zero;
+};
+
 template <typename S>
 class RowTask {
  public:
-  RowTask(const Inputs<S>& in, int64_t row) : in_(in), row_(row) {
+  RowTask(const Inputs<S>& in, int64_t row, Scratch& scratch)
+      : in_(in),
+        row_(row),
+        idx_(scratch.idx),
+        cs_rows_(scratch.cs_rows),
+        sn_rows_(scratch.sn_rows),
+        keys_(scratch.keys),
+        codes_(scratch.codes),
+        p_(scratch.p),
+        w_(scratch.w),
+        vals_(scratch.vals),
+        scale_(scratch.scale),
+        zero_(scratch.zero) {
     const int64_t M = in.M, D = in.D;
     q_ = in.q + row * M * D;
     mu_ = in.mu + row * D;
@@ -740,18 +762,21 @@ class RowTask {
 
   const Inputs<S>& in_;
   int64_t row_;
+  // per-group working buffers (Scratch: shared by the tasks of one thread)
+  std::vector<int64_t>& idx_;
+  std::vector<const float*>&cs_rows_, &sn_rows_;
+  std::vector<float>&keys_, &codes_, &p_, &w_, &vals_, &scale_, &zero_;
   const float* q_;
   const float* mu_;
   int64_t s_len_, g_cnt_, r_len_;
   bool half_pairs_ = false;
-  std::vector<int64_t> limit_, idx_, pn_pairs_, ch_byte_;
+  std::vector<int64_t> limit_, pn_pairs_, ch_byte_;
   std::vector<uint32_t> ch_shift_, ch_mask_;
   std::vector<int32_t> ch_byte32_;
   int64_t max_byte_ = 0;
   int64_t sources_ = 0;  // > 0: the width layout decodes by byte shuffles (plan_shuffles)
   std::vector<uint8_t> shuffle_, shuffle_used_;
-  std::vector<const float*> cs_rows_, sn_rows_;
-  std::vector<float> q_mu_, keys_, codes_, p_, w_, vals_, scale_, zero_;
+  std::vector<float> q_mu_;
 };
 
 // out row m = (T(acc + accz) + acce) / l, T the value output transform (x @ H^T; H is
@@ -778,14 +803,29 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
   const int64_t M = in.M, Dv = in.Dv;
   if (splits <= 1) {
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      Partial part;
+      // the rows of a task advance through their groups together, a block at a time, so that
+      // rows at equal positions (the kv heads and sequences of a batch) read the same cos/sin
+      // rows while they are in cache; each row's partial sees its segments in the same order
+      Scratch scratch;
+      std::vector<RowTask<S>> tasks;
+      tasks.reserve(end - begin);
+      std::vector<Partial> parts(end - begin);
+      int64_t most = 0;
       for (int64_t row = begin; row < end; ++row) {
-        RowTask<S> task(in, row);
-        part.init(M, Dv);
-        task.exact(part);
-        task.groups(0, task.groups(), part);
-        task.sinks(part);
-        finish(part, M, Dv, in.hadamard, out + row * M * Dv);
+        tasks.emplace_back(in, row, scratch);
+        parts[row - begin].init(M, Dv);
+        tasks.back().exact(parts[row - begin]);
+        most = std::max(most, tasks.back().groups());
+      }
+      for (int64_t g0 = 0; g0 < most; g0 += kGroupBlock) {
+        for (size_t i = 0; i < tasks.size(); ++i) {
+          const int64_t n = tasks[i].groups();
+          if (g0 < n) tasks[i].groups(g0, std::min(n, g0 + kGroupBlock), parts[i]);
+        }
+      }
+      for (int64_t row = begin; row < end; ++row) {
+        tasks[row - begin].sinks(parts[row - begin]);
+        finish(parts[row - begin], M, Dv, in.hadamard, out + row * M * Dv);
       }
     });
     return;
@@ -794,9 +834,10 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
   // the exact segment; the partials of a row are merged afterwards (FlashDecoding).
   std::vector<Partial> parts(rows * splits);
   at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t task_id = begin; task_id < end; ++task_id) {
       const int64_t row = task_id / splits, split = task_id % splits;
-      RowTask<S> task(in, row);
+      RowTask<S> task(in, row, scratch);
       Partial& part = parts[task_id];
       part.init(M, Dv);
       const int64_t n = task.groups();
@@ -807,8 +848,9 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
     }
   });
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t row = begin; row < end; ++row) {
-      RowTask<S> task(in, row);
+      RowTask<S> task(in, row, scratch);
       Partial& total = parts[row * splits];
       for (int64_t s = 1; s < splits; ++s) {
         const Partial& p = parts[row * splits + s];
