@@ -109,6 +109,11 @@ class DenseLayer(DynamicLayer):
         self._key_buffer: Tensor | None = None
         self._value_buffer: Tensor | None = None
 
+    @property
+    def capacity(self) -> int:
+        """Token slots of the buffers (stored tokens plus spare room; 0 before the first)."""
+        return 0 if self._key_buffer is None else int(self._key_buffer.shape[2])
+
     def _store(self, keys: Tensor, values: Tensor, capacity: int) -> None:
         """New buffers of ``capacity`` token slots holding ``keys`` / ``values``."""
         b, h, n, d = keys.shape
