@@ -11,7 +11,11 @@ import torch
 from kvlab.pnmix import PNMixCache, PNMixConfig
 from kvlab.pnmix.kernels.bytes_model import (
     CODINGS,
+    ModelStepBytes,
     decode_bytes,
+    decode_weight_bytes,
+    dense_cache_bytes,
+    pnmix_table_bytes,
     sdpa_fp16_bytes,
     token_split,
 )
@@ -91,3 +95,28 @@ def test_bytes_model_at_64k() -> None:
     assert 6 < fp16 / seed.cache < 7
     with pytest.raises(ValueError):
         decode_bytes("nope", batch=1, kv_heads=1, query_heads=1, head_dim=8, tokens=1)
+
+
+def test_whole_model_step_bytes() -> None:
+    """Weights (the input embedding by its rows unless tied), the exact cache, the kernel's
+    tables, and the speed-up the totals allow."""
+    params = [
+        ("embed.weight", (100, 8), 4),
+        ("layer.weight", (8, 8), 4),
+        ("head.weight", (100, 8), 4),
+    ]
+    assert decode_weight_bytes(params, 3, "embed.weight") == (3 * 8 + 64 + 800) * 4
+    tied = [params[0], params[1]]
+    assert decode_weight_bytes(tied, 3, "embed.weight", tied=True) == (800 + 64) * 4
+    with pytest.raises(ValueError, match="no parameter named"):
+        decode_weight_bytes(params, 1, "wte.weight")
+    assert dense_cache_bytes(24, 8, 2, 32768, 64) == 24 * 8 * 2 * 32768 * 128 * 4
+    assert dense_cache_bytes(2, 1, 1, 10, 16, 8, element_size=2) == 2 * 10 * 24 * 2
+    assert pnmix_table_bytes(24, 1000, 64, 64, prerope=True, hadamard_values=True) == 24 * (
+        1000 * 32 * 2 * 4 + 64 * 64 * 4
+    )
+    assert pnmix_table_bytes(3, 1000, 64, 64, prerope=False, hadamard_values=False) == 0
+    full = ModelStepBytes(weights=1000, cache=1000)
+    packed = ModelStepBytes(weights=1000, cache=100, tables=100)
+    assert full.total == 2000 and packed.total == 1200
+    assert packed.limit_over(full) == pytest.approx(2000 / 1200)

@@ -176,3 +176,47 @@ def test_a_kernel_that_cannot_compile_is_reported_once_and_sdpa_is_used(monkeypa
     assert relay_cpu.cpu_kernel_status() == "unavailable: no C++ compiler here"
     with pytest.raises(RuntimeError, match="unavailable: no C\\+\\+ compiler here"):
         ragged_attention(query, store, scale=0.3, backend="cpu")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    group=st.integers(1, 8),
+    dim=st.sampled_from([8, 12, 16, 64, 80]),
+    value_dim=st.sampled_from([3, 16, 64, 72]),
+    length=st.integers(1, 300),
+    room=st.integers(0, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_dense_decode_computes_the_definition(
+    batch, heads, group, dim, value_dim, length, room, seed
+):
+    """The dense cache's decode step (relay_cpu.dense_decode_cpu) over a view of buffers with
+    spare room against the float64 softmax attention of each query head over its kv head."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, heads, length + room, dim, generator=gen) * 2
+    values = torch.randn(batch, heads, length + room, value_dim, generator=gen)
+    query = torch.randn(batch, heads * group, 1, dim, generator=gen) * 2
+    scale = dim**-0.5
+    out = relay_cpu.dense_decode_cpu(
+        relay_cpu.load(), query, keys[:, :, :length], values[:, :, :length], length, scale
+    )
+    k = keys[:, :, :length].double().repeat_interleave(group, 1)
+    v = values[:, :, :length].double().repeat_interleave(group, 1)
+    probs = torch.softmax(query.double() @ k.transpose(-1, -2) * scale, -1)
+    assert out.dtype == torch.float32 and out.shape == (batch, heads * group, 1, value_dim)
+    torch.testing.assert_close(out.double(), probs @ v, atol=2e-6, rtol=1e-5)
+
+
+def test_dense_decode_refuses_what_it_cannot_read_in_place():
+    module = relay_cpu.load()
+    query = torch.randn(2, 3, 8)
+    keys, values = torch.randn(2, 10, 8), torch.randn(2, 10, 8)
+    with pytest.raises(RuntimeError, match="length"):
+        module.dense_decode(query, keys, values, 11, 0.3)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        module.dense_decode(query, keys.transpose(1, 2).contiguous().transpose(1, 2), values, 5,
+                            0.3)  # fmt: skip
+    with pytest.raises(RuntimeError, match="float32"):
+        module.dense_decode(query.double(), keys, values, 5, 0.3)

@@ -10,6 +10,14 @@ closed form from a coding's description (:class:`Coding`), independently of the 
 so tests can hold it to what a filled :class:`~kvlab.pnmix.cache.PNMixCache` stores
 (``nbytes()``).
 
+The whole model's step on the CPU (:class:`ModelStepBytes`, docs/benchmarks.md, "Decode on the
+CPU against the bytes limit"): one decode step of a decoder reads its weights once (every
+parameter but the input embedding, of which it reads one row per sequence), every stored byte
+of the cache, and the tables a kernel reads besides (PN-Mix: the cos/sin rows of a pre-RoPE
+coding, the Hadamard matrix). The speed-up over another method that bytes alone allow is the
+ratio of the two totals (:meth:`ModelStepBytes.limit_over`): what a decode bound by memory
+bandwidth would reach.
+
 Token accounting (docs/design.md, "Flush rule"): a row of ``n`` tokens keeps
 ``s = min(n, S)`` sinks; of the rest, ``G = max(0, (n - s - R) // T)`` full groups are
 quantized and the remaining ``n - s - G * T`` tokens (``R .. R + T - 1`` once a group has
@@ -28,7 +36,11 @@ __all__ = [
     "PEAK_BANDWIDTH",
     "Coding",
     "DecodeBytes",
+    "ModelStepBytes",
     "decode_bytes",
+    "decode_weight_bytes",
+    "dense_cache_bytes",
+    "pnmix_table_bytes",
     "sdpa_fp16_bytes",
     "token_split",
 ]
@@ -254,3 +266,95 @@ def decode_bytes(
 def sdpa_fp16_bytes(batch: int, kv_heads: int, head_dim: int, tokens: int) -> int:
     """float16 SDPA's cache reads over the exact cache: ``2 * B * H_kv * T * D * 2``."""
     return 2 * batch * kv_heads * tokens * head_dim * 2
+
+
+# ---------------------------------------------------------------------- the whole model's step
+@dataclass(frozen=True)
+class ModelStepBytes:
+    """Bytes one decode step of a whole model reads (all sequences of the batch).
+
+    Attributes:
+        weights: the parameters (:func:`decode_weight_bytes`).
+        cache: the stored cache of every layer (a ``Cache``'s ``kv_bytes + index_bytes``:
+            :func:`kvlab.cache_storage`; closed forms: :func:`dense_cache_bytes`,
+            :func:`decode_bytes`).
+        tables: what a kernel reads besides the cache (:func:`pnmix_table_bytes`; 0 for
+            exact caches).
+    """
+
+    weights: int
+    cache: int
+    tables: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.cache + self.tables
+
+    def limit_over(self, reference: ModelStepBytes) -> float:
+        """The speed-up over ``reference`` these bytes allow: ``reference.total / total``."""
+        return reference.total / self.total
+
+
+def decode_weight_bytes(
+    parameters: list[tuple[str, tuple[int, ...], int]],
+    batch: int,
+    embedding: str,
+    *,
+    tied: bool = False,
+) -> int:
+    """Parameter bytes one decode step reads: every parameter once, but of the input embedding
+    (``[vocabulary, hidden]``) only the ``batch`` rows of the step's tokens — unless it is tied
+    to the output projection, which reads it whole.
+
+    Args:
+        parameters: ``(name, shape, element_size)`` of each distinct parameter tensor (a shared
+            one once).
+        batch: sequences per step.
+        embedding: the input embedding's parameter name.
+        tied: the input embedding is also the output projection.
+
+    Raises:
+        ValueError: ``embedding`` is not among ``parameters``.
+    """
+    total, found = 0, False
+    for name, shape, size in parameters:
+        numel = math.prod(shape)
+        if name == embedding:
+            found = True
+            numel = numel if tied else batch * shape[-1]
+        total += numel * size
+    if not found:
+        raise ValueError(f"no parameter named {embedding!r}")
+    return total
+
+
+def dense_cache_bytes(
+    layers: int,
+    batch: int,
+    kv_heads: int,
+    tokens: int,
+    head_dim: int,
+    value_head_dim: int | None = None,
+    element_size: int = 4,
+) -> int:
+    """An exact cache's keys and values: ``layers * B * H_kv * T * (D + Dv) * element_size``."""
+    dv = head_dim if value_head_dim is None else value_head_dim
+    return layers * batch * kv_heads * tokens * (head_dim + dv) * element_size
+
+
+def pnmix_table_bytes(
+    layers: int,
+    positions: int,
+    rotary_dim: int,
+    value_head_dim: int,
+    *,
+    prerope: bool,
+    hadamard_values: bool,
+) -> int:
+    """What the CPU kernel reads per step besides a PN-Mix cache, all layers: the float32
+    cos/sin rows of the ``positions`` quantized positions of a pre-RoPE coding (shared by the
+    rows and heads of a layer: counted once per layer, as :class:`DecodeBytes`'
+    ``rope_tables``) and the float32 ``Dv x Dv`` Hadamard matrix."""
+    rope = positions * (rotary_dim // 2) * 2 * 4 if prerope else 0
+    had = value_head_dim * value_head_dim * 4 if hadamard_values else 0
+    return layers * (rope + had)

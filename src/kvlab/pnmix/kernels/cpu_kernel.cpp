@@ -45,7 +45,7 @@
 #include <limits>
 #include <vector>
 
-#include "kvlab_simd.h"  // v8f, load8, store8, hsum8, dot, dot4 (kernels_common)
+#include "kvlab_simd.h"  // v8f, load8, store8, hsum8, dot, dot4, exp_approx (kernels_common)
 
 namespace {
 
@@ -55,29 +55,8 @@ constexpr int64_t kKeysWidths = 2;      // scalars [scale(D) | zero(D)], per-pai
 constexpr int64_t kPairCartesian = 0;
 constexpr int64_t kPairPhaseNorm = 1;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x) for the softmax weights, branch-free so that loops over it vectorize (Cephes expf
-// polynomial, relative error about 2e-7; n = round(x / ln 2) by the 1.5 * 2^23 trick, exact
-// without fast-math). Inputs below -87.3 give ~1e-38; masked tokens never reach it.
-inline float exp_approx(float x) {
-  x = x < -87.3365f ? -87.3365f : x;
-  x = x > 88.3762f ? 88.3762f : x;
-  const float fx = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - fx * 0.693359375f;
-  r = r - fx * -2.12194440e-4f;
-  const float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(fx) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return y * scale;
-}
+// quantized groups a row attends before the next row takes its turn (run, one split)
+constexpr int64_t kGroupBlock = 8;
 
 typedef int32_t v8i __attribute__((vector_size(32)));  // v8f: kvlab_simd.h
 
@@ -239,6 +218,51 @@ struct Partial {
   }
 };
 
+// accz[m] += sum_t p[m * T + t] * zero[t] for every row m: each row's sum in token order, as
+// a multiply, then an add (what the compiled row loop does: GCC keeps a loop's single chain of
+// multiply-adds unfused on Zen), the rows' chains interleaved so they overlap
+__attribute__((optimize("fp-contract=off"))) void zero_sums(const float* p, const float* zero,
+                                                            int64_t M, int64_t T, float* accz) {
+  float z[64];
+  for (int64_t m0 = 0; m0 < M; m0 += 64) {
+    const int64_t rows = std::min<int64_t>(64, M - m0);
+    for (int64_t m = 0; m < rows; ++m) z[m] = 0.f;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t m = 0; m < rows; ++m) z[m] = z[m] + p[(m0 + m) * T + t] * zero[t];
+    for (int64_t m = 0; m < rows; ++m) accz[m0 + m] += z[m];
+  }
+}
+
+// rotate_keys (half layout: pairs (p, p + P)) with row t of the cos/sin tables at cs/sn + t * P,
+// then every channel minus mu: the same operations, in one pass over the tile
+__attribute__((optimize("fp-contract=off"))) void rotate_centre_half(float* k, int64_t T,
+                                                                     int64_t D, int64_t P,
+                                                                     const float* cs,
+                                                                     const float* sn,
+                                                                     const float* mu) {
+  for (int64_t t = 0; t < T; ++t) {
+    float* x = k + t * D;
+    float* y = x + P;
+    const float* c = cs + t * P;
+    const float* s = sn + t * P;
+    int64_t p = 0;
+    for (; p + 8 <= P; p += 8) {
+      const v8f x1 = load8(x + p), x2 = load8(y + p), cv = load8(c + p), sv = load8(s + p);
+      const v8f a = x1 * cv, b = x2 * sv, e = x1 * sv, f = x2 * cv;
+      store8(x + p, (a - b) - load8(mu + p));
+      store8(y + p, (e + f) - load8(mu + P + p));
+    }
+    for (; p < P; ++p) {
+      const float x1 = x[p], x2 = y[p];
+      const float a = x1 * c[p], b = x2 * s[p];
+      const float e = x1 * s[p], f = x2 * c[p];
+      x[p] = (a - b) - mu[p];
+      y[p] = (e + f) - mu[P + p];
+    }
+    for (int64_t d = 2 * P; d < D; ++d) x[d] -= mu[d];
+  }
+}
+
 // Rotate the rotary pairs (first[p], second[p]) of keys [T, D] by the table rows cs/sn
 // (row t at t * P): y1 = x1 cos - x2 sin, y2 = x1 sin + x2 cos, every product and sum rounded
 // to float32 separately, as kvlab.rope's float32 rotation (no fused multiply-add).
@@ -282,10 +306,30 @@ __attribute__((optimize("fp-contract=off"))) void rotate_keys(
   }
 }
 
+// The working buffers of RowTask's groups and exact segment; one per thread, shared by the
+// row tasks it runs one after another
+struct Scratch {
+  std::vector<int64_t> idx;
+  std::vector<const float*> cs_rows, sn_rows;
+  std::vector<float> keys, codes, p, w, vals, scale, zero;
+};
+
 template <typename S>
 class RowTask {
  public:
-  RowTask(const Inputs<S>& in, int64_t row) : in_(in), row_(row) {
+  RowTask(const Inputs<S>& in, int64_t row, Scratch& scratch)
+      : in_(in),
+        row_(row),
+        idx_(scratch.idx),
+        cs_rows_(scratch.cs_rows),
+        sn_rows_(scratch.sn_rows),
+        keys_(scratch.keys),
+        codes_(scratch.codes),
+        p_(scratch.p),
+        w_(scratch.w),
+        vals_(scratch.vals),
+        scale_(scratch.scale),
+        zero_(scratch.zero) {
     const int64_t M = in.M, D = in.D;
     q_ = in.q + row * M * D;
     mu_ = in.mu + row * D;
@@ -347,7 +391,7 @@ class RowTask {
     const int64_t T = in.T, D = in.D, Dv = in.Dv, M = in.M;
     keys_.resize(T * D);
     codes_.resize(T * std::max(D, Dv) + 8);
-    w_.resize(T);
+    w_.resize(M * T);
     idx_.resize(T);
     scale_.resize(std::max(D, T));
     zero_.resize(std::max(D, T));
@@ -357,8 +401,14 @@ class RowTask {
       for (int64_t t = 0; t < T; ++t) idx_[t] = first + t;
       decode_keys(in.key_codes + slot * in.Kb, in.key_scalars + slot * in.Sk);
       if (in.K > 0) apply_payload(in.payload + slot * in.E);
-      if (in.rope_cos != nullptr) rotate(in.sink_tokens + g * T);
-      centre();
+      if (in.rope_cos != nullptr && half_pairs_) {
+        const int64_t base = in.pos_offset[row_] + in.sink_tokens + g * T - in.rope_base;
+        rotate_centre_half(keys_.data(), T, D, in.P, in.rope_cos + base * in.P,
+                           in.rope_sin + base * in.P, mu_);
+      } else {
+        if (in.rope_cos != nullptr) rotate(in.sink_tokens + g * T);
+        centre();
+      }
       if (!score(T, out)) continue;
       // values: acc += (p * s) @ codes, accz += p . z
       unpack_codes(in.value_codes + slot * in.Vb, T * Dv, static_cast<int>(in.bits), codes_.data());
@@ -367,15 +417,13 @@ class RowTask {
         scale_[t] = static_cast<float>(vs[t]);
         zero_[t] = static_cast<float>(vs[T + t]);
       }
-      for (int64_t m = 0; m < M; ++m) {
-        const float* p = p_.data() + m * T;
-        float* w = w_.data();
-        for (int64_t t = 0; t < T; ++t) w[t] = p[t] * scale_[t];
-        float z = 0.f;
-        for (int64_t t = 0; t < T; ++t) z += p[t] * zero_[t];
-        out.accz[m] += z;
-        accumulate(w, codes_.data(), T, Dv, out.acc.data() + m * Dv);
-      }
+      // w = p * s for every row, the zero-point sums (each row's in token order, the rows'
+      // chains interleaved), then each row's weighted sum of the codes (the tile is in L1)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t t = 0; t < T; ++t) w_[m * T + t] = p_[m * T + t] * scale_[t];
+      zero_sums(p_.data(), zero_.data(), M, T, out.accz.data());
+      for (int64_t m = 0; m < M; ++m)
+        accumulate(w_.data() + m * T, codes_.data(), T, Dv, out.acc.data() + m * Dv);
     }
   }
 
@@ -444,7 +492,74 @@ class RowTask {
       ch_shift_[d] = static_cast<uint32_t>(offset[d] & 7);
       ch_mask_[d] = (1u << w[d]) - 1u;
     }
+    plan_shuffles();
   }
+
+  // The byte shuffles of unpack_widths_shuffled: a token's code for channel d lies in its
+  // bytes ch_byte_[d] and ch_byte_[d] + 1 (shift <= 7, width <= 8). Sources are the token's
+  // 16 bytes from offset 8k (k < sources_, each within the token); channel d reads source
+  // min(byte / 8, sources_ - 1), which holds both its bytes, or the first and nothing after
+  // the token's end (a code never extends past it). Per chunk of eight channels and source,
+  // a 32-byte vpshufb control (bytes 4i, 4i + 1 of lane i: the two bytes; the rest 0x80, zero)
+  // and whether any lane of the chunk reads that source.
+  void plan_shuffles() {
+    const Inputs<S>& in = in_;
+    const int64_t D = in.D, stride = in.bits * D;
+    sources_ = 0;
+#if defined(__AVX2__)
+    const int64_t tb = stride / 8;
+    if (stride % 8 != 0 || D % 8 != 0 || (tb != 16 && tb != 24 && tb != 32)) return;
+    const int64_t K = (tb - 16) / 8 + 1;
+    const int64_t chunks = D / 8;
+    shuffle_.assign(chunks * K * 32, 0x80);
+    shuffle_used_.assign(chunks * K, 0);
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t b = ch_byte_[d];
+      const int64_t k = std::min<int64_t>(b / 8, K - 1);
+      const int64_t c = d / 8, lane = d % 8;
+      uint8_t* ctl = shuffle_.data() + (c * K + k) * 32 + 4 * lane;
+      ctl[0] = static_cast<uint8_t>(b - 8 * k);
+      if (b + 1 < tb && b + 1 - 8 * k < 16) ctl[1] = static_cast<uint8_t>(b + 1 - 8 * k);
+      shuffle_used_[c * K + k] = 1;
+    }
+    sources_ = K;
+#endif
+  }
+
+#if defined(__AVX2__)
+  // (1) for the width layout with a shuffle plan: codes of the group's tokens decoded straight
+  // into keys_ [T, D]: zero + code * scale (exact product, one rounding, as decode_keys)
+  void decode_widths_shuffled(const uint8_t* packed, const float* sc, const float* ze) {
+    const Inputs<S>& in = in_;
+    const int64_t T = in.T, D = in.D, tb = in.bits * D / 8, K = sources_, chunks = D / 8;
+    float* k = keys_.data();
+    for (int64_t c = 0; c < chunks; ++c) {  // a chunk's controls and scalars stay in registers
+      __m256i ctl[3];
+      int64_t used[3], n = 0;
+      for (int64_t j = 0; j < K; ++j) {
+        if (!shuffle_used_[c * K + j]) continue;
+        ctl[n] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(shuffle_.data() + (c * K + j) * 32));
+        used[n++] = j;
+      }
+      const __m256i sh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&ch_shift_[8 * c]));
+      const __m256i mk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&ch_mask_[8 * c]));
+      const __m256 scale = _mm256_loadu_ps(sc + 8 * c), zero = _mm256_loadu_ps(ze + 8 * c);
+      for (int64_t t = 0; t < T; ++t) {
+        const uint8_t* tok = packed + t * tb;
+        __m256i v = _mm256_setzero_si256();
+        for (int64_t i = 0; i < n; ++i) {
+          const __m256i src = _mm256_broadcastsi128_si256(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(tok + 8 * used[i])));
+          v = _mm256_or_si256(v, _mm256_shuffle_epi8(src, ctl[i]));
+        }
+        const __m256 code = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, sh), mk));
+        // zero + code * scale: the product is exact, so fused or not it rounds once
+        _mm256_storeu_ps(k + t * D + 8 * c, _mm256_fmadd_ps(code, scale, zero));
+      }
+    }
+  }
+#endif
 
   // codes of a group in the width layout into codes_ [T, D] (floats)
   void unpack_widths(const uint8_t* packed) {
@@ -543,6 +658,18 @@ class RowTask {
     const Inputs<S>& in = in_;
     const int64_t T = in.T, D = in.D;
     const int64_t n = T * D;
+#if defined(__AVX2__)
+    if (in.key_kind == kKeysWidths && sources_ > 0) {
+      float* sc = scale_.data();
+      float* ze = zero_.data();
+      for (int64_t d = 0; d < D; ++d) {
+        sc[d] = static_cast<float>(scalars[d]);
+        ze[d] = static_cast<float>(scalars[D + d]);
+      }
+      decode_widths_shuffled(packed, sc, ze);
+      return;
+    }
+#endif
     if (in.key_kind == kKeysWidths) {
       unpack_widths(packed);
     } else {
@@ -599,12 +726,17 @@ class RowTask {
     p_.resize(M * W);
     bool any = false;
     const float* k = keys_.data();
+    // every row sees every key (a decode step's groups): all rows' logits in one GQA tile,
+    // each with the bits of the row loop below (dot4 for the first W / 4 * 4 keys, then dot)
+    bool tiled = W > 0 && D % 8 == 0;
+    for (int64_t m = 0; m < M && tiled; ++m) tiled = idx_[W - 1] < limit_[m];
+    if (tiled) score_tile(q_, M, D, k, W, p_.data(), W, W / 4 * 4);
     for (int64_t m = 0; m < M; ++m) {
       const float* qm = q_ + m * D;
       float* lg = p_.data() + m * W;
-      int64_t visible = 0;
+      int64_t visible = tiled ? W : 0;
       while (visible < W && idx_[visible] < limit_[m]) ++visible;  // idx_ increases
-      int64_t t = 0;
+      int64_t t = tiled ? visible : 0;
       for (; t + 4 <= visible; t += 4) dot4(qm, k + t * D, D, D, lg + t);
       for (; t < visible; ++t) lg[t] = dot(qm, k + t * D, D);
       if (in.softcap > 0.f) {
@@ -630,16 +762,21 @@ class RowTask {
 
   const Inputs<S>& in_;
   int64_t row_;
+  // per-group working buffers (Scratch: shared by the tasks of one thread)
+  std::vector<int64_t>& idx_;
+  std::vector<const float*>&cs_rows_, &sn_rows_;
+  std::vector<float>&keys_, &codes_, &p_, &w_, &vals_, &scale_, &zero_;
   const float* q_;
   const float* mu_;
   int64_t s_len_, g_cnt_, r_len_;
   bool half_pairs_ = false;
-  std::vector<int64_t> limit_, idx_, pn_pairs_, ch_byte_;
+  std::vector<int64_t> limit_, pn_pairs_, ch_byte_;
   std::vector<uint32_t> ch_shift_, ch_mask_;
   std::vector<int32_t> ch_byte32_;
   int64_t max_byte_ = 0;
-  std::vector<const float*> cs_rows_, sn_rows_;
-  std::vector<float> q_mu_, keys_, codes_, p_, w_, vals_, scale_, zero_;
+  int64_t sources_ = 0;  // > 0: the width layout decodes by byte shuffles (plan_shuffles)
+  std::vector<uint8_t> shuffle_, shuffle_used_;
+  std::vector<float> q_mu_;
 };
 
 // out row m = (T(acc + accz) + acce) / l, T the value output transform (x @ H^T; H is
@@ -666,14 +803,29 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
   const int64_t M = in.M, Dv = in.Dv;
   if (splits <= 1) {
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      Partial part;
+      // the rows of a task advance through their groups together, a block at a time, so that
+      // rows at equal positions (the kv heads and sequences of a batch) read the same cos/sin
+      // rows while they are in cache; each row's partial sees its segments in the same order
+      Scratch scratch;
+      std::vector<RowTask<S>> tasks;
+      tasks.reserve(end - begin);
+      std::vector<Partial> parts(end - begin);
+      int64_t most = 0;
       for (int64_t row = begin; row < end; ++row) {
-        RowTask<S> task(in, row);
-        part.init(M, Dv);
-        task.exact(part);
-        task.groups(0, task.groups(), part);
-        task.sinks(part);
-        finish(part, M, Dv, in.hadamard, out + row * M * Dv);
+        tasks.emplace_back(in, row, scratch);
+        parts[row - begin].init(M, Dv);
+        tasks.back().exact(parts[row - begin]);
+        most = std::max(most, tasks.back().groups());
+      }
+      for (int64_t g0 = 0; g0 < most; g0 += kGroupBlock) {
+        for (size_t i = 0; i < tasks.size(); ++i) {
+          const int64_t n = tasks[i].groups();
+          if (g0 < n) tasks[i].groups(g0, std::min(n, g0 + kGroupBlock), parts[i]);
+        }
+      }
+      for (int64_t row = begin; row < end; ++row) {
+        tasks[row - begin].sinks(parts[row - begin]);
+        finish(parts[row - begin], M, Dv, in.hadamard, out + row * M * Dv);
       }
     });
     return;
@@ -682,9 +834,10 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
   // the exact segment; the partials of a row are merged afterwards (FlashDecoding).
   std::vector<Partial> parts(rows * splits);
   at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t task_id = begin; task_id < end; ++task_id) {
       const int64_t row = task_id / splits, split = task_id % splits;
-      RowTask<S> task(in, row);
+      RowTask<S> task(in, row, scratch);
       Partial& part = parts[task_id];
       part.init(M, Dv);
       const int64_t n = task.groups();
@@ -695,8 +848,9 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
     }
   });
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t row = begin; row < end; ++row) {
-      RowTask<S> task(in, row);
+      RowTask<S> task(in, row, scratch);
       Partial& total = parts[row * splits];
       for (int64_t s = 1; s < splits; ++s) {
         const Partial& p = parts[row * splits + s];

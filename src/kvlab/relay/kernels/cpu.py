@@ -1,4 +1,5 @@
-"""The compiled CPU decode attention of RoPE-Relay (docs/design.md, "RoPE-Relay: Attention").
+"""The compiled CPU decode attention of RoPE-Relay (docs/design.md, "RoPE-Relay: Attention"),
+and of the dense exact cache (:func:`dense_decode_cpu`).
 
 ``cpu_decode.cpp`` beside this module is compiled once per machine on first use
 (:func:`kvlab.native.compile_module`: about half a minute, one log line). If it cannot be
@@ -32,6 +33,7 @@ __all__ = [
     "ENV_VAR",
     "cpu_kernel_status",
     "decode_backend",
+    "dense_decode_cpu",
     "load",
     "ragged_decode_cpu",
 ]
@@ -54,7 +56,7 @@ def _compile() -> ModuleType:
     return compile_module(
         "kvlab_relay_cpu",
         source,
-        ["ragged_decode"],
+        ["ragged_decode", "dense_decode"],
         "kvlab: compiling the RoPE-Relay CPU decode kernel (once per machine, about half a "
         f"minute; set {ENV_VAR}=torch to skip it)",
     )
@@ -96,3 +98,41 @@ def ragged_decode_cpu(module: ModuleType, query: Tensor, store: RelayStore, scal
     q = query.reshape(segments, q_heads // store.heads, dim).contiguous()
     out = module.ragged_decode(q, store.keys, store.values, store.stride, store.lengths, scale)
     return out.view(batch, q_heads, 1, store.value_dim)
+
+
+def dense_decode_cpu(
+    module: ModuleType, query: Tensor, keys: Tensor, values: Tensor, length: int, scale: float
+) -> Tensor:
+    """One decode step's exact attention over the first ``length`` tokens of dense buffers with
+    the compiled kernel (every kv head's keys and values read once for its query heads).
+
+    Args:
+        module: from :func:`load`.
+        query: float32 ``[B, H_q, 1, D]`` on the CPU, ``H_q`` a multiple of ``H_kv``.
+        keys, values: float32 ``[B, H_kv, S, D]`` / ``[B, H_kv, S, Dv]`` on the CPU whose token
+            rows are contiguous (a view of a larger buffer is fine: no copy).
+        length: tokens attended per (sequence, kv head), ``1 <= length <= S``.
+        scale: softmax scale of the logits.
+
+    Returns:
+        float32 ``[B, H_q, 1, Dv]``: softmax attention of each query head over its kv head's
+        first ``length`` tokens (GQA), equal to SDPA to float32 rounding (its exponential is
+        :file:`kvlab_simd.h`'s ``exp_approx``, relative error about 2e-7).
+
+    Raises:
+        RuntimeError: buffers the kernel cannot read in place (see ``cpu_decode.cpp``).
+    """
+    batch, q_heads, _, dim = query.shape
+    heads = keys.shape[1]
+    q = query.reshape(batch * heads, q_heads // heads, dim).contiguous()
+    out = module.dense_decode(q, _segments(keys), _segments(values), length, scale)
+    return out.view(batch, q_heads, 1, values.shape[-1])
+
+
+def _segments(t: Tensor) -> Tensor:
+    """``[B, H, S, D]`` as ``[B * H, S, D]``, without a copy when the (B, H) axes collapse to
+    one stride (a view of a ``[B, H, capacity, D]`` buffer does)."""
+    b, h, s, d = t.shape
+    if t.stride(0) == h * t.stride(1) or b == 1:
+        return t.as_strided((b * h, s, d), (t.stride(1), t.stride(2), t.stride(3)))
+    return t.reshape(b * h, s, d)
