@@ -5,9 +5,10 @@ seed 0, no shared prefill: the prefill is part of the time), and runs
 :func:`kvlab.evaluation.questions.compress_context` with ``evict-no-relay:kvzip@0.5``. Prints
 JSON: ``compress_seconds`` (prefill + reconstruction pass + eviction), ``pass_seconds``
 (:func:`kvlab.integrations.kvzip.compress`: pass + eviction), ``attention_seconds`` (every
-:func:`kvlab.relay.kvzip.reconstruction_attention` call) and ``evict_seconds``.
-``--reference`` runs the pass with :func:`kvlab.relay.kvzip.reconstruction_attention_reference`
-(the blockwise softmax) instead of the CPU flash path. ``--kept FILE`` writes the kept
+:func:`kvlab.relay.kvzip_attention.reconstruction_attention` call) and ``evict_seconds``.
+``--reference`` runs the pass with
+:func:`kvlab.relay.kvzip_attention.reconstruction_attention_reference` (the blockwise softmax)
+instead of the CPU flash path. ``--kept FILE`` writes the kept
 original positions per layer and kv head (JSON), which ``--compare A B`` compares.
 
     OMP_NUM_THREADS=1 python experiments/kvzip_reconstruction.py --kept /tmp/fast.json
@@ -67,7 +68,7 @@ def main() -> None:
     import torch
 
     import kvlab.integrations.kvzip as integration
-    import kvlab.relay.kvzip as kvzip
+    import kvlab.relay.kvzip_attention as kvzip
     import kvlab.relay.reconstruction as reconstruction
     from kvlab.evaluation.calibration import prepare_method
     from kvlab.evaluation.methods import parse_method

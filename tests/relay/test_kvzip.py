@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvlab.relay.kvzip as kvzip_module
+import kvlab.relay.kvzip_attention as kvzip_attention
 from kvlab.relay import KVzipScorer, ReconstructionPrompt
-from kvlab.relay.kvzip import (
-    chat_template_parts,
+from kvlab.relay.kvzip import chat_template_parts
+from kvlab.relay.kvzip_attention import (
     reconstruction_attention,
     reconstruction_attention_reference,
 )
@@ -152,7 +152,7 @@ def test_flash_path_matches_reference_in_float64(
         columns = torch.ones(1, heads, slots, dtype=torch.bool)
         columns[0, -1] = False
     s_aux = torch.randn(heads * group, generator=gen) if sinks else None
-    with patch.object(kvzip_module, "reconstruction_attention_reference", _no_reference):
+    with patch.object(kvzip_attention, "reconstruction_attention_reference", _no_reference):
         out, scores = reconstruction_attention(
             query,
             keys,
@@ -192,7 +192,7 @@ def test_flash_path_falls_back_for_softcap_and_other_value_sizes():
     query, keys, values, own_keys, own_values = _inputs(gen, 2, 2, 6, 3, 8, 1.0)
     valid = torch.ones(1, 2, 6, dtype=torch.bool)
     args = (query, keys, values, valid, own_keys, own_values)
-    with patch.object(kvzip_module, "reconstruction_attention_reference", _no_reference):
+    with patch.object(kvzip_attention, "reconstruction_attention_reference", _no_reference):
         reconstruction_attention(*args, scale=0.3)
         with pytest.raises(_ReferenceCalled):
             reconstruction_attention(*args, scale=0.3, softcap=20.0)

@@ -72,6 +72,7 @@ IMPLEMENTATION_MODULES = (
     "kvlab.relay.tova",
     "kvlab.relay.combined",
     "kvlab.relay.kvzip",
+    "kvlab.relay.kvzip_attention",
     "kvlab.relay.config",
     "kvlab.relay.evictor",
     "kvlab.relay.reconstruction",

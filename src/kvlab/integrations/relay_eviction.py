@@ -77,9 +77,10 @@ class RelayEviction:
     ) -> Tensor:
         """A reconstruction pass through this layer (docs/design.md, "RoPE-Relay:
         Reconstruction scoring"): each fed sequence's real queries attend over its stored tokens
-        and, causally, the pass's own tokens (:func:`kvlab.relay.kvzip.reconstruction_attention`),
-        the per-slot scores are max-accumulated into :attr:`reconstruction_scores`, and nothing
-        is stored. Sequence by sequence, so a row's scores never depend on its neighbours.
+        and, causally, the pass's own tokens
+        (:func:`kvlab.relay.kvzip_attention.reconstruction_attention`), the per-slot scores are
+        max-accumulated into :attr:`reconstruction_scores`, and nothing is stored. Sequence by
+        sequence, so a row's scores never depend on its neighbours.
 
         Raises:
             ValueError: a sequence that already evicted, or that receives tokens without a span.

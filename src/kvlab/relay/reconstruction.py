@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvlab.relay.kvzip import reconstruction_attention
+from kvlab.relay.kvzip_attention import reconstruction_attention
 from kvlab.relay.observation import window_attention
 from kvlab.relay.storage import RelayStore
 
@@ -67,9 +67,10 @@ def reconstruct_row(
 ) -> tuple[Tensor, Tensor]:
     """Sequence ``row``'s part of a reconstruction pass: its real queries ``query``
     ``[1, H_q, R, D]`` attend over its stored tokens and, causally, the pass's own ``keys`` /
-    ``values`` ``[1, H_kv, R, D|Dv]`` (:func:`kvlab.relay.kvzip.reconstruction_attention`); the
-    scores are those of the stored tokens in ``span`` (normalized with the span's sinks when
-    the span is a chunk of the ``stream_length`` tokens), zero elsewhere.
+    ``values`` ``[1, H_kv, R, D|Dv]``
+    (:func:`kvlab.relay.kvzip_attention.reconstruction_attention`); the scores are those of
+    the stored tokens in ``span`` (normalized with the span's sinks when the span is a chunk of
+    the ``stream_length`` tokens), zero elsewhere.
 
     Returns:
         ``(out [1, H_q, R, Dv], scores float32 [1, H, S])`` (padded view of the row).
