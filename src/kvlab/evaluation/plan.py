@@ -64,6 +64,7 @@ IMPLEMENTATION_MODULES = (
     "kvlab.relay.attention",
     "kvlab.relay.kernels.cpu",
     "kvlab.relay.storage",
+    "kvlab.relay.storage_views",
     "kvlab.relay.scorers",
     "kvlab.relay.budgets",
     "kvlab.relay.policies",

@@ -11,14 +11,16 @@ The package holds the mechanism's parts, none of which imports ``transformers``:
   :mod:`~kvlab.relay.layer_budgets` / :mod:`~kvlab.relay.policies` — the eviction policy:
   which tokens each (layer, kv head) keeps, how a layer's budget is split across heads, how the
   model's budget is split across layers, and the named default policies.
-* :mod:`~kvlab.relay.storage` / :mod:`~kvlab.relay.attention` — the ragged storage
-  (:class:`RelayStore`: one flat buffer per layer, one segment per (sequence, kv head)) and
-  the one-call attention over it (:func:`ragged_attention`).
+* :mod:`~kvlab.relay.storage` (with :mod:`~kvlab.relay.storage_views`) /
+  :mod:`~kvlab.relay.attention` — the ragged storage (:class:`RelayStore`: one flat buffer per
+  layer, one segment per (sequence, kv head)), its padded read views, and the one-call
+  attention over it (:func:`ragged_attention`).
 * :mod:`~kvlab.relay.config` / :mod:`~kvlab.relay.evictor` /
-  :mod:`~kvlab.relay.reconstruction` — the eviction's settings (:class:`EvictionConfig`,
-  :class:`EvictionEvent`), one layer's eviction on its RelayStore (:class:`Evictor`: budgets,
-  protected window, observation window, scores, per-head counts, relay, compaction), and the
-  per-sequence steps of a reconstruction pass (KVzip scoring).
+  :mod:`~kvlab.relay.reconstruction` (with :mod:`~kvlab.relay.kvzip_attention`) — the
+  eviction's settings (:class:`EvictionConfig`, :class:`EvictionEvent`), one layer's eviction
+  on its RelayStore (:class:`Evictor`: budgets, protected window, observation window, scores,
+  per-head counts, relay, compaction), and the per-sequence steps of a reconstruction pass
+  (KVzip scoring; the pass's attention and scores).
 
 The ``transformers`` cache that evicts inside a model's forward is
 :class:`kvlab.integrations.RelayModelCache`.

@@ -37,7 +37,11 @@ Bytes (docs/design.md, "RoPE-Relay: Byte accounting"): :meth:`RelayStore.nbytes`
 key/value elements exactly, :meth:`RelayStore.reserved_bytes` the allocation,
 :meth:`RelayStore.index_bytes` the used position bookkeeping (two int64 per stored token).
 
-No ``transformers`` import here: the model glue is :mod:`kvlab.integrations.relay_cache`.
+This module owns the buffers, the segment table and every write (append, re-layout, compaction,
+crop, row selection); the view types it hands out (:class:`Segment`, :class:`PaddedView`,
+:class:`PaddedSegments`, re-exported here) and the functions that build them and the index
+ramps live in :mod:`kvlab.relay.storage_views`. No ``transformers`` import here: the model glue
+is :mod:`kvlab.integrations.relay_cache`.
 """
 
 from __future__ import annotations
@@ -49,73 +53,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvlab.relay.storage_views import (
+    PaddedSegments,
+    PaddedView,
+    Segment,
+    arange_segments,
+    gather_index,
+    gather_padded,
+    ramps,
+    strided_view,
+)
+
 __all__ = ["PaddedSegments", "PaddedView", "RelayStore", "Segment"]
-
-#: ``original_positions`` of the padding slots of a :class:`PaddedSegments` view.
-PAD_POSITION: int = -1
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Views (no copies) of one (sequence, kv head) segment's ``n`` stored tokens.
-
-    Attributes:
-        keys: ``[n, D]``; values: ``[n, Dv]``; original_positions, rotary_positions: int64
-            ``[n]``. Writing to them writes to the store.
-    """
-
-    keys: Tensor
-    values: Tensor
-    original_positions: Tensor
-    rotary_positions: Tensor
-
-
-@dataclass(frozen=True)
-class PaddedSegments:
-    """Left-aligned padded copies of some rows' segments (what eviction scorers read).
-
-    Shapes: ``R`` rows, ``H`` kv heads, ``S`` the longest of those segments.
-
-    Attributes:
-        keys: ``[R, H, S, D]``; values: ``[R, H, S, Dv]`` (padding slots zero).
-        valid: bool ``[R, H, S]``, True for the first ``lengths`` slots of each segment.
-        original_positions: int64 ``[R, H, S]`` (``-1`` in padding slots).
-        rotary_positions: int64 ``[R, H, S]`` (``0`` in padding slots).
-    """
-
-    keys: Tensor
-    values: Tensor
-    valid: Tensor
-    original_positions: Tensor
-    rotary_positions: Tensor
-
-
-@dataclass(frozen=True)
-class PaddedView:
-    """Views (no copies) of every segment of a store, padded to the longest and broadcast over
-    a GQA group (what attention reads): ``M = B * H`` segments, ``G`` the group, ``S`` the
-    longest segment (at least 1).
-
-    Attributes:
-        keys: ``[M, G, S, D]``; values: ``[M, G, S, Dv]`` (the group axis has stride 0). Slots
-            at and past a segment's length hold stale finite data (headroom): read them only
-            through ``valid``.
-        bias: ``[M, 1, 1, S]`` in the store dtype, ``0`` on the first ``lengths[s]`` slots of
-            segment ``s`` and ``-inf`` after them (the key-padding mask as SDPA applies it), or
-            ``None`` when every segment holds exactly ``S`` tokens (nothing to mask).
-        longest: ``S``.
-    """
-
-    keys: Tensor
-    values: Tensor
-    bias: Tensor | None
-    longest: int
-
-    @property
-    def valid(self) -> Tensor | None:
-        """bool ``[M, 1, 1, S]``: True where :attr:`bias` is ``0`` (a new tensor per call), or
-        ``None`` with it."""
-        return None if self.bias is None else self.bias == 0
 
 
 @dataclass
@@ -128,28 +77,6 @@ class _PositionRun:
     original: list[int]
     rotary: list[int]
     count: int = 0
-
-
-def _ramps(
-    starts: Sequence[Sequence[int]], counts: Sequence[int], device: torch.device | None = None
-) -> Tensor:
-    """int64 ``[len(starts), sum(counts)]`` on ``device`` (default CPU): row ``i`` is
-    ``starts[i][k] + 0 .. starts[i][k] + counts[k] - 1`` concatenated over ``k`` (one tensor
-    built from host ints for small sizes)."""
-    total = int(sum(counts))
-    if total <= 4096:  # decode steps: one small tensor from host ints
-        flat = [a + j for row in starts for a, c in zip(row, counts, strict=True) for j in range(c)]
-        return torch.tensor(flat, dtype=torch.int64, device=device).view(len(starts), total)
-    counts_t = torch.tensor(list(counts), dtype=torch.int64)
-    first = torch.cumsum(counts_t, 0) - counts_t  # where each run begins in the output
-    within = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(first, counts_t)
-    starts_t = torch.tensor([list(row) for row in starts], dtype=torch.int64)
-    return (torch.repeat_interleave(starts_t, counts_t, dim=1) + within).to(device)
-
-
-def _arange_segments(starts: Sequence[int], counts: Sequence[int]) -> Tensor:
-    """int64 CPU ``[sum(counts)]``: ``starts[i] + 0 .. starts[i] + counts[i] - 1`` concatenated."""
-    return _ramps([starts], counts)[0]
 
 
 class RelayStore:
@@ -306,7 +233,7 @@ class RelayStore:
         run, self._run = self._run, None
         if run is None:
             return
-        table = _ramps([run.rows, run.original, run.rotary], [run.count] * len(run.rows))
+        table = ramps([run.rows, run.original, run.rotary], [run.count] * len(run.rows))
         dst, original, rotary = table.to(self.device).unbind(0)
         self._original_positions.index_copy_(0, dst, original)
         self._rotary_positions.index_copy_(0, dst, rotary)
@@ -325,11 +252,11 @@ class RelayStore:
         extra = [0] * self.num_segments if extra is None else list(extra)
         room = self.headroom() if room is None else max(self.min_headroom, int(room))
         stride = max(n + e for n, e in zip(self.lengths, extra, strict=True)) + room
-        src = _arange_segments(self.offsets, self.lengths).to(self.device)
+        src = arange_segments(self.offsets, self.lengths).to(self.device)
         old = (self.keys, self.values, self.original_positions, self.rotary_positions)
         self._allocate(stride * self.num_segments)
         self._lay_out(stride)
-        dst = _arange_segments(self.offsets, self.lengths).to(self.device)
+        dst = arange_segments(self.offsets, self.lengths).to(self.device)
         for new, buf in zip(
             (self.keys, self.values, self._original_positions, self._rotary_positions),
             old,
@@ -405,7 +332,7 @@ class RelayStore:
         if all(r == t for r in real):
             new_k, new_v = flat_k, flat_v
         else:
-            src = _arange_segments(
+            src = arange_segments(
                 [s * t + t - r for s, r in enumerate(per_segment)], per_segment
             ).to(self.device)
             new_k, new_v = flat_k.index_select(0, src), flat_v.index_select(0, src)
@@ -425,7 +352,7 @@ class RelayStore:
             self._run = _PositionRun(rows, original, rotary, count=1)
         else:
             # destination rows, stream indices and rotary positions: one tensor from host ints
-            table = _ramps([rows, original, rotary], per_segment, self.device)
+            table = ramps([rows, original, rotary], per_segment, self.device)
             dst, positions = table[0], table[1:]
             self._original_positions.index_copy_(0, dst, positions[0])
             self._rotary_positions.index_copy_(0, dst, positions[1])
@@ -505,8 +432,8 @@ class RelayStore:
                 raise ValueError(f"head {h}: {counts[h]} tokens do not fit its segment")
             if first_slot[h] + counts[h] > slots:
                 raise ValueError(f"head {h}: slots {first_slot[h]} + {counts[h]} exceed {slots}")
-        src = _arange_segments([h * slots + f for h, f in enumerate(first_slot)], counts)
-        dst = _arange_segments(self.offsets[base : base + heads], counts)
+        src = arange_segments([h * slots + f for h, f in enumerate(first_slot)], counts)
+        dst = arange_segments(self.offsets[base : base + heads], counts)
         src, dst = src.to(keys.device), dst.to(self.device)
         self.keys.index_copy_(0, dst, keys.reshape(-1, self.head_dim).index_select(0, src))
         self.values.index_copy_(0, dst, values.reshape(-1, self.value_dim).index_select(0, src))
@@ -544,7 +471,7 @@ class RelayStore:
         self._write_positions()
         segs = [b * self.heads + h for b in rows for h in range(self.heads)]
         lengths = [self.lengths[s] for s in segs]
-        src = _arange_segments([self.offsets[s] for s in segs], lengths).to(self.device)
+        src = arange_segments([self.offsets[s] for s in segs], lengths).to(self.device)
         old = (self.keys, self.values, self.original_positions, self.rotary_positions)
         self.batch = len(rows)
         self.lengths = lengths
@@ -552,7 +479,7 @@ class RelayStore:
         stride = max(lengths, default=0) + room
         self._allocate(stride * len(segs))
         self._lay_out(stride)
-        dst = _arange_segments(self.offsets, lengths).to(self.device)
+        dst = arange_segments(self.offsets, lengths).to(self.device)
         for new, buf in zip(
             (self.keys, self.values, self._original_positions, self._rotary_positions),
             old,
@@ -564,7 +491,8 @@ class RelayStore:
 
     # ------------------------------------------------------------------ reads
     def gather_index(self, rows: Sequence[int] | None = None) -> tuple[Tensor, Tensor, int]:
-        """Flat-buffer rows of the padded view of sequences ``rows`` (default all).
+        """Flat-buffer rows of the padded view of sequences ``rows`` (default all):
+        :func:`~kvlab.relay.storage_views.gather_index` of their segments.
 
         Returns:
             ``(index, lengths, S)``: index int64 ``[R * H, S]`` on the store's device (slot
@@ -579,57 +507,21 @@ class RelayStore:
         )
         offsets = [self.offsets[s] for s in segs]
         lengths = [self.lengths[s] for s in segs]
-        longest = max(max(lengths, default=0), 1)
-        # one host tensor for both: [offsets; last slot of each segment (0 when empty)]
-        table = torch.tensor(
-            [offsets, [max(n - 1, 0) for n in lengths], lengths],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        slot = self.slots(longest)
-        # capacities >= 1 after any append, and a fresh store's one row is row 0: always valid
-        index = table[0].unsqueeze(-1) + torch.minimum(slot.unsqueeze(0), table[1].unsqueeze(-1))
-        return index, table[2], longest
+        return gather_index(offsets, lengths, self.slots, self.device)
 
     def padded_view(self, group: int = 1) -> PaddedView:
         """Every segment padded to the longest and broadcast over ``group`` query heads, as
         views of the buffers (one view op per tensor: no copy, no device read-back); see
         :class:`PaddedView`. Slot ``i`` of segment ``s`` is row ``offsets[s] + i``."""
-        longest = max(max(self.lengths, default=0), 1)  # <= stride: every segment has a row
-        segments, stride = self.num_segments, self.stride
-        d, dv = self.head_dim, self.value_dim
-        bias = None
-        if min(self.lengths) != longest:
-            bias = self.key_bias.as_strided((segments, 1, 1, longest), (stride, 0, 0, 1))
-        return PaddedView(
-            keys=self.keys.as_strided((segments, group, longest, d), (stride * d, 0, d, 1)),
-            values=self.values.as_strided((segments, group, longest, dv), (stride * dv, 0, dv, 1)),
-            bias=bias,
-            longest=longest,
-        )
+        return strided_view(self.keys, self.values, self.key_bias, self.lengths, self.stride, group)
 
     def padded(self, rows: Sequence[int] | None = None) -> PaddedSegments:
         """Left-aligned padded copies of sequences ``rows`` (default all): see
         :class:`PaddedSegments`."""
         rows = list(range(self.batch)) if rows is None else list(rows)
         index, lengths, longest = self.gather_index(rows)
-        flat = index.reshape(-1)
-        shape = (len(rows), self.heads, longest)
-        valid = (
-            torch.arange(longest, device=self.device).unsqueeze(0) < lengths.unsqueeze(-1)
-        ).view(shape)
-        keys = self.keys.index_select(0, flat).view(*shape, self.head_dim)
-        values = self.values.index_select(0, flat).view(*shape, self.value_dim)
-        pad = ~valid.unsqueeze(-1)
-        return PaddedSegments(
-            keys=keys.masked_fill(pad, 0),
-            values=values.masked_fill(pad, 0),
-            valid=valid,
-            original_positions=self.original_positions[flat]
-            .view(shape)
-            .masked_fill(~valid, PAD_POSITION),
-            rotary_positions=self.rotary_positions[flat].view(shape).masked_fill(~valid, 0),
-        )
+        buffers = (self.keys, self.values, self.original_positions, self.rotary_positions)
+        return gather_padded(buffers, index, lengths, (len(rows), self.heads, longest))
 
     # ------------------------------------------------------------------ sizes
     def numel(self) -> int:

@@ -249,6 +249,7 @@ PREPARATIONS: dict[str, Preparation] = {
             "kvlab.relay.policies",
             "kvlab.relay.scorers",
             "kvlab.relay.storage",
+            "kvlab.relay.storage_views",
             "kvlab.relay.tova",
             "kvlab.rope",
             "kvlab.rope.config",
