@@ -35,7 +35,8 @@ next-token distribution, pulled back through the later layers), so within one la
 candidates perturb the same states in the same way at different strengths, the ratio of
 squared errors estimates the ratio of KLs, and the exact measurement of one candidate carries
 the scale that differs by orders of magnitude between layers. The error of the estimate is
-measured against the exact measure on the real models (docs/results.md, section 11).
+measured against the exact measure on the real models (docs/archive/results-history.md,
+section 11.2, "The scaled measure: one exact candidate per layer").
 """
 
 from __future__ import annotations

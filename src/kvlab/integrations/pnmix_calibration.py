@@ -1,12 +1,13 @@
 """Per-layer sensitivity of a model to PN-Mix keys, measured once on a calibration text.
 
 A 2-bit KV cache hurts some layers far more than others (on SmolLM2-135M three of 30 layers
-carry most of the error; ``docs/results.md``). :func:`layer_group_sensitivity` measures, for
-every decoder layer ``l`` and every candidate group size ``g``, the mean
-``KL(full ‖ quantized)`` of the next-token distributions of ``score`` calibration tokens when
-**only** layer ``l`` holds its ``prefill`` context as PN-Mix codes with group size ``g`` (all
-other layers exact). :func:`kvlab.pnmix.allocate_group_tokens` then picks one group size per
-layer under a scalar-byte budget. Offline per-layer calibration of KV precision is common
+carry most of the error; ``docs/archive/results-history.md``, section 3, "Why groups per
+layer"). :func:`layer_group_sensitivity` measures, for every decoder layer ``l`` and every
+candidate group size ``g``, the mean ``KL(full ‖ quantized)`` of the next-token distributions
+of ``score`` calibration tokens when **only** layer ``l`` holds its ``prefill`` context as
+PN-Mix codes with group size ``g`` (all other layers exact).
+:func:`kvlab.pnmix.allocate_group_tokens` then picks one group size per layer under a
+scalar-byte budget. Offline per-layer calibration of KV precision is common
 practice (e.g. KVTuner, Li et al. 2025); kvlab's calibration text defaults to the package's
 own public-domain text, so it never overlaps an evaluation text unless the user makes it.
 

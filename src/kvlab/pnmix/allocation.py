@@ -1,10 +1,11 @@
 """Per-layer group sizes for a PN-Mix model cache under a byte budget.
 
 Quantization error of 2-bit keys is far from uniform across a model's layers: on
-SmolLM2-135M a few layers carry most of the attention error (see ``docs/results.md``). The
-key codes cost ``2 * D / 8`` bytes per token whatever the group, while the per-channel scalars
-(a 2-byte scale and zero per channel per group) cost ``4 * D / group_tokens`` bytes per token
-— so smaller groups buy accuracy with scalar bytes. :func:`allocate_group_tokens` spends a
+SmolLM2-135M a few layers carry most of the attention error (see
+``docs/archive/results-history.md``, section 3, "Why groups per layer"). The key codes cost
+``2 * D / 8`` bytes per token whatever the group, while the per-channel scalars (a 2-byte
+scale and zero per channel per group) cost ``4 * D / group_tokens`` bytes per token — so
+smaller groups buy accuracy with scalar bytes. :func:`allocate_group_tokens` spends a
 fixed scalar budget where it matters: given a per-layer sensitivity for each candidate group
 size (e.g. measured by :func:`kvlab.integrations.pnmix_calibration.layer_group_sensitivity`),
 it solves the

@@ -20,7 +20,7 @@ Sink tokens get no score of their own here (kvpress pads them with the maximum);
 protects ``EvictionConfig.sink_tokens`` anyway. The default allocation is uniform per head, as
 kvpress's ``ExpectedAttentionPress``; the adaptive one (Ada-KV) can compare the scores directly,
 as kvpress's ``AdaKVPress(ExpectedAttentionPress())`` does, but measured worse on SmolLM2 in
-both libraries (docs/results.md).
+both libraries (docs/archive/results-history.md, section 6, "Policy search").
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ class ExpectedAttentionScorer(Scorer):
 
     name = "expected-attention"
     needs_queries = True
-    # kvpress's uniform per-head budgets beat its AdaKV wrapper on this scorer (docs/results.md)
+    # kvpress's uniform per-head budgets beat its AdaKV wrapper on this scorer
+    # (docs/archive/results-history.md, section 6, "Policy search")
     default_allocation = "uniform"
 
     future_positions: int = 512

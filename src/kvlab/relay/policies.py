@@ -3,7 +3,8 @@ they replaced (kept so that earlier rows stay reproducible).
 
 A policy is a set of :class:`kvlab.integrations.EvictionConfig` keyword arguments besides the
 budget (``ratio``/``capacity``), ``relay`` and ``allocation``. The default was chosen by the
-search in docs/results.md (section 6, "Policy search", issue 9) on SmolLM2-135M and *Hamlet*:
+search in docs/archive/results-history.md (section 6, "Policy search", issue 9) on SmolLM2-135M
+and *Hamlet*:
 
 * ``window_fraction`` 0.75 — three quarters of each layer's per-head budget is the protected
   recent window (with 4 sink tokens); the scorer fills the rest. It is also SnapKV's
@@ -19,8 +20,9 @@ search in docs/results.md (section 6, "Policy search", issue 9) on SmolLM2-135M 
   by the scores (``layer_budget="scores"``, ``scores_share`` 0.75; KVzip's own cross-layer
   selection is share 1), the prefill's last 128 queries scored with the reconstruction pass's
   (``KVzipScorer(prefill_queries=128)``), a protected recent window of 3/8 of each layer's
-  per-head budget (``window_fraction`` 0.375); docs/results.md section 7 has the search. With
-  ``window_tokens=0`` and nothing else the policy reproduces kvpress's ``KVzipPress``.
+  per-head budget (``window_fraction`` 0.375); docs/archive/results-history.md section 7,
+  "Policy search", has the search. With ``window_tokens=0`` and nothing else the policy
+  reproduces kvpress's ``KVzipPress``.
 * SnapKV scores are multiplied by the value norm (``SnapKVScorer(value_norm=True)``, the
   value-norm rescaling of ExpectedAttention and CriticalKV), max-pooled over 7 tokens and
   compared across heads (adaptive per-head budgets, Ada-KV).
@@ -133,7 +135,7 @@ DEFAULT_POLICIES: dict[str, EvictionPolicy] = {
     # KVzip's cross-layer selection (three quarters of the model's budget to the top scores
     # over every layer and head, the rest uniform), the prefill's last 128 queries joined to
     # the reconstruction queries, a protected recent window of 3/8 of each layer's per-head
-    # budget (docs/results.md, section 7)
+    # budget (docs/archive/results-history.md, section 7, "Policy search")
     "kvzip": EvictionPolicy(
         "kvzip",
         scorer_options={"prefill_queries": 128},
@@ -195,5 +197,6 @@ def legacy_policy(scorer: str) -> dict[str, Any]:
     """The policy before the issue-9 search (``EvictionConfig``'s own defaults): a 32-token
     protected recent window that is also SnapKV's observation window, SnapKV max-pooled over 7
     tokens and summed over the GQA group, no value norm. Reproduces the earlier rows of
-    docs/results.md exactly. JSON-ready and ``EvictionConfig`` keyword arguments at once."""
+    docs/archive/results-history.md exactly (section 1; checked in section 6, "Output").
+    JSON-ready and ``EvictionConfig`` keyword arguments at once."""
     return {"scorer": scorer}

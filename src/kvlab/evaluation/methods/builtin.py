@@ -78,7 +78,7 @@ PNMIX_METHODS: dict[str, dict[str, Any]] = {
     # pn-mix's coding with fewer exact tokens per stream, for composition with eviction: 4
     # sinks (the eviction policy's own) and an 8-token residual, so a stream keeps 4 + 8 to
     # 4 + 39 tokens exact (docs/design.md, "Flush rule"); chosen on a reduced protocol
-    # (docs/results.md, section 9)
+    # (docs/archive/results-history.md, section 9, "At 1/8 of full bytes")
     "pn-mix-lean": {**_PN_MIX, "sink_tokens": 4, "residual_tokens": 8},
 }
 #: ``transformers`` ``QuantizedCache`` rows: name -> (backend, bits, axis_key, axis_value).
@@ -214,8 +214,8 @@ def build_eviction(parsed: MethodName, context: MethodContext) -> Method:
     else:
         params["ratio"] = ratio
     # the default SnapKV policy splits the budget across layers by a calibration on the
-    # package's own text (docs/results.md, section 6, "Policy search"); per-layer budgets need a
-    # prefill ratio, so the stream and needle protocols keep uniform layers
+    # package's own text (docs/archive/results-history.md, section 6, "Policy search"); per-layer
+    # budgets need a prefill ratio, so the stream and needle protocols keep uniform layers
     calibrated = not legacy and kind != "streaming-llm" and scorer == "snapkv"
     calibrated = calibrated and "ratio" in params
     if calibrated:

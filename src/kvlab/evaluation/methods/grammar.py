@@ -61,9 +61,9 @@ The names
   the default, ``keynorm``, ``recency``, ``expected-attention``, ``tova``, ``combined``,
   ``kvzip``), with
   the default policy of :func:`kvlab.relay.policies.default_policy` (chosen by the search in
-  docs/results.md). With SnapKV in the prefill-score protocol the budget is also split across
-  layers by a calibration on the package's own text before the run (the preparation
-  ``"relay-layer-budgets"``,
+  docs/archive/results-history.md, section 6, "Policy search"). With SnapKV in the
+  prefill-score protocol the budget is also split across layers by a calibration on the
+  package's own text before the run (the preparation ``"relay-layer-budgets"``,
   :func:`~kvlab.integrations.relay_calibration.calibrate_layer_budgets`, like ``pn-mix``; relay
   and no relay share it).
 * ``evict-no-relay@R`` / ``evict-no-relay:SCORER@R`` — the same selection, keys left at their
@@ -91,7 +91,7 @@ The names
   32, meant for composition (``evict-no-relay:snapkv@0.5625+pn-mix-lean``): a kept stream of
   ``k`` tokens keeps ``4 + 8`` to ``4 + 39`` of them exact (docs/design.md, "Flush rule"), so
   at 56 % eviction the composed cache is about 1/8 of the full cache's bytes
-  (docs/results.md, section 9). Usable alone too.
+  (docs/archive/results-history.md, section 9, "At 1/8 of full bytes"). Usable alone too.
 
 ``R`` is the evicted fraction, in [0, 1). Protocol ``prefill-score``: the cache keeps
 ``(1 - R) * P`` tokens per kv head (layer average) after the prefill of ``P`` tokens.
