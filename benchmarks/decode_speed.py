@@ -58,6 +58,7 @@ from kvlab.integrations.attention import (
     kvlab_attention_forward,
     use_attention,
 )
+from kvlab.integrations.dense_cache import DenseModelCache
 from kvlab.integrations.model_support import layer_rotary
 from kvlab.integrations.prefill_replay import attention_modules, capture_prefill
 from kvlab.pnmix import PNMixCache
@@ -90,8 +91,6 @@ def entries(names: list[str], loaded: Any) -> list[Entry]:
     out = []
     for name in names:
         if name == FULL_DENSE:
-            from kvlab.integrations.dense_cache import DenseModelCache
-
             out.append(Entry(name, "kvlab", lambda: DenseModelCache(config)))
             continue
         method = kvlab.parse_method(name)

@@ -15,6 +15,9 @@ the model caches only choose their layers.
   the caches :class:`PNMixModelCache` (PN-Mix for every full-attention layer),
   :class:`RelayModelCache` (per-head eviction with RoPE-Relay, or without as a baseline) and
   :class:`ComposedModelCache` (that eviction followed by PN-Mix codes for the kept tokens).
+* :mod:`~kvlab.integrations.dense_cache` — :class:`DenseModelCache`: the exact cache at its
+  fastest on the CPU (keys and values written in place, one compiled GQA decode call per layer),
+  the honest plain baseline of the decode benchmarks.
 * :mod:`~kvlab.integrations.model_support` — :func:`plan_model`: which layers a cache compresses
   (full attention), which it keeps as an exact window (:class:`WindowLayer`), what it refuses.
 * :mod:`~kvlab.integrations.forward` — one forward through the evicting layers: the stash, the
@@ -35,6 +38,7 @@ from kvlab.integrations.attention import (
     use_attention,
 )
 from kvlab.integrations.composed_cache import ComposedModelCache
+from kvlab.integrations.dense_cache import DenseModelCache
 from kvlab.integrations.model_support import ModelPlan, WindowLayer, plan_model
 from kvlab.integrations.pnmix_cache import PNMixModelCache, pnmix_config_for_model
 from kvlab.integrations.relay_cache import RelayModelCache
@@ -48,6 +52,7 @@ __all__ = [
     "KVLAB_ATTENTION",
     "CacheView",
     "ComposedModelCache",
+    "DenseModelCache",
     "EvictionConfig",
     "EvictionEvent",
     "ModelPlan",
