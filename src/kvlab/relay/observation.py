@@ -5,8 +5,11 @@ the window per query head and over the GQA group, the last query's, the largest)
 
 The probabilities ``[B, H, G*w, S]`` are never all held at once beyond
 :data:`ONE_PIECE_LOGITS` logits: a larger window is computed in chunks of its queries of about
-:data:`CHUNK_LOGITS` logits each (memory bounded by the chunk, cache-resident passes), and the
-sums over a chunk's queries (float32) accumulate chunk by chunk in float64. Up to
+:data:`CHUNK_LOGITS` logits each (memory bounded by the chunk: 16 MiB of float32 logits, and the
+softmax's copy), and the sums over a chunk's queries (float32) accumulate chunk by chunk in
+float64. A chunk holds dozens of queries per head even at 16K tokens, so each key block is read
+for many queries (chunks of a few queries re-read every key per chunk; docs/benchmarks.md,
+"Prefill CPU time"). Up to
 :data:`ONE_PIECE_LOGITS` the window is one piece and every reduction is the one of a single
 ``[B, H, G, w, S]`` tensor; in chunks the sums are formed in another order (float32 rounding
 apart, the same values).
@@ -23,8 +26,8 @@ __all__ = ["CHUNK_LOGITS", "ONE_PIECE_LOGITS", "WindowAttention", "window_attent
 
 #: Logits ``B * H * G * w * S`` up to which the observation window is computed in one piece.
 ONE_PIECE_LOGITS = 1 << 22
-#: Logits per chunk of queries beyond :data:`ONE_PIECE_LOGITS` (about 1 MiB of float32).
-CHUNK_LOGITS = 1 << 18
+#: Logits per chunk of queries beyond :data:`ONE_PIECE_LOGITS` (16 MiB of float32).
+CHUNK_LOGITS = 1 << 22
 
 
 @dataclass(frozen=True)
