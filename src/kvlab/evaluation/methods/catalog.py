@@ -218,7 +218,8 @@ CATALOG: tuple[MethodDoc, ...] = (
     MethodDoc(
         "relay-legacy:SCORER@R / evict-no-relay-legacy:SCORER@R",
         "relay-legacy:snapkv@0.5",
-        "the eviction policy before the issue-9 search (reproduces earlier rows)",
+        "kvlab's first eviction policy, before its per-head policy search "
+        "(reproduces earlier rows)",
         "kvlab",
     ),
     MethodDoc(
