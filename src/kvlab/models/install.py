@@ -281,8 +281,7 @@ def install_model(
     start = time.perf_counter()
     python = python or sys.executable
     destination = entry.path()
-    if installed_path(entry) is not None:
-        log(f"{entry.name}: already installed at {destination}")
+    if installed_path(entry) is not None:  # the caller says so (result.assembled is False)
         return InstallResult(destination, False, time.perf_counter() - start)
     problem = installed_problem(entry)
     if problem is not None:  # damaged (a cut copy, an edited byte): never trusted, replaced
