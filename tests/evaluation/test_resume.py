@@ -192,3 +192,20 @@ def test_ray_resumes_from_the_kept_log_probabilities(interrupted, tiny_model_dir
     assert lines[0].startswith("6 tasks: 5 to run, 1 already done in ")
     assert strip_timing(outcome.summaries) == strip_timing(reference.summaries)
     assert list((out / "tasks").glob(f"*{LOGPROBS_SUFFIX}")) == []
+
+
+def test_the_plan_line_counts_the_preparations_the_bar_counts(tmp_path):
+    """A resumed run whose one task left is a calibrated method's: the bar counts the method's
+    preparation too, and the plan line says so (a newcomer saw "1 to run" above a bar of 2)."""
+    from types import SimpleNamespace
+
+    from kvlab.evaluation.harness import plan_line
+
+    schedule = SimpleNamespace(total_tasks=3, skipped=2, reruns=0, computing_jobs=2)
+    assert plan_line(schedule, tmp_path) == (
+        f"3 tasks: 1 to run, 2 already done in {tmp_path} (reused; --no-resume reruns them); "
+        "before them 1 method preparation (calibration, reused when cached), on the progress "
+        "bar too"
+    )
+    schedule = SimpleNamespace(total_tasks=3, skipped=0, reruns=0, computing_jobs=3)
+    assert plan_line(schedule, tmp_path) == "3 tasks: 3 to run"

@@ -225,7 +225,8 @@ def stored_schedule(plan: Any, store: Any, resume: bool) -> Any:
 
 def plan_line(schedule: Any, folder: Path) -> str:
     """``"N tasks: M to run, K already done in FOLDER ..."``, and, when stored ``full`` tasks
-    run again for their log-probabilities, how many and why (they are on the progress bar)."""
+    run again for their log-probabilities, how many and why, and how many method preparations
+    (calibrations) run first: everything the progress bar counts."""
     todo = schedule.total_tasks - schedule.skipped
     line = f"{schedule.total_tasks} tasks: {todo} to run"
     if schedule.skipped:
@@ -235,5 +236,12 @@ def plan_line(schedule: Any, folder: Path) -> str:
             f"; {schedule.reruns} of the done ones (full) run again first, for the "
             "log-probabilities their windows' other tasks need (not kept by the run that "
             f"stored them): {todo + schedule.reruns} to run in all"
+        )
+    preparations = schedule.computing_jobs - todo - schedule.reruns
+    if preparations > 0:
+        line += (
+            f"; before them {preparations} method preparation"
+            f"{'s' if preparations > 1 else ''} (calibration, reused when cached), on the "
+            "progress bar too"
         )
     return line
