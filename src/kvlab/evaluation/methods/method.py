@@ -10,7 +10,7 @@ from typing import Any
 from kvlab.evaluation.methods.caches import CACHE_FACTORIES
 from kvlab.userinput import quote
 
-__all__ = ["METHOD_PROTOCOLS", "Method", "MethodContext", "method_backends"]
+__all__ = ["METHOD_PROTOCOLS", "Method", "MethodContext", "check_method", "method_backends"]
 
 #: The protocols a method's budget may be built for (:class:`MethodContext`; ``"ruler"``
 #: compresses a prefill once, as ``"prefill-score"`` does).
@@ -73,6 +73,18 @@ class Method:
             "params": dict(self.params),
             "preparation": self.preparation,
         }
+
+
+def check_method(method: Any) -> None:
+    """A ``TypeError`` unless ``method`` is a :class:`Method`, saying to parse a name first."""
+    if isinstance(method, str):
+        raise TypeError(
+            f"method must be a Method, got a str: call kvlab.parse_method({quote(method)}) first"
+        )
+    if not isinstance(method, Method):
+        raise TypeError(
+            f"method must be a Method (from kvlab.parse_method(name)), got {type(method).__name__}"
+        )
 
 
 @dataclass(frozen=True)
