@@ -5,7 +5,9 @@
 each name of :mod:`method_name_cases` under each protocol, what ``takes_ratio`` answered, and
 ``available_method_names()``, captured from the code before the grammar (six regular
 expressions, one per kind of parametric name). Outcomes are stored by a short hash of their
-canonical JSON; those of the quoted, malformed and HF names, and every error, in full.
+canonical JSON; those of the quoted, malformed and HF names, and every error, in full. A name
+refused then is refused now, by the same exception type; the generic "unknown method" and
+"R is not a number" messages have since become specific ones (``_clearer_error_since``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def _check(name: str, outcome: dict, expected: str) -> None:
         before = BEFORE["outcomes"].get(expected, "(stored by hash only)")
         if _backend_installed_since(before, outcome) or _kvzip_composed_since(before, outcome):
             return
+        if _clearer_error_since(before, outcome):
+            return
         pytest.fail(f"{name!r}: now {outcome}, before {before}")
 
 
@@ -65,6 +69,18 @@ def _backend_installed_since(before: object, outcome: dict) -> bool:
     from kvlab.evaluation.methods import hf_quantized_backend_available
 
     return hf_quantized_backend_available(outcome["record"]["params"]["backend"])
+
+
+def _clearer_error_since(before: object, outcome: dict) -> bool:
+    """A name refused with the generic "unknown method ...; known: <KNOWN>" or "R is not a
+    number" is now refused by a ValueError that says what is wrong (a missing ``@R``, an R
+    outside [0, 1), an unknown scorer, a close known name: tested in
+    tests/evaluation/test_methods_and_metrics.py); every other outcome is as before."""
+    if not isinstance(before, dict) or "error" not in outcome:
+        return False
+    old = before.get("error") or ["", ""]
+    generic = old[1].startswith("unknown method ") or old[1].endswith(": R is not a number")
+    return generic and old[0] == outcome["error"][0] == "ValueError"
 
 
 def _kvzip_composed_since(before: object, outcome: dict) -> bool:

@@ -42,7 +42,7 @@ def test_method_names_resolve_to_their_caches():
     v1 = parse_method("pn-mix-v1")
     assert v1.settings["bits"] == 2 and v1.settings["key_coding"] == "mix"
     assert v1.preparation is not None  # per-layer groups: calibrated before the first cache
-    with pytest.raises(RuntimeError, match="must be prepared"):
+    with pytest.raises(RuntimeError, match=r"must be prepared.*prepared=kvlab\.prepare\(method, "):
         v1.make_cache(CONFIG)
     calibrated = v1.make_cache(CONFIG, {"layer_group_tokens": [8, 64]})
     assert calibrated.layer_group_tokens == (8, 64)
@@ -299,7 +299,7 @@ def test_pn_mix_lean_composed_bytes_follow_the_documented_byte_model(
         ("relay:snapkv@1.5+pn-mix", "R must lie", "prefill-score"),
         ("relay:snapkv@0.5+pn-mix", "evicts once after the prefill", "stream"),
         ("evict-no-relay:kvzip@0.5+pn-mix-lean", "evicts once after the prefill", "stream"),
-        ("streaming-llm@0.5+pn-mix", "unknown method", "prefill-score"),
+        ("streaming-llm@0.5+pn-mix", "only relay and evict-no-relay compose", "prefill-score"),
     ],
 )
 def test_bad_composed_method_names_are_clear_errors(spec, message, protocol):
@@ -314,12 +314,68 @@ def test_bad_composed_method_names_are_clear_errors(spec, message, protocol):
         ("relay:oracle@0.5", "unknown scorer"),
         ("streaming-llm:snapkv@0.5", "recency"),
         ("zip", "unknown method"),
-        ("relay@", "unknown method"),
+        ("relay@", "R \\(after '@'\\) must be a number"),
+        # R not a number in [0, 1): one message naming R (before: "unknown method ...")
+        ("relay:snapkv@-0.1", r"'relay:snapkv@-0.1': R must lie in \[0, 1\), got -0.1$"),
+        ("relay:snapkv@abc", r"R \(after '@'\) must be a number in \[0, 1\) .* got 'abc'$"),
+        ("relay:snapkv@nan", r"must be a number in \[0, 1\) .* got 'nan'$"),
+        ("relay:snapkv@ 0.5", r"must be a number in \[0, 1\) .* got ' 0.5'$"),
+        ("relay:snapkv@1e-1", r"written with digits and '\.', e\.g\. @0\.5, got '1e-1'$"),
+        ("relay:snapkv@0.5.5", r"must be a number in \[0, 1\) .* got '0.5.5'$"),
+        ("evict-no-relay@-1+pn-mix", r"R must lie in \[0, 1\), got -1.0$"),
+        # empty names, kinds without @R
+        ("", "the method name is empty: give one, e.g. 'pn-mix'"),
+        (" \t", "the method name is empty"),
+        ("relay:snapkv", r"needs the evicted fraction: append @R .* e\.g\. 'relay:snapkv@0\.5'$"),
+        ("streaming-llm", r"append @R with R in \[0, 1\), e\.g\. 'streaming-llm@0\.5'$"),
+        ("relay:", r"append @R .* e\.g\. 'relay:snapkv@0\.5'$"),
+        ("relay:snapkv+pn-mix", r"e\.g\. 'relay:snapkv@0\.5\+pn-mix'$"),
+        # typos: the known names close to them
+        ("pnmix", r"unknown method 'pnmix' \(did you mean 'pn-mix', .*\?\); known: full, "),
+        ("PN-MIX", r"unknown method 'PN-MIX' \(did you mean 'pn-mix'"),
+        ("FULL", r"\(did you mean 'full'\?\)"),
+        ("rellay", r"\(did you mean 'relay@R'\?\)"),
+        ("Relay:snapkv@0.5", r"\(did you mean 'relay:snapkv@0\.5'\?\)"),
+        ("relay:SnapKV@0.5", r"unknown scorer 'SnapKV' \(did you mean 'snapkv'\?\); known: "),
+        ("relay:snapkv@0.5+PN-MIX", r"unknown PN-Mix method 'PN-MIX' after '\+' \(did you mean"),
+        ("relay-legacy@0.5+pn-mix", "only relay and evict-no-relay compose with PN-Mix"),
+        ("full@0.5", r"method 'full' takes no @R \(only the parametric names do: relay\["),
     ],
 )
 def test_bad_method_names_are_clear_errors(spec, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as info:
         parse_method(spec)
+    assert "\n" not in str(info.value)  # one line
+
+
+@settings(max_examples=200, deadline=None)
+@given(ratio=st.one_of(st.text(max_size=8), st.floats().map(str), st.from_regex(r"[0-9.]{1,6}")))
+def test_r_is_a_number_in_0_1_or_one_error_naming_r(ratio):
+    """Whatever follows ``@`` (no ``+``), the name is a method whose evicted fraction is that
+    number, or one ValueError about R (not "unknown method")."""
+    if "+" in ratio:
+        return
+    spec = f"relay:snapkv@{ratio}"
+    try:
+        method = parse_method(spec)
+    except ValueError as error:
+        message = str(error).removeprefix(f"method {spec.strip()!r}: ")
+        assert message.startswith(("R must lie in [0, 1)", "R (after '@') must be")), error
+        return
+    written = ratio.strip()
+    assert written and set(written) <= set("0123456789.")
+    assert method.settings["evicted_fraction"] == float(written) and 0 <= float(written) < 1
+
+
+def test_parse_method_checks_the_types_and_the_protocol():
+    with pytest.raises(TypeError, match=r"^method must be a str, got NoneType$"):
+        parse_method(None)
+    with pytest.raises(TypeError, match="got Method"):
+        parse_method(parse_method("full"))
+    with pytest.raises(ValueError, match="protocol must be one of prefill-score, stream, needle"):
+        parse_method("pn-mix", protocol="bogus")
+    for protocol in ("prefill-score", "stream", "needle", "ruler"):
+        assert parse_method("relay@0.5", protocol=protocol).name == "relay@0.5"
 
 
 def test_hf_quantized_rows_need_their_backend():

@@ -58,3 +58,13 @@ def test_prepare_cache_dir_none_reads_and_writes_nothing(tiny_model_dir, tmp_pat
     prepared = kvlab.prepare(kvlab.parse_method("evict-no-relay:kvzip@0.5"), loaded, cache_dir=None)
     assert prepared["calibration_cache"]["status"] == "computed"
     assert not list(tmp_path.iterdir())
+
+
+def test_prepare_refuses_a_method_name_and_writes_nothing(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLAB_CALIBRATION_CACHE", str(tmp_path))
+    loaded = kvlab.load_model(str(tiny_model_dir))
+    with pytest.raises(TypeError, match=r"got a str: call kvlab\.parse_method\('pn-mix'\) first"):
+        kvlab.prepare("pn-mix", loaded)
+    with pytest.raises(TypeError, match=r"method must be a Method .* got NoneType"):
+        kvlab.prepare(None, loaded)
+    assert not list(tmp_path.iterdir())

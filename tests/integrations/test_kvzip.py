@@ -213,6 +213,17 @@ def test_bad_input_fails_once_and_changes_nothing(make_llama):
         compress(model, plain, ids, prompt=prompt)
 
 
+def test_a_one_token_row_is_refused_in_words(make_llama):
+    model = make_llama(seed=48)
+    ids = _ids(1, seed=49)
+    config = EvictionConfig(ratio=0.5, scorer=KVzipScorer(prefill_queries=4), window_tokens=0)
+    cache = _prefill(model, config, ids)
+    before = _state(cache)
+    with pytest.raises(ValueError, match=r"^row 0 .* it holds 1 token; KVzip needs at least 2$"):
+        compress(model, cache, ids, prompt=ReconstructionPrompt(**PROMPT))
+    assert _state(cache) == before
+
+
 def test_impossible_budget_fails_before_the_model_runs(make_llama):
     model = make_llama(seed=50)
     ids = _ids(12, seed=51)

@@ -232,6 +232,41 @@ def test_stop_tokens_and_bad_input() -> None:
         )
 
 
+def test_wrong_argument_types_are_one_type_error_each() -> None:
+    """A method name, a LoadedModel, a list of ids or a bare cache in the place of what the
+    functions take: a TypeError saying what to pass, and the compressed context unchanged."""
+    from kvlab.models import LoadedModel
+
+    model = FAMILIES["llama"].build(seed=2)
+    context, question = _inputs(7)
+    loaded = LoadedModel(model, None, "tiny", "tiny", "", 0.0, torch.float32, torch.device("cpu"))
+    full = parse_method("full")
+    with pytest.raises(TypeError, match=r"got a str: call kvlab\.parse_method\('pn-mix'\) first"):
+        compress_context(model, context, "pn-mix")
+    with pytest.raises(TypeError, match=r"got dict"):
+        compress_context(model, context, full.record())
+    with pytest.raises(TypeError, match=r"got a LoadedModel: pass loaded\.model"):
+        compress_context(loaded, context, full)
+    with pytest.raises(TypeError, match=r"context_ids must be a torch int64 tensor .* got list"):
+        compress_context(model, context.tolist(), full)
+    with pytest.raises(TypeError, match=r"model must be a transformers causal LM .* got str"):
+        compress_context("llama", context, full)
+    compressed = compress_context(model, context, full)
+    reply = answer(model, compressed, question, max_new_tokens=4)
+    with pytest.raises(TypeError, match=r"pass loaded\.model"):
+        answer(loaded, compressed, question, max_new_tokens=4, copy_cache=False)
+    with pytest.raises(TypeError, match=r"question_ids must be a torch int64 tensor .* got list"):
+        answer(model, compressed, question.tolist(), max_new_tokens=4, copy_cache=False)
+    with pytest.raises(TypeError, match=r"compressed must be what kvlab\.compress_context"):
+        answer(model, compressed.cache, question, max_new_tokens=4)
+    with pytest.raises(TypeError, match=r"pass loaded\.model"):
+        answer_nll(loaded, compressed, question, question)
+    with pytest.raises(TypeError, match=r"answer_ids must be a torch int64 tensor"):
+        answer_nll(model, compressed, question, [1, 2])
+    assert compressed.cache.get_seq_length() == context.shape[1]  # nothing fed
+    assert answer(model, compressed, question, max_new_tokens=4).tokens == reply.tokens
+
+
 def test_replay_refuses_another_model_and_a_used_cache() -> None:
     """A capture replays only into the model it ran, and only into a fresh cache; both
     refusals change nothing."""

@@ -37,7 +37,7 @@ from typing import Any
 from kvlab.artifacts.io import write_json_atomic
 from kvlab.cachedir import user_cache_dir
 from kvlab.evaluation.fingerprint import code_digest, content_hash
-from kvlab.evaluation.methods.method import Method
+from kvlab.evaluation.methods.method import Method, check_method
 from kvlab.evaluation.methods.preparations import (
     PREPARATIONS,
     Progress,
@@ -301,11 +301,14 @@ def prepare(
         progress: ``progress(done, total)`` while it computes.
 
     Raises:
-        TypeError: ``loaded`` is not a ``LoadedModel`` (a bare model has no checkpoint to
-            key the cache by: use :func:`prepare_method`).
+        TypeError: ``method`` is not a :class:`Method` (e.g. its name: call
+            :func:`~kvlab.evaluation.methods.parse_method` first); ``loaded`` is not a
+            ``LoadedModel`` (a bare model has no checkpoint to key the cache by: use
+            :func:`prepare_method`).
     """
     from kvlab.models import LoadedModel, checkpoint_sha256
 
+    check_method(method)
     if method.preparation is None:
         return None
     if not isinstance(loaded, LoadedModel):

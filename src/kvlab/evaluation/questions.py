@@ -38,6 +38,7 @@ from torch import Tensor
 
 from kvlab.evaluation.foreign_cache import describe
 from kvlab.evaluation.methods import Method
+from kvlab.evaluation.methods.method import check_method
 from kvlab.evaluation.metrics import CacheStorage, cache_storage
 from kvlab.evaluation.protocols import cache_keyword, position_kwargs
 from kvlab.integrations.attention import use_attention
@@ -87,9 +88,39 @@ class Answer:
 
 
 def _check_ids(name: str, ids: Tensor) -> None:
+    if not isinstance(ids, Tensor):
+        raise TypeError(
+            f"{name} must be a torch int64 tensor [1, T] (e.g. torch.tensor([ids])), got "
+            f"{type(ids).__name__}"
+        )
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.dtype != torch.int64 or ids.shape[1] < 1:
         raise ValueError(
             f"{name} must be int64 [1, T] with T >= 1, got {ids.dtype} {tuple(ids.shape)}"
+        )
+
+
+def _check_model(model: Any) -> None:
+    """A ``TypeError`` unless ``model`` is a model (a callable with a ``config``), saying to
+    pass ``loaded.model`` for a :class:`~kvlab.models.LoadedModel`."""
+    from kvlab.models import LoadedModel
+
+    if isinstance(model, LoadedModel):
+        raise TypeError(
+            "model must be the transformers model, got a LoadedModel: pass loaded.model "
+            "(loaded = kvlab.load_model(...))"
+        )
+    if not callable(model) or not hasattr(model, "config"):
+        raise TypeError(
+            f"model must be a transformers causal LM (e.g. kvlab.load_model(...).model), got "
+            f"{type(model).__name__}"
+        )
+
+
+def _check_compressed(compressed: Any) -> None:
+    if not isinstance(compressed, CompressedContext):
+        raise TypeError(
+            "compressed must be what kvlab.compress_context(...) returned (a CompressedContext), "
+            f"got {type(compressed).__name__}"
         )
 
 
@@ -113,11 +144,16 @@ def compress_context(
             :func:`kvlab.integrations.kvzip.compress`).
 
     Raises:
+        TypeError: ``model`` not a model (e.g. the :class:`~kvlab.models.LoadedModel`: pass
+            ``loaded.model``), ``context_ids`` not a tensor, ``method`` not a :class:`Method`
+            (e.g. its name: call :func:`~kvlab.evaluation.methods.parse_method` first).
         ValueError: ``context_ids`` not ``[1, T]`` int64, or a capture of other tokens or of
             another model; what the
             method's cache raises for the prompt (e.g. too short for its budget).
     """
+    _check_model(model)
     _check_ids("context_ids", context_ids)
+    check_method(method)
     if capture is not None and not torch.equal(capture.input_ids, context_ids):
         raise ValueError("the capture was made on other tokens than context_ids")
     if capture is not None and capture.model is not None and capture.model() is not model:
@@ -189,10 +225,14 @@ def answer(
         copy_cache: answer on a deep copy of the compressed cache (``False``: consume it).
 
     Raises:
+        TypeError: ``model`` not a model (pass ``loaded.model``), ``compressed`` not a
+            :class:`CompressedContext`, ``question_ids`` not a tensor.
         ValueError: ``question_ids`` not ``[1, Q]`` int64, or ``max_new_tokens < 1``; a cache
             that cannot be copied (``transformers``' ``QuantizedCache`` with quanto: its
             tensors refuse ``deepcopy``) with ``copy_cache=True``.
     """
+    _check_model(model)
+    _check_compressed(compressed)
     _check_ids("question_ids", question_ids)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -247,9 +287,13 @@ def answer_nll(
         ``-log p(answer_ids[i] | context, question, answer_ids[:i])``.
 
     Raises:
+        TypeError: ``model`` not a model (pass ``loaded.model``), ``compressed`` not a
+            :class:`CompressedContext`, ``question_ids`` or ``answer_ids`` not a tensor.
         ValueError: ``question_ids`` or ``answer_ids`` not ``[1, n]`` int64; a cache that
             cannot be copied (as :func:`answer`).
     """
+    _check_model(model)
+    _check_compressed(compressed)
     _check_ids("question_ids", question_ids)
     _check_ids("answer_ids", answer_ids)
     cache = _copy_cache(compressed)

@@ -116,9 +116,14 @@ def compress(
     awaiting = cache.awaiting_reconstruction()
     for b, (n, wait) in enumerate(zip(lengths, awaiting, strict=True)):
         if not wait or n < 2:
+            held = f"{n} token" if n == 1 else f"{n} tokens"
             raise ValueError(
                 f"row {b} cannot be compressed: "
-                + ("it has evicted already" if n and not wait else f"it holds {n} tokens")
+                + (
+                    "it has evicted already"
+                    if n and not wait
+                    else f"it holds {held}; KVzip needs at least 2"
+                )
             )
     cache.check_reconstruction_eviction(list(range(len(lengths))))
 

@@ -12,7 +12,7 @@ import importlib.util
 from typing import Any
 
 from kvlab.evaluation.methods.caches import eviction_kwargs, pnmix_config
-from kvlab.evaluation.methods.grammar import MethodName
+from kvlab.evaluation.methods.grammar import MethodName, parse_ratio
 from kvlab.evaluation.methods.method import Method, MethodContext
 from kvlab.userinput import quote
 
@@ -192,12 +192,7 @@ def build_eviction(parsed: MethodName, context: MethodContext) -> Method:
     name, kind, scorer = parsed.text, parsed.kind, parsed.scorer
     if scorer is not None and scorer not in SCORERS:
         raise ValueError(f"method {quote(name)}: unknown scorer {quote(scorer)}")
-    try:
-        ratio = float(parsed.ratio)
-    except ValueError as exc:
-        raise ValueError(f"method {quote(name)}: R is not a number") from exc
-    if not 0.0 <= ratio < 1.0:
-        raise ValueError(f"method {quote(name)}: R must lie in [0, 1), got {ratio}")
+    ratio = parse_ratio(name, parsed.ratio)
     legacy = kind.endswith("-legacy")
     if kind == "streaming-llm":
         if scorer not in (None, "recency"):

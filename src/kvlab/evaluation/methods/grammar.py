@@ -8,7 +8,7 @@ looked up as it is) or a *parametric name*::
     KIND       := "relay" | "evict-no-relay" | "relay-legacy" | "evict-no-relay-legacy"
                 | "streaming-llm"
     SCORER     := [a-z0-9_-]+
-    RATIO      := [0-9.]+            (a number in [0, 1): checked by the method's builder)
+    RATIO      := [0-9.]+            (a number in [0, 1): checked by :func:`parse_ratio`)
     PNMIX      := [a-z0-9-]+         (only after KIND "relay" or "evict-no-relay")
     plain      := any text without "@"
 
@@ -101,10 +101,20 @@ per kv head.
 
 from __future__ import annotations
 
+import math
 import string
 from dataclasses import dataclass
 
-__all__ = ["COMPOSABLE_KINDS", "EVICTION_KINDS", "GRAMMAR_NAMES", "MethodName", "parse_name"]
+from kvlab.userinput import quote
+
+__all__ = [
+    "COMPOSABLE_KINDS",
+    "EVICTION_KINDS",
+    "GRAMMAR_NAMES",
+    "MethodName",
+    "parse_name",
+    "parse_ratio",
+]
 
 #: The eviction kinds of a parametric name, as written before ``[:SCORER]@R``.
 EVICTION_KINDS = (
@@ -181,3 +191,25 @@ def parse_name(text: str) -> MethodName | None:
     if plus and (kind not in COMPOSABLE_KINDS or not _word(pnmix, _PNMIX_CHARS)):
         return None
     return MethodName(text, kind, scorer if colon else None, ratio, pnmix if plus else None)
+
+
+def parse_ratio(name: str, text: str) -> float:
+    """The evicted fraction ``R`` of the parametric name ``name``, from its ``RATIO`` text.
+
+    Raises:
+        ValueError: a number outside [0, 1) ("R must lie in [0, 1), got -0.1"), or text that is
+            not a number written with digits and ``.`` (``nan``, ``1e-1``, `` 0.5``, ``abc``).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    written = _word(text, _RATIO_CHARS) and not math.isnan(value)  # digits and '.' (or inf)
+    if (written or math.isfinite(value)) and not 0.0 <= value < 1.0:
+        raise ValueError(f"method {quote(name)}: R must lie in [0, 1), got {value}")
+    if not written:
+        raise ValueError(
+            f"method {quote(name)}: R (after '@') must be a number in [0, 1) written with digits "
+            f"and '.', e.g. @0.5, got {quote(text)}"
+        )
+    return value

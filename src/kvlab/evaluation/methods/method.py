@@ -10,7 +10,11 @@ from typing import Any
 from kvlab.evaluation.methods.caches import CACHE_FACTORIES
 from kvlab.userinput import quote
 
-__all__ = ["Method", "MethodContext", "method_backends"]
+__all__ = ["METHOD_PROTOCOLS", "Method", "MethodContext", "check_method", "method_backends"]
+
+#: The protocols a method's budget may be built for (:class:`MethodContext`; ``"ruler"``
+#: compresses a prefill once, as ``"prefill-score"`` does).
+METHOD_PROTOCOLS = ("prefill-score", "stream", "needle", "ruler")
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,8 @@ class Method:
         if self.preparation is not None and prepared is None:
             raise RuntimeError(
                 f"method {quote(self.name)} must be prepared (calibrated) before use: pass "
-                f"prepared=kvlab.evaluation.calibration.prepare_method(...) (its preparation "
-                f"{self.preparation!r}; kvlab eval runs it itself)"
+                "prepared=kvlab.prepare(method, loaded) with loaded = kvlab.load_model(...) "
+                f"(its preparation {self.preparation!r}; kvlab eval runs it itself)"
             )
         return CACHE_FACTORIES[self.factory](self.params, model_config, prepared)
 
@@ -71,12 +75,24 @@ class Method:
         }
 
 
+def check_method(method: Any) -> None:
+    """A ``TypeError`` unless ``method`` is a :class:`Method`, saying to parse a name first."""
+    if isinstance(method, str):
+        raise TypeError(
+            f"method must be a Method, got a str: call kvlab.parse_method({quote(method)}) first"
+        )
+    if not isinstance(method, Method):
+        raise TypeError(
+            f"method must be a Method (from kvlab.parse_method(name)), got {type(method).__name__}"
+        )
+
+
 @dataclass(frozen=True)
 class MethodContext:
     """What a method's budget may depend on: the protocol and the stream cache window.
 
     Attributes:
-        protocol: ``"prefill-score"``, ``"stream"`` or ``"needle"``.
+        protocol: one of :data:`METHOD_PROTOCOLS`.
         cache_slots: tokens per kv head of the stream/needle cache window.
     """
 
