@@ -39,7 +39,11 @@ def _slack(task: str) -> int:
     if task in ("niah_single_1", "vt"):
         return _tokens(NOISE)
     if task == "niah_multikey_2":
-        return _tokens(NEEDLE.format(type_needle_v="numbers", key="old-carbon", value="1234567"))
+        # a distractor's key is an adjective-noun pair of any length: 14 tokens for "old-carbon"
+        # (old, -, carbon), up to 20 for the longest of the 6,171,620 keys (more hyphenated
+        # pieces; every key counted once with this tokenizer); the seed 35260 at length 358
+        # leaves 15 unused because its next distractor takes 16
+        return 20
     if task == "niah_multikey_3":
         key = "0f6b44f1-0ba5-4d8a-9a71-6d3c2a8f3e55"
         return _tokens(NEEDLE.format(type_needle_v="uuids", key=key, value=key))
@@ -216,6 +220,14 @@ def test_every_task_fits_its_length_and_holds_its_answers(task: str, data) -> No
     assert sample.max_new_tokens == TASKS[task].tokens_to_generate
     _check_fit_and_split(sample)
     _check_content(sample)
+
+
+def test_a_long_next_distractor_is_room_left_not_a_bad_fit() -> None:
+    """The case a random hypothesis run found: 15 tokens left unused, fewer than one distractor
+    line can take (its next one takes 16), so the fit is the largest."""
+    (sample,) = generate_samples("niah_multikey_2", 358, 1, 35260, TOK)
+    _check_fit_and_split(sample)
+    assert len(sample.context_ids) + len(sample.question_ids) + sample.max_new_tokens == 343
 
 
 @pytest.mark.parametrize("task", ["niah_single_2", "niah_multikey_2", "vt", "cwe", "fwe"])
