@@ -310,3 +310,28 @@ def test_fast_subset_leaves_out_real_model_and_end_to_end_jobs():
         "test_ctrl_c_then_rerun_finishes_only_the_missing_tasks",
     ):
         assert slow not in collected
+
+
+def test_a_reused_calibration_shows_no_layer_bar(
+    tmp_path, tiny_model_dir, tiny_text, monkeypatch, capsys
+):
+    """The layer bar opens at the calibration's first layer: a computed calibration shows it,
+    one read from the cache does not (a newcomer saw "calibrating: 0layer" on a rerun)."""
+    from kvlab.evaluation import run_eval
+
+    monkeypatch.setenv("KVLAB_CALIBRATION_CACHE", str(tmp_path / "calibration"))
+    for run in ("first", "again"):
+        config = EvalConfig(
+            model=str(tiny_model_dir),
+            text=tiny_text,
+            methods=["relay:snapkv@0.5"],
+            windows=1,
+            prefill=192,
+            score=3,
+            device="cpu",
+            output_dir=tmp_path / run,
+            progress=True,
+        )
+        run_eval(config)
+        shown = "relay:snapkv@0.5: calibrating" in capsys.readouterr().err
+        assert shown == (run == "first"), run

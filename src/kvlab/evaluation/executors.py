@@ -124,16 +124,24 @@ def run_local(
             display.show([job.label])
             if isinstance(job.item, PrepTask):
                 name = job.item.method.name
-                with display.sub_bar(f"{name}: calibrating", 0, "layer") as bar:
+                # the layer bar opens at the calibration's first layer: none for a calibration
+                # read from the cache, none during the model's load
+                bars: list[Any] = []
 
-                    def layers(done: int, total: int, bar: Any = bar) -> None:
-                        bar.total = total
-                        bar.n = done
-                        bar.refresh()
+                def layers(done: int, total: int, name: str = name, bars: list = bars) -> None:
+                    if not bars:
+                        bars.append(display.sub_bar(f"{name}: calibrating", total, "layer"))
+                    bars[0].total = total
+                    bars[0].n = done
+                    bars[0].refresh()
 
+                try:
                     runtime.loaded(job.item.model)  # the model load is not the calibration's
                     began = time.perf_counter()
                     prepared = runtime.prepare(job.item, layers)
+                finally:
+                    for bar in bars:
+                        bar.close()
                 schedule.finish(index, prepared)
                 if announce is not None:
                     status = prepared.get("calibration_cache", {}).get("status", "done")
