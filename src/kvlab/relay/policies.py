@@ -194,9 +194,9 @@ def default_policy(scorer: str) -> dict[str, Any]:
 
 
 def legacy_policy(scorer: str) -> dict[str, Any]:
-    """The policy before the per-head policy search (issue 9) (``EvictionConfig``'s own defaults): a 32-token
-    protected recent window that is also SnapKV's observation window, SnapKV max-pooled over 7
-    tokens and summed over the GQA group, no value norm. Reproduces the earlier rows of
-    docs/archive/results-history.md exactly (section 1; checked in section 6, "Output").
-    JSON-ready and ``EvictionConfig`` keyword arguments at once."""
+    """The policy before the per-head policy search of issue 9 (``EvictionConfig``'s own
+    defaults): a 32-token protected recent window that is also SnapKV's observation window,
+    SnapKV max-pooled over 7 tokens and summed over the GQA group, no value norm. Reproduces
+    the earlier rows of docs/archive/results-history.md exactly (section 1; checked in section
+    6, "Output"). JSON-ready and ``EvictionConfig`` keyword arguments at once."""
     return {"scorer": scorer}
