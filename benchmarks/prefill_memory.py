@@ -175,7 +175,12 @@ def main() -> None:
     one = args.chunk if 0 < args.chunk < args.tokens else args.tokens
     base = run(args, args.working_set, one)
     working = max(0, base["peak"] - base["mark"] - base["held"])
-    rows = [run(args, m, args.tokens) for m in args.methods.split(",") if m]
+    # fed in one forward, the working-set run is the working-set method's row: not run twice
+    rows = [
+        base if (m == args.working_set and one == args.tokens) else run(args, m, args.tokens)
+        for m in args.methods.split(",")
+        if m
+    ]
     load_after = os.getloadavg()
 
     fed = "one forward" if args.chunk <= 0 else f"chunks of {args.chunk}"
