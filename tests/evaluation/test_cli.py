@@ -131,6 +131,21 @@ def test_binary_and_short_texts_are_refused_before_the_model_loads(
     assert_one_error(done, "is not a text file")
 
 
+def _relay_eval(model: Path, text: Path, out: Path, *, progress: bool) -> EvalConfig:
+    """A one-window prefill-score eval of ``relay:snapkv@0.5`` on the tiny model."""
+    return EvalConfig(
+        model=str(model),
+        text=text,
+        methods=["relay:snapkv@0.5"],
+        windows=1,
+        prefill=192,
+        score=3,
+        device="cpu",
+        output_dir=out,
+        progress=progress,
+    )
+
+
 def test_the_table_is_written_before_the_plot(tmp_path, tiny_model_dir, tiny_text, monkeypatch):
     from kvlab.evaluation import plot, run_eval
 
@@ -138,17 +153,7 @@ def test_the_table_is_written_before_the_plot(tmp_path, tiny_model_dir, tiny_tex
         raise RuntimeError("no display")
 
     monkeypatch.setattr(plot, "plot_kl_vs_bytes", broken)
-    config = EvalConfig(
-        model=str(tiny_model_dir),
-        text=tiny_text,
-        methods=["relay:snapkv@0.5"],
-        windows=1,
-        prefill=192,
-        score=3,
-        device="cpu",
-        output_dir=tmp_path,
-        progress=False,
-    )
+    config = _relay_eval(tiny_model_dir, tiny_text, tmp_path, progress=False)
     with pytest.raises(RuntimeError, match="no display"):
         run_eval(config)
     assert "relay:snapkv@0.5" in (tmp_path / "table-prefill-score.md").read_text()
@@ -321,17 +326,6 @@ def test_a_reused_calibration_shows_no_layer_bar(
 
     monkeypatch.setenv("KVLAB_CALIBRATION_CACHE", str(tmp_path / "calibration"))
     for run in ("first", "again"):
-        config = EvalConfig(
-            model=str(tiny_model_dir),
-            text=tiny_text,
-            methods=["relay:snapkv@0.5"],
-            windows=1,
-            prefill=192,
-            score=3,
-            device="cpu",
-            output_dir=tmp_path / run,
-            progress=True,
-        )
-        run_eval(config)
+        run_eval(_relay_eval(tiny_model_dir, tiny_text, tmp_path / run, progress=True))
         shown = "relay:snapkv@0.5: calibrating" in capsys.readouterr().err
         assert shown == (run == "first"), run
