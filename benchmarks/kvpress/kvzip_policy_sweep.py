@@ -30,7 +30,11 @@ Policies (overrides of ``evict-no-relay:kvzip@R``'s params, the library default 
 * ``nowindow`` — ``kvlab`` without the protected window;
 * ``nowindow-share1`` — no window, the whole budget split by the scores (``kvpress`` plus the
   128 prefill queries);
-* ``window-0.125`` — ``kvlab`` with a window of 1/8 of the budget.
+* ``window-0.125`` — ``kvlab`` with a window of 1/8 of the budget;
+* ``adakv`` — ``kvpress`` with every layer the same budget, its heads sharing it by the scores
+  (Ada-KV's head-adaptive split of one layer budget, Feng et al. 2024, arXiv:2407.11550);
+* ``share0.75`` — ``kvpress`` with 3/4 of the model's budget split across layers by the scores,
+  the rest uniform (``kvlab``'s layer split without its window and prefill queries).
 
 Rows (JSON lines, appended to ``--out`` as they finish; a rerun skips the rows it holds):
 ``{"task", "length", "index", "config", "ratio", "prediction", "score", "nll_full_answer",
@@ -70,6 +74,20 @@ POLICIES: dict[str, dict[str, Any]] = {
     "nowindow": {"window_fraction": None, "window_tokens": 0},
     "nowindow-share1": {"window_fraction": None, "window_tokens": 0, "scores_share": 1.0},
     "window-0.125": {"window_fraction": 0.125},
+    "adakv": {
+        "scorer_options": {},
+        "window_fraction": None,
+        "window_tokens": 0,
+        "layer_budget": "uniform",
+        "scores_share": 1.0,
+    },
+    "share0.75": {
+        "scorer_options": {},
+        "window_fraction": None,
+        "window_tokens": 0,
+        "layer_budget": "scores",
+        "scores_share": 0.75,
+    },
 }
 PROMPTS = ("chat", "raw")
 
