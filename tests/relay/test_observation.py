@@ -70,3 +70,37 @@ def test_window_attention_reduces_the_probabilities(
     assert chunked.peak is not None
     torch.testing.assert_close(chunked.peak, got.peak, rtol=1e-6, atol=1e-7)
     assert chunked.total.dtype == chunked.groups.dtype == torch.float32
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3]),
+    q_len=st.integers(2, 40),
+    extra=st.integers(0, 20),
+    window=st.integers(1, 50),
+    chunk_queries=st.integers(1, 7),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_row_fill_is_the_mask_bit_for_bit(
+    heads, group, q_len, extra, window, chunk_queries, seed
+) -> None:
+    """Heads of one count (a prefill): the late slots filled row by row give the bits of the
+    boolean mask, in one piece and in chunks that start anywhere in the window."""
+    slots = q_len + extra
+    query, keys, valid = _case(heads, group, q_len, slots, 0, seed)
+
+    def run(by_rows: bool, chunked: bool):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(observation, "FILL_BY_ROWS", by_rows)
+            if chunked:
+                mp.setattr(observation, "ONE_PIECE_LOGITS", 0)
+                mp.setattr(observation, "CHUNK_LOGITS", heads * group * slots * chunk_queries)
+            return window_attention(query, 0.4, keys, valid, window, peak=True)
+
+    for chunked in (False, True):
+        rows, mask = run(True, chunked), run(False, chunked)
+        for name in ("total", "groups", "last", "peak"):
+            assert torch.equal(getattr(rows, name), getattr(mask, name)), (chunked, name)
+    probs = _reference(query, 0.4, keys, valid, window)
+    assert torch.equal(run(True, False).total, probs.sum((2, 3)))

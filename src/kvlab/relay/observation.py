@@ -22,12 +22,24 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["CHUNK_LOGITS", "ONE_PIECE_LOGITS", "WindowAttention", "window_attention"]
+__all__ = [
+    "CHUNK_LOGITS",
+    "FILL_BY_ROWS",
+    "ONE_PIECE_LOGITS",
+    "WindowAttention",
+    "window_attention",
+]
 
 #: Logits ``B * H * G * w * S`` up to which the observation window is computed in one piece.
 ONE_PIECE_LOGITS = 1 << 22
 #: Logits per chunk of queries beyond :data:`ONE_PIECE_LOGITS` (16 MiB of float32).
 CHUNK_LOGITS = 1 << 22
+#: Heads of one count on the CPU: fill each window query's causally masked slots with a row
+#: slice (a few thousand small fills per layer at 8K) instead of building and applying a
+#: boolean mask over the window's last ``w`` columns; ``False``: always the mask. The same
+#: entries either way (tests/relay/test_observation.py); the rows take 13-19 % less time for
+#: the whole window at 4K-8K (docs/benchmarks.md, "Prefill CPU time").
+FILL_BY_ROWS = True
 
 
 @dataclass(frozen=True)
@@ -56,14 +68,29 @@ def _causal_logits(
     valid: Tensor | None,
     slot: Tensor,
     start: int,
+    rows: tuple[int, int, int, int] | None = None,
 ) -> Tensor:
     """Logits ``[B, H, R, S]`` of queries ``q`` ``[B, H, R, D]`` (float32) over ``keys_t``
     ``[B, H, D, S]``, ``-inf`` where a slot lies past the query's ``limit`` ``[H, R]`` (only
-    slots from ``start`` on can) or is not ``valid`` ``[B, H, S]`` (``None``: all are)."""
-    logits = q @ keys_t * scaling
-    tail = logits[..., start:]
-    late = (slot[start:].view(1, 1, -1) > limit.unsqueeze(-1)).unsqueeze(0)
-    tail.masked_fill_(late, float("-inf"))
+    slots from ``start`` on can) or is not ``valid`` ``[B, H, S]`` (``None``: all are).
+    ``rows`` ``(j0, G, count, w)``: every head holds ``count`` slots and the ``R = G * n``
+    queries are window queries ``j0 .. j0 + n - 1`` of each of ``G`` query heads; the late
+    slots are then filled row by row instead of through ``limit`` (the same entries)."""
+    logits = torch.matmul(q, keys_t)
+    logits.mul_(scaling)  # in place: the bits of ``q @ keys_t * scaling``, one buffer fewer
+    if rows is not None:
+        # every head holds the same count: fill each window query's late slots, a row slice at
+        # a time (the same entries as the mask below, without building or reading a mask)
+        j0, group, count, w = rows
+        per_query = logits.view(*logits.shape[:2], group, -1, logits.shape[-1])
+        for r in range(per_query.shape[3]):
+            first_late = count - w + j0 + r + 1
+            if first_late < logits.shape[-1]:
+                per_query[:, :, :, r, first_late:].fill_(float("-inf"))
+    else:
+        tail = logits[..., start:]
+        late = (slot[start:].view(1, 1, -1) > limit.unsqueeze(-1)).unsqueeze(0)
+        tail.masked_fill_(late, float("-inf"))
     if valid is not None:
         logits.masked_fill_(~valid.unsqueeze(2), float("-inf"))
     return logits
@@ -85,8 +112,8 @@ def window_attention(
     cache positions, and see the slots up to their own (causal: query ``j`` of the window sees
     slot ``i`` of head ``h`` when ``i <= count_h - w + j``, ``count_h`` the head's valid slots
     in row 0). Computed in one piece up to :data:`ONE_PIECE_LOGITS` logits, else in chunks of
-    queries (module docstring). Reads the heads' counts and whether every slot is valid to the
-    host (one device read)."""
+    queries (module docstring). Reads the heads' fewest and most counts and whether every slot
+    is valid to the host (one device read each)."""
     batch, hq, q_len, dim = query.shape
     heads, s = keys.shape[1], keys.shape[2]
     group = hq // heads
@@ -96,7 +123,10 @@ def window_attention(
     counts = valid[0].sum(-1)  # [H]
     slot = torch.arange(s, device=query.device)
     # every query sees the slots before the shortest head's count - w + 1 (one host read)
-    start = max(0, min(int(counts.min()) - w + 1, s))
+    fewest, most = (int(c) for c in counts.aminmax())
+    start = max(0, min(fewest - w + 1, s))
+    # heads of one count on the CPU: the late slots filled row by row (_causal_logits)
+    by_rows = FILL_BY_ROWS and fewest == most and query.device.type == "cpu"
     every = bool(valid.all())
     mask = None if every else valid
     logits_per_query = batch * heads * group * s
@@ -104,7 +134,14 @@ def window_attention(
         j = torch.arange(w, device=query.device).repeat(group)  # [G*w]
         limit = counts.view(heads, 1) - w + j.view(1, -1)  # [H, G*w]
         logits = _causal_logits(
-            q.reshape(batch, heads, group * w, dim), keys_t, scaling, limit, mask, slot, start
+            q.reshape(batch, heads, group * w, dim),
+            keys_t,
+            scaling,
+            limit,
+            mask,
+            slot,
+            start,
+            (0, group, most, w) if by_rows else None,
         )
         probs = torch.softmax(logits, dim=-1).reshape(batch, heads, group, w, s)
         return WindowAttention(
@@ -122,7 +159,8 @@ def window_attention(
         j = torch.arange(j0, j1, device=query.device).repeat(group)
         limit = counts.view(heads, 1) - w + j.view(1, -1)
         part = q[:, :, :, j0:j1].reshape(batch, heads, group * (j1 - j0), dim)
-        logits = _causal_logits(part, keys_t, scaling, limit, mask, slot, start)
+        rows = (j0, group, most, w) if by_rows else None
+        logits = _causal_logits(part, keys_t, scaling, limit, mask, slot, start, rows)
         probs = torch.softmax(logits, dim=-1).view(batch, heads, group, j1 - j0, s)
         sums += probs.sum(3).double()  # float32 within a chunk, float64 across chunks
         if top is not None:
