@@ -106,6 +106,16 @@ def test_validate_unknown_schema_and_unreadable(tmp_path: Path) -> None:
     bad = tmp_path / "b.json"
     bad.write_text('{"schema_version": 7}')
     assert "unknown schema_version 7" in validate_artifact(bad).problems[0]
+    raw = tmp_path / "raw-ruler-cpu.json"  # kvlab eval's raw results: not a record
+    raw.write_text('{"protocol": "ruler", "summaries": [], "results": []}')
+    assert validate_artifact(raw).problems == [
+        "not a kvlab record: no schema_version: this looks like kvlab eval's raw results "
+        "(raw-<protocol>-<device>.json); its record is metrics-<protocol>-<device>.json in the "
+        "same folder"
+    ]
+    other = tmp_path / "d.json"
+    other.write_text('{"a": 1}')
+    assert validate_artifact(other).problems == ["not a kvlab record: no schema_version"]
     broken = tmp_path / "c.json"
     broken.write_text("{")
     assert validate_artifact(broken).problems[0].startswith("cannot read JSON")

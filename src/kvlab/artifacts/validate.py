@@ -170,6 +170,14 @@ def validate_artifact(path: str | Path, root: Path | None = None) -> ValidationR
             _check_files(record.executed_source_sha256, base, report)
             _check_order(data, AcceleratorValidationRecordV1, "", report)
             _check_v1_consistency(record, report)
+        elif isinstance(data, dict) and "schema_version" not in data:
+            hint = ""
+            if {"protocol", "results", "summaries"} <= data.keys():
+                hint = (
+                    ": this looks like kvlab eval's raw results (raw-<protocol>-<device>.json); "
+                    "its record is metrics-<protocol>-<device>.json in the same folder"
+                )
+            report.problems.append(f"not a kvlab record: no schema_version{hint}")
         else:
             report.problems.append(f"unknown schema_version {version!r} (expected 1 or 2)")
     except ValidationError as exc:
