@@ -280,6 +280,17 @@ def test_kvlab_rows_alone_and_a_method_from_two_runs(tmp_path: Path, capsys: Any
     assert table["paired_samples"] == 2
     assert set(table["rows"]) == {"kvlab:full", "kvlab:pn-mix", "kvlab:kvzip"}
     assert table["rows"]["kvlab:full"]["mean"] == 75.0
+    plot = tmp_path / "frontier.png"
+    sbs.main(["--samples", str(spath), "--kvlab", str(run_a), "--kvlab", str(run_b),
+              "--plot", str(plot)])  # fmt: skip
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # rows without bytes: no points
+    drawn = sbs.plot_frontier(
+        {"rows": {"kvlab:full": {"mean": 75.0, "kv_over_full": 1.0},
+                  "kvlab:pn-mix": {"mean": 70.0, "kv_over_full": 0.2},
+                  "kvpress:kvzip@0.5": {"mean": 72.0, "kv_over_full": 0.5}}},
+        tmp_path / "sub" / "f.png", "t",
+    )  # fmt: skip
+    assert drawn.read_bytes()[:4] == b"\x89PNG"
     run_b.write_text(json.dumps(rows("full", ["alpha beta", "beta"]) + rows("kvzip", ["a", "b"])))
     with pytest.raises(SystemExit, match="differs from another file"):
         sbs.main(["--samples", str(spath), "--kvlab", str(run_a), "--kvlab", str(run_b)])

@@ -1,10 +1,12 @@
 """RULER side by side: one paired accuracy table from kvlab's RULER rows and the kvpress side's
 JSON (benchmarks/kvpress/ruler_kvpress.py), after checking both ran the same token ids.
 
-Runs in kvlab's venv (or any Python with torch; it imports kvlab only for ``--diff``)::
+Runs in kvlab's venv (or any Python with torch; it imports kvlab only for ``--diff`` and
+``--plot``)::
 
     python benchmarks/kvpress/ruler_side_by_side.py --samples ruler.jsonl \\
-        --kvpress runs/ruler/kvpress.json --kvlab runs/ruler/kvlab.json [--json table.json]
+        --kvpress runs/ruler/kvpress.json --kvlab runs/ruler/kvlab.json [--json table.json] \\
+        [--plot frontier.png]
 
 Inputs:
 
@@ -274,6 +276,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also print row A minus row B, paired, with its bootstrap interval (repeatable)",
     )
     parser.add_argument("--json", help="also write the table here")
+    parser.add_argument(
+        "--plot",
+        help="also draw accuracy against kv/full here (PNG): kvlab's and kvpress's rows, the "
+        "kvlab rows' Pareto front (needs kvlab's venv: matplotlib)",
+    )
     args = parser.parse_args(argv)
     listed = rk.read_samples(Path(args.samples))
     order = [(s["task"], int(s["length"]), int(s["index"])) for s in listed]
@@ -303,6 +310,50 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
+    if args.plot:
+        title = f"RULER, {table['paired_samples']} paired samples ({args.samples})"
+        print(f"plot: {plot_frontier(table, Path(args.plot), title)}")
+
+
+def plot_frontier(table: dict[str, Any], path: Path, title: str) -> Path:
+    """Task-mean accuracy (%) against ``kv/full`` for every row of ``table`` with a
+    ``kv_over_full``: kvlab's rows as circles, kvpress's as triangles, one label each, and the
+    kvlab rows' Pareto front (the best accuracy at or below each size) as a step line. Returns
+    ``path`` (parents created)."""
+    from kvlab.evaluation.plot import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=120)
+    points = [
+        (label, row["kv_over_full"], row["mean"])
+        for label, row in table["rows"].items()
+        if row.get("kv_over_full") is not None
+    ]
+    for side, marker in (("kvlab", "o"), ("kvpress", "^")):
+        mine = [p for p in points if p[0].startswith(side + ":")]
+        if mine:
+            ax.scatter([p[1] for p in mine], [p[2] for p in mine], marker=marker, s=22, label=side)
+        for label, x, y in mine:
+            ax.annotate(label.split(":", 1)[1], (x, y), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")  # fmt: skip
+    front, best = [], float("-inf")
+    for _, x, y in sorted(p for p in points if p[0].startswith("kvlab:")):
+        if y > best:
+            front.append((x, y))
+            best = y
+    if len(front) > 1:
+        ax.step([x for x, _ in front], [y for _, y in front], where="post", alpha=0.4)
+    ax.set_xlabel("kv/full (cache entries kept, at 16 bits)")
+    ax.set_ylabel("RULER accuracy, task mean (%)")
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3)
+    if points:
+        ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":
