@@ -320,7 +320,7 @@ def plot_frontier(table: dict[str, Any], path: Path, title: str) -> Path:
     ``kv_over_full``: kvlab's rows as circles, kvpress's as triangles, one label each, and the
     kvlab rows' Pareto front (the best accuracy at or below each size) as a step line. Returns
     ``path`` (parents created)."""
-    from kvlab.evaluation.plot import pyplot
+    from kvlab.evaluation.plot import pareto_front, pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=120)
@@ -336,11 +336,8 @@ def plot_frontier(table: dict[str, Any], path: Path, title: str) -> Path:
         for label, x, y in mine:
             ax.annotate(label.split(":", 1)[1], (x, y), fontsize=6, xytext=(3, 3),
                         textcoords="offset points")  # fmt: skip
-    front, best = [], float("-inf")
-    for _, x, y in sorted(p for p in points if p[0].startswith("kvlab:")):
-        if y > best:
-            front.append((x, y))
-            best = y
+    ours = [(x, -y) for label, x, y in points if label.startswith("kvlab:")]  # fewer bytes, more %
+    front = [(ours[i][0], -ours[i][1]) for i in pareto_front(ours)]
     if len(front) > 1:
         ax.step([x for x, _ in front], [y for _, y in front], where="post", alpha=0.4)
     ax.set_xlabel("kv/full (cache entries kept, at 16 bits)")
