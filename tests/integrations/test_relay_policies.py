@@ -117,6 +117,9 @@ def test_expected_attention_sees_the_pre_rope_queries_of_the_forward(make_llama)
 
 
 class _WindowProbe(SnapKVScorer):
+    # reads the probabilities over every slot (their sums), not only before the protected window
+    window_reach = None
+
     def __init__(self, observation_tokens=None) -> None:
         super().__init__(observation_tokens=observation_tokens)
         self.shapes = []
@@ -370,3 +373,58 @@ def test_fractions_around_refuses_a_mean_outside_the_unit_interval():
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="mean_fraction"):
             fractions_around(bad)
+
+
+class _ScoreRecorder(SnapKVScorer):
+    """The default SnapKV options, recording each eviction's pooled scores."""
+
+    def __init__(self) -> None:
+        super().__init__(kernel_size=7, pooling="max", value_norm=True)
+        self.scores: list[torch.Tensor] = []
+
+    def score(self, inputs):
+        out = super().score(inputs)
+        self.scores.append(out.clone())
+        return out
+
+
+def test_a_one_forward_prefill_scores_from_the_attention_s_logsumexp(make_llama, monkeypatch):
+    """A whole prompt in one forward, evicted by SnapKV: the observation window comes from the
+    prefill attention's logsumexp (kvlab.relay.attention.prefill_attention_with_lse) and skips
+    the protected window's logits; the scores of every slot it may evict equal the softmax
+    path's to float32 rounding, and this prompt keeps the same tokens either way."""
+    from kvlab.relay import attention as relay_attention
+    from kvlab.relay import evictor as relay_evictor
+
+    model = make_llama(seed=41)
+    ids = _ids(96, seed=42)
+    config_kwargs = {"ratio": 0.5, "window_fraction": 0.75, "relay": False}
+    calls: list[int] = []
+    real = relay_evictor.window_attention_from_lse
+
+    def spy(*args, **kwargs):
+        calls.append(args[5])  # the columns computed
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(relay_evictor, "window_attention_from_lse", spy)
+    fast_scorer = _ScoreRecorder()
+    fast = _prefill(model, EvictionConfig(scorer=fast_scorer, **config_kwargs), ids)
+    assert len(calls) == len(fast.layers)
+    per_head = 48  # (1 - 0.5) * 96
+    recent = round(0.75 * per_head)
+    assert calls == [96 - recent + 3] * len(fast.layers)  # before the window, + kernel // 2
+    monkeypatch.setattr(relay_attention, "prefill_attention_with_lse", lambda *a, **k: None)
+    monkeypatch.setattr(
+        "kvlab.integrations.relay_eviction.prefill_attention_with_lse", lambda *a, **k: None
+    )
+    slow_scorer = _ScoreRecorder()
+    slow = _prefill(model, EvictionConfig(scorer=slow_scorer, **config_kwargs), ids)
+    assert len(calls) == len(fast.layers)  # the softmax path this time
+    evictable = 96 - recent
+    for ours, theirs in zip(fast_scorer.scores, slow_scorer.scores, strict=True):
+        torch.testing.assert_close(
+            ours[..., 4:evictable], theirs[..., 4:evictable], rtol=1e-5, atol=1e-9
+        )
+    for a, b in zip(fast.layers, slow.layers, strict=True):
+        for x, y in zip(_original_positions(a), _original_positions(b), strict=True):
+            assert torch.equal(x, y)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.relay import observation
-from kvlab.relay.observation import window_attention
+from kvlab.relay.observation import window_attention, window_attention_from_lse
 
 
 def _reference(query, scaling, keys, valid, window):
@@ -104,3 +104,37 @@ def test_row_fill_is_the_mask_bit_for_bit(
             assert torch.equal(getattr(rows, name), getattr(mask, name)), (chunked, name)
     probs = _reference(query, 0.4, keys, valid, window)
     assert torch.equal(run(True, False).total, probs.sum((2, 3)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3]),
+    q_len=st.integers(2, 40),
+    window=st.integers(1, 50),
+    cut=st.integers(0, 45),
+    chunk_queries=st.sampled_from([None, 1, 3]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_window_attention_from_lse_is_the_softmax_before_the_cut(
+    heads, group, q_len, window, cut, chunk_queries, seed
+) -> None:
+    """A prefill (every head holds the forward's Q tokens): exp(logit - lse) over the first
+    ``columns`` slots is the softmax's probabilities there to float32 rounding, zero after."""
+    query, keys, valid = _case(heads, group, q_len, q_len, 0, seed)
+    scaling = 0.4
+    logits = query.double() @ keys.double().repeat_interleave(group, 1).transpose(-1, -2)
+    causal = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    lse = torch.logsumexp((logits * scaling).masked_fill(~causal, float("-inf")), dim=-1).float()
+    columns = max(1, q_len - cut)
+    reference = window_attention(query, scaling, keys, valid, window, peak=True)
+    with pytest.MonkeyPatch.context() as mp:
+        if chunk_queries is not None:
+            mp.setattr(observation, "ONE_PIECE_LOGITS", 0)
+            mp.setattr(observation, "CHUNK_LOGITS", heads * group * columns * chunk_queries)
+        got = window_attention_from_lse(query, scaling, keys, window, lse, columns, peak=True)
+    for name in ("total", "groups", "last", "peak"):
+        ours, theirs = getattr(got, name), getattr(reference, name)
+        assert ours.shape == theirs.shape and ours.dtype == torch.float32
+        torch.testing.assert_close(ours[..., :columns], theirs[..., :columns], rtol=2e-5, atol=2e-7)
+        assert not ours[..., columns:].any()

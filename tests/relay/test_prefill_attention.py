@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.relay.attention import ragged_attention
+from kvlab.relay.attention import prefill_attention_with_lse, ragged_attention
 from kvlab.relay.storage import RelayStore
 
 
@@ -62,3 +62,52 @@ def test_equal_segments_attention_is_the_masked_call(
     want = _masked_reference(query, store, 0.3)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(got, want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3]),
+    q_len=st.integers(2, 70),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_prefill_attention_with_lse_is_the_prefill_call_and_its_logsumexp(
+    batch, heads, group, q_len, dtype, seed
+) -> None:
+    """A whole prompt in one forward: the output is ragged_attention's, bit for bit, and the
+    logsumexp that of the scaled causal logits (float64 reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = dv = 16
+    store = RelayStore(batch, heads, d, dv, dtype=dtype, device="cpu")
+    keys = torch.randn(batch, heads, q_len, d, generator=gen).to(dtype)
+    values = torch.randn(batch, heads, q_len, dv, generator=gen).to(dtype)
+    store.append(
+        keys, values, real=[q_len] * batch, original_start=[0] * batch, rotary_start=[0] * batch
+    )
+    query = torch.randn(batch, heads * group, q_len, d, generator=gen).to(dtype)
+    got = prefill_attention_with_lse(query, store, scale=0.3)
+    assert got is not None
+    out, lse = got
+    assert torch.equal(out, ragged_attention(query, store, scale=0.3))
+    logits = query.double() @ keys.double().repeat_interleave(group, 1).transpose(-1, -2) * 0.3
+    causal = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    expected = torch.logsumexp(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    assert lse.dtype == torch.float32 and lse.shape == (batch, heads * group, q_len)
+    tol = 1e-5 if dtype == torch.float32 else 0.05  # bfloat16 inputs: the kernel's own rounding
+    torch.testing.assert_close(lse.double(), expected, rtol=tol, atol=tol)
+
+
+def test_prefill_attention_with_lse_only_for_a_whole_prompt_on_the_cpu() -> None:
+    store = RelayStore(1, 2, 8, 8, dtype=torch.float32, device="cpu")
+    kv = torch.randn(1, 2, 10, 8)
+    store.append(kv, kv, real=[10], original_start=[0], rotary_start=[0])
+    query = torch.randn(1, 4, 10, 8)
+    assert prefill_attention_with_lse(query, store, scale=1.0) is not None
+    assert prefill_attention_with_lse(query[:, :, 4:], store, scale=1.0) is None  # a chunk
+    assert prefill_attention_with_lse(query[:, :, :1], store, scale=1.0) is None  # one token
+    assert prefill_attention_with_lse(query.half(), store, scale=1.0) is None
+    narrow = RelayStore(1, 2, 8, 4, dtype=torch.float32, device="cpu")  # Dv != D
+    narrow.append(kv, kv[..., :4], real=[10], original_start=[0], rotary_start=[0])
+    assert prefill_attention_with_lse(query, narrow, scale=1.0) is None

@@ -143,10 +143,12 @@ def layer_eviction_sensitivity(
     queries: dict[int, tuple[Tensor, float]] = {}
     for layer in keep_all.relay_layers():
 
-        def record(query: Tensor, scaling: float, row: int = 0, layer: RelayLayer = layer) -> Any:
+        def record(
+            query: Tensor, scaling: float, row: int = 0, layer: RelayLayer = layer, **kwargs: Any
+        ) -> Any:
             # the queries at cache positions, as the layer's attend passes them to evict
             queries[layer.layer_idx] = (query, scaling)
-            return RelayLayer.evict(layer, query, scaling, row)
+            return RelayLayer.evict(layer, query, scaling, row, **kwargs)
 
         layer.evict = record  # type: ignore[method-assign]
     # every layer's whole prefill keys and values (window layers take theirs from them below)

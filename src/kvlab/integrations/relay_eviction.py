@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from kvlab.integrations.forward import ForwardPlan, ForwardState
+from kvlab.relay.attention import prefill_attention_with_lse
 from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.relay.evictor import Evictor
 from kvlab.relay.reconstruction import join_max, observe, reconstruct_row
@@ -139,6 +140,31 @@ class RelayEviction:
         assert self.store is not None
         return self.evictor.over_capacity(self.store)
 
+    def _prefill_with_lse(
+        self,
+        query: Tensor,
+        scaling: float,
+        plan: ForwardPlan,
+        due: list[int],
+        kwargs: dict[str, Any],
+    ) -> tuple[Tensor, Tensor] | None:
+        """This forward's attention and its logsumexp in one call
+        (:func:`kvlab.relay.attention.prefill_attention_with_lse`) when the eviction right after
+        it can use them: one sequence whose whole prompt is this forward, evicted by a scorer
+        with a ``window_reach``, no soft-cap or learned sinks; else ``None``."""
+        if (
+            self.store is None
+            or due != [0]
+            or plan.batch != 1
+            or plan.padded
+            or getattr(self.scorer, "window_reach", None) is None
+            or not self.scorer.needs_window_attention
+            or kwargs.get("softcap") is not None
+            or kwargs.get("s_aux") is not None
+        ):
+            return None
+        return prefill_attention_with_lse(query, self.store, scale=scaling)
+
     # ---------------------------------------------------------------- eviction
     def evict(
         self,
@@ -148,6 +174,7 @@ class RelayEviction:
         *,
         reconstruction: Tensor | None = None,
         layer_total: int | None = None,
+        window_lse: Tensor | None = None,
     ) -> EvictionEvent:
         """Evict in sequence ``row``: budget and protected window, score, allocate, select,
         relay (or not), compact (:meth:`kvlab.relay.evictor.Evictor.evict`; docs/design.md,
@@ -164,6 +191,8 @@ class RelayEviction:
             layer_total: tokens this layer keeps summed over its kv heads, replacing the
                 configured layer budget (``layer_budget="scores"``, decided over every layer by
                 :meth:`kvlab.integrations.RelayModelCache.evict_reconstructed`), or ``None``.
+            window_lse: the logsumexp of ``query``'s logits when the forward's attention gave
+                it (:meth:`kvlab.relay.evictor.Evictor.evict`), or ``None``.
 
         Raises:
             ValueError: ``query`` missing for a scorer that needs it.
@@ -178,6 +207,7 @@ class RelayEviction:
             next_position=self.next_positions[row],
             reconstruction=reconstruction,
             layer_total=layer_total,
+            window_lse=window_lse,
         )
         if next_position is not None:
             self.next_positions[row] = next_position

@@ -503,8 +503,15 @@ class RelayLayer(RelayEviction, KVLabLayer):
             return self.attend_reconstruction(query, keys, pending.values, scaling, plan, kwargs)
         self._commit(keys, pending.values, plan)
         assert self.store is not None
+        due = self._rows_due(plan)
+        lse = None
+        fused = (
+            None if outputs_unused() else self._prefill_with_lse(query, scaling, plan, due, kwargs)
+        )
         if outputs_unused():  # a replayed prefill: nothing reads this output
             out = unused_output(query, pending.values.shape[-1])
+        elif fused is not None:  # the prompt's attention and its logsumexp, one call
+            out, lse = fused
         else:
             out = ragged_attention(
                 query,
@@ -516,9 +523,9 @@ class RelayLayer(RelayEviction, KVLabLayer):
             )
         if self.deferred and getattr(self.scorer, "prefill_queries", 0):
             self.observe_prefill(query, scaling, plan)
-        due = self._rows_due(plan)
         for b in due:
-            self.evict(query[b : b + 1, :, plan.num_new - plan.real[b] :], scaling, row=b)
+            extra = {} if lse is None else {"window_lse": lse}
+            self.evict(query[b : b + 1, :, plan.num_new - plan.real[b] :], scaling, row=b, **extra)
         if due:
             # the evicted rows leave the buffers: keep what the budget keeps, plus a little room
             # (a prompt's next chunk or the decode re-lays out with its own headroom)

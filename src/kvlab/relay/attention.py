@@ -29,7 +29,7 @@ from kvlab.attention_logits import softcap_logits, softmax_with_sinks
 from kvlab.relay.kernels import cpu as relay_cpu
 from kvlab.relay.storage import RelayStore
 
-__all__ = ["ragged_attention"]
+__all__ = ["prefill_attention_with_lse", "ragged_attention"]
 
 
 def ragged_attention(
@@ -156,15 +156,9 @@ def _equal_segments_attention(query: Tensor, store: RelayStore, scale: float) ->
     SDPA's own ``is_causal`` when ``S == Q`` (no mask; the blocks above the diagonal are never
     computed), else the bottom-right band ``[Q, S]`` shared by every segment. The bits of the
     per-segment masked call it replaces (tests/relay/test_prefill_attention.py)."""
-    batch, q_heads, q_len, _ = query.shape
-    heads, stride, length = store.heads, store.stride, store.lengths[0]
-    d, dv = store.head_dim, store.value_dim
-    keys = store.keys.as_strided((batch, heads, length, d), (heads * stride * d, stride * d, d, 1))
-    values = store.values.as_strided(
-        (batch, heads, length, dv), (heads * stride * dv, stride * dv, dv, 1)
-    )
-    if keys.dtype != query.dtype:
-        keys, values = keys.to(query.dtype), values.to(query.dtype)
+    q_heads, q_len = query.shape[1], query.shape[2]
+    length = store.lengths[0]
+    keys, values = _segment_views(store, query.dtype)
     mask = None
     if length > q_len:
         row = torch.arange(q_len, device=query.device).view(-1, 1) + (length - q_len)
@@ -176,8 +170,53 @@ def _equal_segments_attention(query: Tensor, store: RelayStore, scale: float) ->
         attn_mask=mask,
         scale=scale,
         is_causal=mask is None,
-        enable_gqa=q_heads != heads,
+        enable_gqa=q_heads != store.heads,
     )
+
+
+def _segment_views(store: RelayStore, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``[B, H_kv, S, D|Dv]`` views of the buffers of a store whose segments all hold ``S``
+    tokens (no copy unless ``dtype`` differs from the store's)."""
+    batch, heads, stride, length = store.batch, store.heads, store.stride, store.lengths[0]
+    d, dv = store.head_dim, store.value_dim
+    keys = store.keys.as_strided((batch, heads, length, d), (heads * stride * d, stride * d, d, 1))
+    values = store.values.as_strided(
+        (batch, heads, length, dv), (heads * stride * dv, stride * dv, dv, 1)
+    )
+    if keys.dtype != dtype:
+        keys, values = keys.to(dtype), values.to(dtype)
+    return keys, values
+
+
+def prefill_attention_with_lse(
+    query: Tensor, store: RelayStore, *, scale: float
+) -> tuple[Tensor, Tensor] | None:
+    """A whole prompt's causal attention in one call on the CPU, with each query's logsumexp:
+    ``(output [B, H_q, Q, Dv], lse [B, H_q, Q] float32)``, where every segment holds exactly the
+    ``Q`` real tokens of ``query`` ``[B, H_q, Q, D]`` (one forward's prefill, before its
+    eviction). The output is :func:`ragged_attention`'s, bit for bit: the fused CPU kernel
+    ``torch.nn.functional.scaled_dot_product_attention`` dispatches that call to
+    (``aten::_scaled_dot_product_flash_attention_for_cpu``), which also returns the natural-log
+    logsumexp of every query's scaled logits; an eviction's observation window then needs no
+    softmax of its own (:func:`kvlab.relay.observation.window_attention_from_lse`).
+    ``None`` (nothing computed) off the CPU, for other segment lengths, for a value head_dim
+    other than the key's, or for a query dtype other than float32 / bfloat16."""
+    q_len = query.shape[2]
+    if (
+        query.device.type != "cpu"
+        or query.dtype not in (torch.float32, torch.bfloat16)
+        or q_len < 2
+        or min(store.lengths) != q_len
+        or max(store.lengths) != q_len
+        or query.shape[0] != store.batch
+        or store.value_dim != store.head_dim  # the fused kernel's own requirement
+    ):
+        return None
+    keys, values = _segment_views(store, query.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, keys, values, 0.0, True, scale=scale
+    )
+    return out, lse
 
 
 def _kernel_covers(

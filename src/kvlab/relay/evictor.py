@@ -36,7 +36,7 @@ from kvlab.relay.budgets import allocate_counts, protected_mask, select_keep
 from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.relay.core import relay
 from kvlab.relay.layer_budgets import pyramid_layer_budgets, split_layer_budget
-from kvlab.relay.observation import window_attention
+from kvlab.relay.observation import window_attention, window_attention_from_lse
 from kvlab.relay.scorers import ScoreInputs, Scorer
 from kvlab.relay.storage import RelayStore
 from kvlab.rope import RotaryConfig
@@ -258,6 +258,7 @@ class Evictor:
         next_position: int,
         reconstruction: Tensor | None = None,
         layer_total: int | None = None,
+        window_lse: Tensor | None = None,
     ) -> tuple[EvictionEvent, int | None]:
         """Evict in sequence ``row`` of ``store``: budget and protected window, score,
         allocate, select, relay (or not), compact (module docstring). Does not shrink the
@@ -276,6 +277,12 @@ class Evictor:
                 view (KVzip), for a scorer with ``needs_reconstruction``.
             layer_total: tokens this layer keeps summed over its kv heads, replacing the
                 configured layer budget (``layer_budget="scores"``), or ``None``.
+            window_lse: ``[1, H_q, Q]`` float32 logsumexp of ``query``'s scaled causal logits
+                when the forward's attention returned it (a prompt's one-forward prefill:
+                :func:`kvlab.relay.attention.prefill_attention_with_lse`), or ``None``. With a
+                scorer that has a ``window_reach``, over a row whose every head holds all its
+                ``Q`` tokens, the observation window then skips the protected window's own
+                logits (:func:`kvlab.relay.observation.window_attention_from_lse`).
 
         Returns:
             ``(event, next_position)``: the :class:`EvictionEvent` (``layer_idx`` this
@@ -303,9 +310,21 @@ class Evictor:
         observed = None
         if self.scorer.needs_window_attention:
             assert query is not None and scaling is not None
-            observed = window_attention(
-                query, scaling, keys, valid, self.observation_tokens(recent)
-            )
+            window = self.observation_tokens(recent)
+            reach = self.scorer.window_reach
+            if (
+                window_lse is not None
+                and reach is not None
+                and keys.shape[2] == query.shape[2] == stream_length
+                and bool(valid.all())
+            ):
+                # the slots before the protected recent window, and what their scores read
+                columns = keys.shape[2] - recent + reach
+                observed = window_attention_from_lse(
+                    query, scaling, keys, window, window_lse, columns
+                )
+            else:
+                observed = window_attention(query, scaling, keys, valid, window)
         query_positions = None
         if query is not None:
             q_len = query.shape[2]

@@ -28,6 +28,7 @@ __all__ = [
     "ONE_PIECE_LOGITS",
     "WindowAttention",
     "window_attention",
+    "window_attention_from_lse",
 ]
 
 #: Logits ``B * H * G * w * S`` up to which the observation window is computed in one piece.
@@ -167,4 +168,77 @@ def window_attention(
             top = torch.maximum(top, probs.amax(dim=(2, 3)))
         if j1 == w:
             last = probs[:, :, :, -1].clone()
+    return WindowAttention(total=sums.sum(2).float(), groups=sums.float(), last=last, peak=top)
+
+
+def window_attention_from_lse(
+    query: Tensor,
+    scaling: float,
+    keys: Tensor,
+    window: int,
+    lse: Tensor,
+    columns: int,
+    *,
+    peak: bool = False,
+) -> WindowAttention:
+    """:func:`window_attention` of a prefill whose attention already gave each query's
+    normaliser: the probabilities ``exp(scaling * q . k - lse)`` of the last
+    ``w = min(window, Q)`` queries over the first ``columns`` slots only, zero from there on.
+
+    For a scorer that reads the window's attention only at the slots it may evict and a few
+    beyond (SnapKV: the slots before the protected recent window, plus half its pooling
+    kernel), the logits of the protected window itself — which the softmax needs only for its
+    normaliser — are never computed, nor the softmax's max and sum passes: a third to a half
+    of the window's cost at the default policy (docs/benchmarks.md, "Prefill CPU time"). The
+    probabilities agree with :func:`window_attention`'s to float32 rounding (another
+    normalisation of the same logits), not bit for bit.
+
+    Args:
+        query: ``[B, H_q, Q, D]``, the forward's queries at cache positions.
+        keys: ``[B, H, S, D]``: every slot valid, every head holding the same ``S`` tokens (a
+            prompt's prefill before its eviction); query ``j`` of the window sees slots
+            ``i <= S - w + j``.
+        lse: ``[B, H_q, Q]`` float32 natural-log logsumexp of each query's scaled causal logits
+            (what a fused attention returns beside its output).
+        columns: slots whose probabilities are computed, ``1 <= columns <= S``.
+
+    Returns:
+        :class:`WindowAttention` with zeros at slots ``>= columns`` (``total``, ``groups``,
+        ``last``, ``peak``).
+    """
+    batch, hq, q_len, dim = query.shape
+    heads, s = keys.shape[1], keys.shape[2]
+    group = hq // heads
+    w = max(1, min(window, q_len))
+    c = max(1, min(columns, s))
+    # one product gives scaling * q . k - lse: the queries scaled and extended by -lse, the
+    # keys by a column of ones (no separate scale and subtract passes over the logits)
+    q = torch.cat(
+        [
+            query[:, :, q_len - w :].float() * scaling,
+            -lse[:, :, q_len - w :].float().unsqueeze(-1),
+        ],
+        dim=-1,
+    ).reshape(batch, heads, group, w, dim + 1)
+    ones = keys.new_ones((), dtype=torch.float32).expand(batch, heads, c, 1)
+    keys_t = torch.cat([keys[:, :, :c].float(), ones], dim=-1).transpose(-1, -2)
+    per_query = batch * heads * group * c
+    step = w if per_query * w <= ONE_PIECE_LOGITS else max(1, CHUNK_LOGITS // per_query)
+    sums = torch.zeros(batch, heads, group, s, dtype=torch.float64, device=query.device)
+    top = torch.zeros(batch, heads, s, device=query.device) if peak else None
+    last = torch.zeros(batch, heads, group, s, device=query.device)
+    for j0 in range(0, w, step):
+        j1 = min(w, j0 + step)
+        part = q[:, :, :, j0:j1].reshape(batch, heads, group * (j1 - j0), dim + 1)
+        probs = torch.matmul(part, keys_t).view(batch, heads, group, j1 - j0, c)
+        for r in range(j1 - j0):  # causal: window query j sees slots <= s - w + j
+            first_late = s - w + j0 + r + 1
+            if first_late < c:
+                probs[:, :, :, r, first_late:].fill_(float("-inf"))
+        probs.exp_()
+        sums[..., :c] += probs.sum(3).double()  # float32 within a chunk, float64 across chunks
+        if top is not None:
+            top[..., :c] = torch.maximum(top[..., :c], probs.amax(dim=(2, 3)))
+        if j1 == w:
+            last[..., :c] = probs[:, :, :, -1]
     return WindowAttention(total=sums.sum(2).float(), groups=sums.float(), last=last, peak=top)

@@ -109,10 +109,15 @@ class Scorer:
     ``needs_reconstruction`` (the cache then defers a ratio eviction until a reconstruction
     pass scored its tokens: :mod:`kvlab.relay.kvzip`);
     ``comparable_across_heads`` (whether raw scores of different heads share a scale);
-    ``default_allocation`` (``"adaptive"`` or ``"uniform"``)."""
+    ``default_allocation`` (``"adaptive"`` or ``"uniform"``);
+    ``window_reach`` (for a window-attention scorer whose score of a slot reads the window's
+    attention only up to this many slots past it — SnapKV: half its pooling kernel — so that
+    the protected recent window's own columns may be left uncomputed at a prefill,
+    :func:`kvlab.relay.observation.window_attention_from_lse`; ``None``: it reads them all)."""
 
     name: str = "base"
     needs_window_attention: bool = False
+    window_reach: int | None = None
     observation_tokens: int | None = None
     needs_queries: bool = False
     needs_reconstruction: bool = False
@@ -221,6 +226,12 @@ class SnapKVScorer(Scorer):
             )
         if observation_tokens is not None and observation_tokens < 1:
             raise ValueError(f"observation_tokens must be >= 1, got {observation_tokens}")
+
+    @property
+    def window_reach(self) -> int:  # type: ignore[override]
+        """A slot's pooled score reads the window's attention up to ``kernel_size // 2``
+        slots past it (:class:`Scorer`)."""
+        return self.kernel_size // 2
 
     def score(self, inputs: ScoreInputs) -> Tensor:
         if inputs.window_attention is None:
