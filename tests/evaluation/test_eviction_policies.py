@@ -154,8 +154,11 @@ def test_kvzip_names_need_the_prompt_preparation_and_the_prefill_score_protocol(
     config = method.make_cache(CONFIG, {"kvzip_prompt": PROMPT}).eviction
     assert isinstance(config.scorer, KVzipScorer)
     assert config.scorer.prompt == ReconstructionPrompt(**PROMPT)
-    assert config.layer_budget == "scores" and config.scores_share == 0.75
-    assert config.window_fraction == 0.375 and config.scorer.prefill_queries == 128
+    # kvpress's KVzipPress policy (issue 40): the whole budget to the top scores over every
+    # layer and kv head, no protected window, the reconstruction queries only
+    assert config.layer_budget == "scores" and config.scores_share == 1.0
+    assert config.window_fraction is None and config.window_tokens == 0
+    assert config.scorer.prefill_queries == 0
     assert config.relay is (kind == "relay")
     with pytest.raises(ValueError, match="prefill-score"):
         parse_method(f"{kind}:kvzip@0.5", protocol="stream", cache_slots=512)

@@ -16,13 +16,15 @@ and *Hamlet*:
   (prefill-score) calibrate them on the package's own text before the run
   (:func:`kvlab.integrations.relay_calibration.calibrate_layer_budgets`) and pass the kept
   fractions as ``EvictionConfig.layer_budget``; this module's dicts hold the rest.
-* KVzip (:mod:`kvlab.relay.kvzip`): three quarters of the model's budget split across layers
-  by the scores (``layer_budget="scores"``, ``scores_share`` 0.75; KVzip's own cross-layer
-  selection is share 1), the prefill's last 128 queries scored with the reconstruction pass's
-  (``KVzipScorer(prefill_queries=128)``), a protected recent window of 3/8 of each layer's
-  per-head budget (``window_fraction`` 0.375); docs/archive/results-history.md section 7,
-  "Policy search", has the search. With ``window_tokens=0`` and nothing else the policy
-  reproduces kvpress's ``KVzipPress``.
+* KVzip (:mod:`kvlab.relay.kvzip`): kvpress's ``KVzipPress`` policy, which keeps exactly
+  ``KVzipPress``'s kept set (docs/archive/results-history.md 12.5.2): the model's whole budget
+  to the top reconstruction scores over every layer and kv head (``layer_budget="scores"``,
+  KVzip's cross-layer selection), no protected recent window (``window_tokens=0``; 4 sinks),
+  the reconstruction queries only. Chosen for issue 40 by the rule of
+  docs/results/runs/kvzip-policy-seed0/DECISION_RULE.md on RULER seed 0 (docs/results.md,
+  section 1). The policy it replaced (section 7's search: a protected window of 3/8 of each
+  head's budget, 3/4 of the budget split by the scores, the prefill's last 128 queries scored
+  too) is :data:`PREVIOUS_POLICIES` ``["kvzip"]``.
 * SnapKV scores are multiplied by the value norm (``SnapKVScorer(value_norm=True)``, the
   value-norm rescaling of ExpectedAttention and CriticalKV), max-pooled over 7 tokens and
   compared across heads (adaptive per-head budgets, Ada-KV).
@@ -48,6 +50,7 @@ from kvlab.relay.scorers import Scorer, scorer_from_settings
 __all__ = [
     "DEFAULT_POLICIES",
     "DEFAULT_WINDOW_FRACTION",
+    "PREVIOUS_POLICIES",
     "EvictionPolicy",
     "default_policy",
     "default_policy_settings",
@@ -132,21 +135,28 @@ DEFAULT_POLICIES: dict[str, EvictionPolicy] = {
     # kvpress's ExpectedAttentionPress policy: 4 sinks, no protected window, uniform budgets
     # (the scorer's default allocation); a protected window measured worse
     "expected-attention": EvictionPolicy("expected-attention", window_tokens=0),
-    # KVzip's cross-layer selection (three quarters of the model's budget to the top scores
-    # over every layer and head, the rest uniform), the prefill's last 128 queries joined to
-    # the reconstruction queries, a protected recent window of 3/8 of each layer's per-head
-    # budget (docs/archive/results-history.md, section 7, "Policy search")
+    # kvpress's KVzipPress policy: the whole budget to the top scores over every layer and kv
+    # head, no protected window (module docstring; issue 40)
+    "kvzip": EvictionPolicy("kvzip", window_tokens=0, layer_budget="scores"),
+    "snapkv": EvictionPolicy(
+        "snapkv",
+        scorer_options={"kernel_size": 7, "pooling": "max", "value_norm": True},
+        window_fraction=DEFAULT_WINDOW_FRACTION,
+    ),
+}
+
+
+#: Defaults a later choice replaced, kept so that the rows they made can be rerun: KVzip's
+#: policy of docs/archive/results-history.md section 7 (a protected window of 3/8 of each
+#: head's budget, 3/4 of the budget split across layers by the scores, the prefill's last 128
+#: queries scored too), the default until issue 40 (docs/results.md section 1's rows).
+PREVIOUS_POLICIES: dict[str, EvictionPolicy] = {
     "kvzip": EvictionPolicy(
         "kvzip",
         scorer_options={"prefill_queries": 128},
         window_fraction=0.375,
         layer_budget="scores",
         scores_share=0.75,
-    ),
-    "snapkv": EvictionPolicy(
-        "snapkv",
-        scorer_options={"kernel_size": 7, "pooling": "max", "value_norm": True},
-        window_fraction=DEFAULT_WINDOW_FRACTION,
     ),
 }
 
