@@ -320,7 +320,7 @@ def plot_frontier(table: dict[str, Any], path: Path, title: str) -> Path:
     ``kv_over_full``: kvlab's rows as circles, kvpress's as triangles, one label each, and the
     kvlab rows' Pareto front (the best accuracy at or below each size) as a step line. Returns
     ``path`` (parents created)."""
-    from kvlab.evaluation.plot import pareto_front, pyplot
+    from kvlab.evaluation.plot import pareto_front, pyplot, save_figure
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=120)
@@ -347,10 +347,7 @@ def plot_frontier(table: dict[str, Any], path: Path, title: str) -> Path:
     if points:
         ax.legend(fontsize=7)
     ax.set_title(title, fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,27 @@ from kvlab.relay.attention import prefill_attention_with_lse, ragged_attention
 from kvlab.relay.storage import RelayStore
 
 
+def _store(batch, heads, d, dv, dtype, gen, *segments: int) -> tuple[RelayStore, torch.Tensor]:
+    """A store of ``batch`` rows of ``heads`` kv heads holding random segments of the given
+    token counts, appended one after the other from position 0; also the keys of the last
+    non-empty segment ``[batch, heads, tokens, d]``."""
+    store = RelayStore(batch, heads, d, dv, dtype=dtype, device="cpu")
+    start, keys = 0, torch.empty(0)
+    for tokens in segments:
+        if tokens:
+            keys = torch.randn(batch, heads, tokens, d, generator=gen).to(dtype)
+            values = torch.randn(batch, heads, tokens, dv, generator=gen).to(dtype)
+            store.append(
+                keys,
+                values,
+                real=[tokens] * batch,
+                original_start=[start] * batch,
+                rotary_start=[start] * batch,
+            )
+        start += tokens
+    return store, keys
+
+
 def _masked_reference(query: torch.Tensor, store: RelayStore, scale: float) -> torch.Tensor:
     """The general path: ``[B*H, G, Q, D]`` queries over the stride-0 padded view with the
     per-segment bottom-right causal mask ``[B*H, 1, Q, S]``."""
@@ -44,18 +65,7 @@ def test_equal_segments_attention_is_the_masked_call(
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     d, dv = 16, 8
-    store = RelayStore(batch, heads, d, dv, dtype=dtype, device="cpu")
-    for tokens, start in ((past, 0), (q_len, past)):
-        if tokens:
-            keys = torch.randn(batch, heads, tokens, d, generator=gen).to(dtype)
-            values = torch.randn(batch, heads, tokens, dv, generator=gen).to(dtype)
-            store.append(
-                keys,
-                values,
-                real=[tokens] * batch,
-                original_start=[start] * batch,
-                rotary_start=[start] * batch,
-            )
+    store, _ = _store(batch, heads, d, dv, dtype, gen, past, q_len)
     assert store.lengths == [past + q_len] * (batch * heads)
     query = torch.randn(batch, heads * group, q_len, d, generator=gen).to(dtype)
     got = ragged_attention(query, store, scale=0.3, backend="torch")
@@ -80,12 +90,7 @@ def test_prefill_attention_with_lse_is_the_prefill_call_and_its_logsumexp(
     logsumexp that of the scaled causal logits (float64 reference)."""
     gen = torch.Generator().manual_seed(seed)
     d = dv = 16
-    store = RelayStore(batch, heads, d, dv, dtype=dtype, device="cpu")
-    keys = torch.randn(batch, heads, q_len, d, generator=gen).to(dtype)
-    values = torch.randn(batch, heads, q_len, dv, generator=gen).to(dtype)
-    store.append(
-        keys, values, real=[q_len] * batch, original_start=[0] * batch, rotary_start=[0] * batch
-    )
+    store, keys = _store(batch, heads, d, dv, dtype, gen, q_len)
     query = torch.randn(batch, heads * group, q_len, d, generator=gen).to(dtype)
     got = prefill_attention_with_lse(query, store, scale=0.3)
     assert got is not None

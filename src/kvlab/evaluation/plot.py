@@ -34,6 +34,22 @@ def pyplot():
     return plt
 
 
+def save_figure(fig: Any, path: Path, *, bbox_tight: bool = True) -> Path:
+    """Write ``fig`` to ``path`` (parents created; ``bbox_tight``: cropped to what is drawn,
+    legends outside the axes included) and close it.
+
+    Returns:
+        ``path``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if bbox_tight:
+        fig.savefig(path, bbox_inches="tight")
+    else:
+        fig.savefig(path)
+    pyplot().close(fig)
+    return path
+
+
 def plot_kl_vs_bytes(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
     """Mean KL(full || method) (nats, log scale) against KV bytes normalized to 16-bit floats,
     one point per method (marker by family, colour per method, named in the legend); the full
@@ -79,10 +95,7 @@ def plot_stream(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, bbox_tight=False)
 
 
 def plot_needle_heatmap(
@@ -122,10 +135,7 @@ def plot_needle_heatmap(
     fig.suptitle(title, fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="exact-match accuracy")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -200,7 +210,4 @@ def _plot_kl_bytes(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, bbox_tight=False)

@@ -224,7 +224,7 @@ def plot_ruler_heatmap(summaries: Sequence[Mapping[str, Any]], path: Path, title
     Returns:
         ``path`` (parents created).
     """
-    from kvlab.evaluation.plot import pyplot
+    from kvlab.evaluation.plot import pyplot, save_figure
 
     plt = pyplot()
     tasks = sorted({t for s in summaries for t in s["tasks"]})
@@ -238,10 +238,7 @@ def plot_ruler_heatmap(summaries: Sequence[Mapping[str, Any]], path: Path, title
     ax.set_yticks(range(len(summaries)), [s["method"] for s in summaries], fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, shrink=0.8, label="accuracy (%)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_accuracy_vs_bytes(summaries: Sequence[Mapping[str, Any]], path: Path, title: str) -> Path:
@@ -251,7 +248,7 @@ def plot_accuracy_vs_bytes(summaries: Sequence[Mapping[str, Any]], path: Path, t
     Returns:
         ``path`` (parents created).
     """
-    from kvlab.evaluation.plot import pyplot
+    from kvlab.evaluation.plot import pyplot, save_figure
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
@@ -266,7 +263,4 @@ def plot_accuracy_vs_bytes(summaries: Sequence[Mapping[str, Any]], path: Path, t
     ax.set_xlim(left=0)
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=9)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

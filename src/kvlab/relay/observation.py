@@ -62,6 +62,18 @@ class WindowAttention:
     peak: Tensor | None = None
 
 
+def _fill_late(per_query: Tensor, count: int, w: int, j0: int) -> None:
+    """Set ``-inf``, in place, the slots each window query may not see: ``per_query``
+    ``[B, H, G, n, C]`` holds window queries ``j0 .. j0 + n - 1`` (of ``w``) of every query
+    head over the first ``C`` slots of heads that each hold ``count``; query ``j`` sees slots
+    ``i <= count - w + j`` (causal). A row slice at a time: no mask is built or read."""
+    width = per_query.shape[-1]
+    for r in range(per_query.shape[3]):
+        first_late = count - w + j0 + r + 1
+        if first_late < width:
+            per_query[:, :, :, r, first_late:].fill_(float("-inf"))
+
+
 def _causal_logits(
     q: Tensor,
     keys_t: Tensor,
@@ -84,11 +96,7 @@ def _causal_logits(
         # every head holds the same count: fill each window query's late slots, a row slice at
         # a time (the same entries as the mask below, without building or reading a mask)
         j0, group, count, w = rows
-        per_query = logits.view(*logits.shape[:2], group, -1, logits.shape[-1])
-        for r in range(per_query.shape[3]):
-            first_late = count - w + j0 + r + 1
-            if first_late < logits.shape[-1]:
-                per_query[:, :, :, r, first_late:].fill_(float("-inf"))
+        _fill_late(logits.view(*logits.shape[:2], group, -1, logits.shape[-1]), count, w, j0)
     else:
         tail = logits[..., start:]
         late = (slot[start:].view(1, 1, -1) > limit.unsqueeze(-1)).unsqueeze(0)
@@ -234,10 +242,7 @@ def window_attention_from_lse(
         j1 = min(w, j0 + step)
         part = q[:, :, :, j0:j1].reshape(batch, heads, group * (j1 - j0), dim + 1)
         probs = torch.matmul(part, keys_t).view(batch, heads, group, j1 - j0, c)
-        for r in range(j1 - j0):  # causal: window query j sees slots <= s - w + j
-            first_late = s - w + j0 + r + 1
-            if first_late < c:
-                probs[:, :, :, r, first_late:].fill_(float("-inf"))
+        _fill_late(probs, s, w, j0)
         probs.exp2_()
         sums[..., :c] += probs.sum(3).double()  # float32 within a chunk, float64 across chunks
         if top is not None:
