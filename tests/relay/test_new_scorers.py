@@ -284,6 +284,17 @@ def test_split_layer_budget_is_proportional_when_bounds_do_not_bind():
         split_layer_budget(5, [0.0, 0.0], low=[0, 0], high=[9, 9])
     with pytest.raises(ValueError, match="one entry"):
         split_layer_budget(5, [1.0], low=[0, 0], high=[9, 9])
+    # a layer of weight 0 keeps its floor: 12 > 9 + 2 is out of reach (was a NaN error)
+    with pytest.raises(ValueError, match="weight 0 keeps its floor"):
+        split_layer_budget(12, [1.0, 0.0], low=[2, 2], high=[9, 9])
+    assert split_layer_budget(11, [1.0, 0.0], low=[2, 2], high=[9, 9]) == [9, 2]
+
+
+def test_split_layer_budget_returns_a_fresh_list_per_call():
+    """The split is cached across layers; a caller changing its list changes no other's."""
+    first = split_layer_budget(100, [1.0, 3.0], low=[0, 0], high=[100, 100])
+    first[0] = -1
+    assert split_layer_budget(100, [1.0, 3.0], low=[0, 0], high=[100, 100]) == [25, 75]
 
 
 @settings(max_examples=40, deadline=None)

@@ -213,10 +213,14 @@ def relay(
     valid = slot >= (slots - counts).unsqueeze(-1)  # [B, H, S]
     new_positions = slot + (end + 1 - slots)  # [S]; valid slots only
 
-    old_positions = positions.to(torch.int64).expand(batch, heads, slots).gather(-1, source)
-    delta = torch.where(valid, new_positions - old_positions, 0)
-    moved_keys = keys.gather(2, source.unsqueeze(-1).expand_as(keys))
-    moved_values = values.gather(2, source.unsqueeze(-1).expand_as(values))
+    # only the last max_kept slots hold kept tokens: move and rotate those, the rest is zero
+    tail = slots - max_kept
+    source_tail = source[..., tail:]
+    valid_tail = valid[..., tail:]
+    old_positions = positions.to(torch.int64).expand(batch, heads, slots).gather(-1, source_tail)
+    delta = torch.where(valid_tail, new_positions[tail:] - old_positions, 0)
+    moved_keys = keys.gather(2, source_tail.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+    moved_values = values.gather(2, source_tail.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
     relayed_keys = rotate_by_delta(moved_keys, delta, cfg)
     overflow = ~torch.isfinite(relayed_keys)
     if not check_finite:  # a token with a non-finite channel stays so; finite ones must not
@@ -228,10 +232,14 @@ def relay(
             "float32 or bfloat16"
         )
 
-    empty_slot = ~valid.unsqueeze(-1)
+    empty_slot = ~valid_tail.unsqueeze(-1)
+    out_keys = keys.new_zeros(keys.shape)
+    out_values = values.new_zeros(values.shape)
+    out_keys[..., tail:, :] = relayed_keys.masked_fill(empty_slot, 0)
+    out_values[..., tail:, :] = moved_values.masked_fill(empty_slot, 0)
     return RelayedCache(
-        keys=relayed_keys.masked_fill(empty_slot, 0),
-        values=moved_values.masked_fill(empty_slot, 0),
+        keys=out_keys,
+        values=out_values,
         valid=valid,
         positions=torch.where(valid, new_positions, EMPTY_POSITION),
         next_position=end + 1,

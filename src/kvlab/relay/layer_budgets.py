@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from functools import reduce
+from functools import lru_cache, reduce
 
 __all__ = ["allocate_layer_fractions", "pyramid_layer_budgets", "split_layer_budget"]
 
@@ -82,7 +82,8 @@ def split_layer_budget(
 
     Raises:
         ValueError: lengths differ; a negative, non-finite or all-zero weight; ``low > high``;
-            ``total`` outside ``[sum(low), sum(high)]``.
+            ``total`` outside ``[sum(low), sum(high)]``, or above what the layers of positive
+            weight can take (a layer of weight 0 keeps its floor).
     """
     n = len(weights)
     if len(low) != n or len(high) != n or n == 0:
@@ -97,6 +98,23 @@ def split_layer_budget(
             f"({sum(high)})"
         )
 
+    reachable = sum(hi if w > 0 else lo for w, lo, hi in zip(weights, low, high, strict=True))
+    if total > reachable:
+        raise ValueError(
+            f"total {total} exceeds what the layers can take ({reachable}): a layer of weight 0 "
+            "keeps its floor"
+        )
+    return list(_water_fill(total, tuple(weights), tuple(low), tuple(high)))
+
+
+@lru_cache(maxsize=64)
+def _water_fill(
+    total: int, weights: tuple[float, ...], low: tuple[int, ...], high: tuple[int, ...]
+) -> tuple[int, ...]:
+    """:func:`split_layer_budget` on checked arguments; cached, since every layer of a model
+    asks for the same split at a prompt's eviction."""
+    n = len(weights)
+
     def filled(scale: float) -> list[float]:
         return [min(max(scale * w, lo), hi) for w, lo, hi in zip(weights, low, high, strict=True)]
 
@@ -105,6 +123,8 @@ def split_layer_budget(
         hi_s *= 2.0
     for _ in range(200):
         mid = 0.5 * (lo_s + hi_s)
+        if mid in (lo_s, hi_s):  # adjacent floats: further steps change nothing
+            break
         if sum(filled(mid)) < total:
             lo_s = mid
         else:
@@ -124,7 +144,7 @@ def split_layer_budget(
                 break
             if counts[i] > low[i]:
                 counts[i] -= 1
-    return counts
+    return tuple(counts)
 
 
 def allocate_layer_fractions(
