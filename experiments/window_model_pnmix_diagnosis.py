@@ -9,6 +9,11 @@ a time, for several PN-Mix codings; and per-layer key statistics (pre-RoPE chann
 spread, per-token key-norm spread, outlier channels).
 
     PYTHONPATH=src python experiments/window_model_pnmix_diagnosis.py MODEL TEXT [P] [S]
+
+``--value-blocks`` (issue 40): instead of the codings, ``pn-mix`` as stored beside simulated
+per-token 2-bit min-max values whose scale and zero (float16) cover blocks of 256 / 64 / 32
+channels of the Hadamard frame (or a block-diagonal Hadamard of 64): what the value scalars'
+density (bits per value channel, 2 + 32 / block) does to the KL at a head_dim of 256.
 """
 
 from __future__ import annotations
@@ -56,13 +61,35 @@ def clipped_values(values: torch.Tensor, bits: int, hadamard: bool) -> torch.Ten
     return best @ signs.T if signs is not None else best
 
 
+def block_minmax(values: torch.Tensor, bits: int, block: int, hadamard_size: int) -> torch.Tensor:
+    """Per-token min-max ``bits``-bit values ``[..., Dv]`` with one float16 min and max per
+    ``block`` channels of the frame of a block-diagonal Hadamard of ``hadamard_size`` (``Dv``:
+    the full one, as PN-Mix's values). Simulation, float64 arithmetic."""
+    from kvlab.pnmix.hadamard import hadamard_signs
+
+    x = values.double()
+    n = x.shape[-1]
+    h = hadamard_signs(hadamard_size).double() / hadamard_size**0.5
+    xs = (x.reshape(*x.shape[:-1], n // hadamard_size, hadamard_size) @ h).reshape(
+        *x.shape[:-1], n // block, block
+    )
+    lo = xs.amin(-1, keepdim=True).half().double()
+    hi = xs.amax(-1, keepdim=True).half().double()
+    levels = 2**bits - 1
+    step = ((hi - lo) / levels).clamp_min(1e-30)
+    q = ((xs - lo) / step).round().clamp(0, levels) * step + lo
+    return (q.reshape(*x.shape[:-1], n // hadamard_size, hadamard_size) @ h.T).reshape(x.shape)
+
+
 CODINGS = ("pn-mix", "pn-mix-alloc", "kivi-2bit", "kivi-2bit-hadamard", "pn-mix-4bit")
 
 
 def main() -> None:
-    spec, text_path = sys.argv[1], sys.argv[2]
-    prefill = int(sys.argv[3]) if len(sys.argv) > 3 else 512
-    score = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+    args = [a for a in sys.argv[1:] if a != "--value-blocks"]
+    value_blocks = len(args) < len(sys.argv) - 1
+    spec, text_path = args[0], args[1]
+    prefill = int(args[2]) if len(args) > 2 else 512
+    score = int(args[3]) if len(args) > 3 else 128
     began = time.perf_counter()
     loaded = load_model(spec)
     model, tok = loaded.model, loaded.tokenizer
@@ -115,6 +142,38 @@ def main() -> None:
                 f", heads {k.shape[0]}, head_dim {k.shape[-1]}",
                 flush=True,
             )
+        if value_blocks:
+            cfg = pnmix_config(PNMIX_METHODS["pn-mix"])
+            cache = PNMixModelCache(model.config, cfg)
+            model(head, cache=cache, use_cache=True, logits_to_keep=1)
+            decoded = {i: cache.layers[i].store.dequantize() for i in full}
+            print(
+                f"pn-mix as stored: both {kl(decoded):.5f}"
+                f"  keys {kl({i: (decoded[i][0], exact_kv[i][1]) for i in full}):.5f}"
+                f"  values {kl({i: (exact_kv[i][0], decoded[i][1]) for i in full}):.5f}",
+                flush=True,
+            )
+            dv = exact_kv[full[0]][1].shape[-1]
+            for block, size in sorted({(dv, dv), (64, dv), (64, 64), (32, dv)}, reverse=True):
+                sim = {}
+                for i in full:
+                    v = exact_kv[i][1]
+                    store = cache.layers[i].store
+                    first = store.sink_length
+                    last = first + store.num_groups * cfg.group_tokens
+                    where = torch.arange(v.shape[2])
+                    quantized = ((where >= first) & (where < last)).view(1, 1, -1, 1)
+                    coded = block_minmax(v.to(cfg.storage_dtype).float(), cfg.bits, block, size)
+                    sim[i] = torch.where(quantized, coded.float(), v.float())
+                print(
+                    f"values min-max per {block} channels, Hadamard {size}"
+                    f" ({cfg.bits + 32 / block:.3f} bits a channel):"
+                    f" values {kl({i: (exact_kv[i][0], sim[i]) for i in full}):.5f}"
+                    f"  both {kl({i: (decoded[i][0], sim[i]) for i in full}):.5f}",
+                    flush=True,
+                )
+            print(f"total {time.perf_counter() - began:.0f} s")
+            return
         for name in CODINGS:
             cfg = pnmix_config(PNMIX_METHODS[name])
             cache = PNMixModelCache(model.config, cfg)
