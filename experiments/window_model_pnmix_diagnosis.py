@@ -81,6 +81,17 @@ def block_minmax(values: torch.Tensor, bits: int, block: int, hadamard_size: int
     return (q.reshape(*x.shape[:-1], n // hadamard_size, hadamard_size) @ h.T).reshape(x.shape)
 
 
+def in_groups(store, cfg, values: torch.Tensor, code) -> torch.Tensor:
+    """``values`` ``[1, H, P, Dv]`` with the tokens of ``store``'s quantized groups replaced by
+    ``code`` of their storage-rounded values (float32); sinks and residual left exact."""
+    first = store.sink_length
+    last = first + store.num_groups * cfg.group_tokens
+    where = torch.arange(values.shape[2])
+    quantized = ((where >= first) & (where < last)).view(1, 1, -1, 1)
+    coded = code(values.to(cfg.storage_dtype).float())
+    return torch.where(quantized, coded.float(), values.float())
+
+
 CODINGS = ("pn-mix", "pn-mix-alloc", "kivi-2bit", "kivi-2bit-hadamard", "pn-mix-4bit")
 
 
@@ -155,16 +166,15 @@ def main() -> None:
             )
             dv = exact_kv[full[0]][1].shape[-1]
             for block, size in sorted({(dv, dv), (64, dv), (64, 64), (32, dv)}, reverse=True):
-                sim = {}
-                for i in full:
-                    v = exact_kv[i][1]
-                    store = cache.layers[i].store
-                    first = store.sink_length
-                    last = first + store.num_groups * cfg.group_tokens
-                    where = torch.arange(v.shape[2])
-                    quantized = ((where >= first) & (where < last)).view(1, 1, -1, 1)
-                    coded = block_minmax(v.to(cfg.storage_dtype).float(), cfg.bits, block, size)
-                    sim[i] = torch.where(quantized, coded.float(), v.float())
+                sim = {
+                    i: in_groups(
+                        cache.layers[i].store,
+                        cfg,
+                        exact_kv[i][1],
+                        lambda v, block=block, size=size: block_minmax(v, cfg.bits, block, size),
+                    )
+                    for i in full
+                }
                 print(
                     f"values min-max per {block} channels, Hadamard {size}"
                     f" ({cfg.bits + 32 / block:.3f} bits a channel):"
@@ -186,18 +196,16 @@ def main() -> None:
             per_layer = "  ".join(f"L{i} {kl({i: decoded[i]}):.5f}" for i in full[:6])
             print(row + "  | one layer (both): " + per_layer, flush=True)
             if name in ("pn-mix", "kivi-2bit"):
-                clip = {}
-                for i in full:
-                    v = exact_kv[i][1]
-                    store = cache.layers[i].store
-                    first = store.sink_length
-                    last = first + store.num_groups * cfg.group_tokens
-                    where = torch.arange(v.shape[2])
-                    quantized = ((where >= first) & (where < last)).view(1, 1, -1, 1)
-                    coded = clipped_values(
-                        v.to(cfg.storage_dtype).float(), cfg.bits, cfg.value_coding == "hadamard"
+                hadamard = cfg.value_coding == "hadamard"
+                clip = {
+                    i: in_groups(
+                        cache.layers[i].store,
+                        cfg,
+                        exact_kv[i][1],
+                        lambda v, h=hadamard, bits=cfg.bits: clipped_values(v, bits, h),
                     )
-                    clip[i] = torch.where(quantized, coded.float(), v.float())
+                    for i in full
+                }
                 vmse = sum(
                     float(((decoded[i][1] - exact_kv[i][1]) ** 2).sum()) for i in full
                 ) / sum(float(((clip[i] - exact_kv[i][1]) ** 2).sum()) for i in full)
