@@ -290,6 +290,38 @@ def test_pn_mix_lean_composed_bytes_follow_the_documented_byte_model(
     assert isinstance(cache.pnmix_config, PNMixConfig)
 
 
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_pn_mix_values64_adds_value_scalars_per_64_channels(head_dim):
+    """``pn-mix-values64`` is ``pn-mix`` with ``value_group_channels=64``: at a head_dim of 64
+    or less it stores what ``pn-mix`` stores, byte for byte (one channel group); at 128 its
+    value scalars are twice ``pn-mix``'s and every other component is the same."""
+    from transformers import LlamaForCausalLM
+
+    from kvlab.integrations import use_attention
+
+    grouped = parse_method("pn-mix-values64")
+    assert grouped.settings == {**parse_method("pn-mix").settings, "value_group_channels": 64}
+    torch.manual_seed(0)
+    hidden = 4 * head_dim
+    model = LlamaForCausalLM(tiny_llama_config(hidden_size=hidden, head_dim=head_dim)).eval()
+    ids = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(0))
+    reports, logits = [], []
+    for name in ("pn-mix", "pn-mix-values64"):
+        cache = parse_method(name).make_cache(model.config, {})
+        with torch.no_grad(), use_attention(model, "kvlab"):
+            logits.append(model(ids, cache=cache, use_cache=True).logits)
+        reports.append([layer.store.nbytes() for layer in cache.layers])
+    plain, values64 = reports
+    for a, b in zip(plain, values64, strict=True):
+        assert a["value_scales"] > 0
+        assert b["value_scales"] == a["value_scales"] * max(1, head_dim // 64)
+        assert {k: v for k, v in a.items() if k != "value_scales"} == {
+            k: v for k, v in b.items() if k != "value_scales"
+        }
+    if head_dim <= 64:
+        assert torch.equal(logits[0], logits[1])
+
+
 @pytest.mark.parametrize(
     ("spec", "message", "protocol"),
     [

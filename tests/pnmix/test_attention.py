@@ -129,6 +129,37 @@ def test_packed_attention_random_configs(
     assert_matches(pnmix_attention(q, cache), reference(q, cache))
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    value_coding=st.sampled_from(["per_token", "hadamard", "hadamard_auto"]),
+    channels=st.sampled_from([(8, 2), (16, 4), (16, 8), (32, 16)]),
+    rep=st.sampled_from([1, 2]),
+    nq=st.integers(1, 5),
+    total=st.integers(9, 50),
+    seed=st.integers(0, 10_000),
+)
+def test_packed_attention_with_grouped_value_scalars(
+    value_coding: str, channels: tuple[int, int], rep: int, nq: int, total: int, seed: int
+) -> None:
+    """One scale and zero per token and ``c`` value channels (kvlab issue 40): the packed path
+    (the torch reference: no kernel reads that layout) attends like dequantize-then-attend."""
+    dv, c = channels
+    cfg = PNMixConfig(
+        sink_tokens=2,
+        residual_tokens=3,
+        group_tokens=4,
+        value_coding=value_coding,  # type: ignore[arg-type]
+        value_group_channels=c,
+    )
+    k, v = make_kv(2, 2, total, 8, dv, seed=seed)
+    cache = PNMixCache(cfg, batch_size=2, num_key_value_heads=2, head_dim=8, value_head_dim=dv)
+    cache.append(k[:, :, :7], v[:, :, :7])
+    cache.append(k[:, :, 7:], v[:, :, 7:])
+    assert cache.groups[0].value_scale.shape == (2, 2, 4 * dv // c)
+    q = torch.randn(2, 2 * rep, nq, 8, generator=torch.Generator().manual_seed(seed))
+    assert_matches(pnmix_attention(q, cache, block_groups=2), reference(q, cache))
+
+
 def test_seed_configuration_prefill_and_decode_steps() -> None:
     k, v = make_kv(1, 2, 448, 32, 32, seed=42)
     gen = torch.Generator().manual_seed(0)

@@ -195,6 +195,7 @@ class PNMixCache(CacheFlush, CacheDecode):
             table_bits=codec.table_bits,
             key_code_bytes=codec.code_bytes(config.group_tokens, head_dim),
             value_choice_bytes=1 if self._auto_values else 0,
+            value_scalar_count=value_codec.scalar_count(config.group_tokens, value_head_dim),
         )
         self._saliency_computations = 0
         self._attention_calls = 0

@@ -44,7 +44,8 @@ class PackedGroup:
         key_scale, key_zero: storage dtype, the two halves of the key scalars: ``[B, H_kv, D]``
             for channel-wise codecs (per channel / pair slot), ``[B, H_kv, T]`` for per-token.
         value_codes: uint8 ``[B, H_kv, ceil(T * Dv * bits / 8)]``, token-major ``[T, Dv]``.
-        value_scale, value_zero: storage dtype ``[B, H_kv, T]`` (per token).
+        value_scale, value_zero: storage dtype ``[B, H_kv, T * G]`` (per token, token-major over
+            the value codec's ``G`` channel groups; ``G = 1`` without ``group_channels``).
         key_payload: uint8 ``[B, H_kv, E]``, the key codec's per-group side data (``E = 0``
             for most codecs).
 
@@ -315,6 +316,7 @@ class CacheState:
         s, g = self._store, self._geometry
         n = int(s.group_counts.max(initial=0))
         half = g.key_scalar_count // 2
+        v_half = g.value_scalar_count // 2
         t = g.group_tokens
         out = []
         for i in range(n):
@@ -330,8 +332,8 @@ class CacheState:
                     key_scale=ks[..., :half],
                     key_zero=ks[..., half:],
                     value_codes=s.value_codes[:, :, i],
-                    value_scale=vs[..., :t],
-                    value_zero=vs[..., t:],
+                    value_scale=vs[..., :v_half],
+                    value_zero=vs[..., v_half:],
                     key_payload=s.key_payload[:, :, i],
                 )
             )

@@ -74,6 +74,14 @@ class PNMixConfig:
             of two), ``"hadamard_auto"`` (one of the two Hadamard codings per kv head, chosen at
             its first flush by the attention-weighted output error), or a
             :class:`~kvlab.pnmix.values.ValueCodec` whose ``bits`` equal ``bits``.
+        value_group_channels: channels of the value coding's frame that share one scale and
+            zero per token (KIVI's value group size; a divisor of the value head_dim, checked by
+            the cache, or at least the head_dim: one group); ``None`` (default): one pair per
+            token over all channels, ``2 + 32 / head_dim`` bits per value channel in float16.
+            Only with a named ``value_coding`` (a :class:`~kvlab.pnmix.values.ValueCodec`
+            carries its own ``group_channels``).
+            No kernel reads grouped value scalars yet: such a cache decodes and flushes with
+            the torch reference (docs/design.md, "Value codecs").
         rotary_dim: rotary channels of a key (even; ``None`` = the head_dim); channels
             ``rotary_dim .. head_dim - 1`` are always Cartesian.
         rotary_layout: ``"half"`` pairs ``(i, i + rotary_dim/2)``, ``"interleaved"`` pairs
@@ -93,6 +101,7 @@ class PNMixConfig:
     rotary_layout: Literal["half", "interleaved"] = "half"
     key_outlier_fraction: float = 0.0
     value_coding: ValueCoding | ValueCodec = "per_token"
+    value_group_channels: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits not in (2, 3, 4):
@@ -128,6 +137,13 @@ class PNMixConfig:
                 f"value_coding must be one of {VALUE_CODING_NAMES} or a ValueCodec, got "
                 f"{self.value_coding!r}"
             )
+        if self.value_group_channels is not None:
+            check_int("value_group_channels", self.value_group_channels, 1)
+            if isinstance(self.value_coding, ValueCodec):
+                raise ValueError(
+                    "value_group_channels applies to named value codings; a ValueCodec object "
+                    "carries its own group_channels"
+                )
         check_int("group_tokens", self.group_tokens, 1)
         minimum = self.key_codec.min_group_tokens
         if self.group_tokens < minimum:
@@ -160,7 +176,7 @@ class PNMixConfig:
         """The value codec: ``value_coding`` itself, or the codec its name stands for."""
         if isinstance(self.value_coding, ValueCodec):
             return self.value_coding
-        return value_codec_from_name(self.value_coding, self.bits)
+        return value_codec_from_name(self.value_coding, self.bits, self.value_group_channels)
 
     @property
     def channelwise_keys(self) -> bool:

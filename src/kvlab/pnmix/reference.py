@@ -291,10 +291,22 @@ def packed_attention_reference(
             hidden = torch.arange(g0 * t, g1 * t, device=dev) >= limits[1]
         p = parts.logits(transform(q @ keys.mT), hidden)
         vcodes = _unpack_float(kv.value_codes[:, :, g0:g1], kv.bits, t * dv).reshape(b, hkv, -1, dv)
-        vs = kv.value_scalars[:, :, g0:g1].float()  # [B, H, n, 2T]: scale(T) | zero(T)
-        v_scale = vs[..., :t].reshape(b, hkv, 1, n * t)
-        v_zero = vs[..., t:].reshape(b, hkv, 1, n * t)
-        parts.acc.append((p * v_scale) @ vcodes + (p * v_zero).sum(dim=-1, keepdim=True))
+        # [B, H, n, 2TG]: scale(T, G) | zero(T, G), G scale/zero pairs per token (docs/design.md)
+        vs = kv.value_scalars[:, :, g0:g1].float()
+        cg = vs.shape[-1] // (2 * t)
+        v_scale = vs[..., : t * cg].reshape(b, hkv, 1, n * t, cg)
+        v_zero = vs[..., t * cg :].reshape(b, hkv, 1, n * t, cg)
+        width = dv // cg
+        parts.acc.append(
+            torch.cat(
+                [
+                    (p * v_scale[..., j]) @ vcodes[..., j * width : (j + 1) * width]
+                    + (p * v_zero[..., j]).sum(dim=-1, keepdim=True)
+                    for j in range(cg)
+                ],
+                dim=-1,
+            )
+        )
         parts.coded.append(True)
     if sink_logits is not None:  # row r * Q + j of kv head h is query head h * rep + r
         sinks = sink_logits.detach().to(device=dev, dtype=torch.float32).view(1, hkv, rep, 1)

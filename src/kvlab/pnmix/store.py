@@ -10,7 +10,8 @@ of the batch, kv head ``h``), its stream of tokens in order:
   :func:`~kvlab.pnmix.packing.pack_codes`), ``key_scalars [B, H, G_cap, S_k]`` (storage dtype,
   ``S_k`` = the key codec's :meth:`~kvlab.pnmix.codecs.KeyCodec.scalar_count`),
   ``value_codes [B, H, G_cap, Vb]`` (``Vb = ceil(T * Dv * bits / 8)``) and
-  ``value_scalars [B, H, G_cap, 2 * T]`` (``[scale(T) | zero(T)]`` per token); group ``g`` of a
+  ``value_scalars [B, H, G_cap, S_v]`` (``[scale(T) | zero(T)]`` per token, ``S_v = 2 * T``;
+  ``[scale(T, G) | zero(T, G)]`` for a value codec with ``G`` channel groups); group ``g`` of a
   row is the slice ``[b, h, g]`` and starts at stream index ``S + g * T``;
 * residual — the most recent tokens, exact: ``residual_keys [B, H, R + T - 1, D]``,
   ``residual_values`` likewise, oldest first;
@@ -67,7 +68,7 @@ __all__ = [
 class EncodedGroups(NamedTuple):
     """Coded groups, one row per flushed group (``N`` rows, in the plan's order):
     ``key_codes`` uint8 ``[N, Kb]`` (packed), ``key_scalars`` ``[N, S_k]``, ``value_codes``
-    uint8 ``[N, Vb]``, ``value_scalars`` ``[N, 2 * T]`` (storage dtype), ``key_payload``
+    uint8 ``[N, Vb]``, ``value_scalars`` ``[N, S_v]`` (storage dtype), ``key_payload``
     uint8 ``[N, E]`` (``None`` when ``E = 0``)."""
 
     key_codes: Tensor
@@ -163,7 +164,8 @@ class PackedKV:
             codes per group, little-endian bitstream).
         key_scalars: storage dtype ``[B, H, G_cap, S_k]`` (the codec's layout).
         value_codes: uint8 ``[B, H, G_cap, ceil(T * Dv * bits / 8)]``.
-        value_scalars: storage dtype ``[B, H, G_cap, 2 * T]`` (``[scale(T) | zero(T)]``).
+        value_scalars: storage dtype ``[B, H, G_cap, S_v]`` (``[scale(T) | zero(T)]``, or
+            ``[scale(T, G) | zero(T, G)]`` with channel groups).
         residual_keys, residual_values: storage dtype ``[B, H, R_cap, D|Dv]``.
         sink_lengths, group_counts, residual_lengths: host int64 ``[B, H]``.
         bits, group_tokens: code width and ``T``.

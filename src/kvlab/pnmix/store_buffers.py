@@ -43,6 +43,8 @@ class StoreGeometry:
         key_code_bytes: ``Kb`` (default ``ceil(T * D * bits / 8)``).
         value_choice_bytes: bytes of a row's recorded value-coding choice (0: the value codec
             makes none; 1 for ``"hadamard_auto"``), counted once the row has flushed a group.
+        value_scalar_count: storage-dtype value scalars per row and group ``S_v`` (default
+            ``2 * T``: one scale and zero per token; ``2 * T * G`` with ``G`` channel groups).
     """
 
     batch_size: int
@@ -60,8 +62,11 @@ class StoreGeometry:
     table_bits: int = 0
     key_code_bytes: int = -1
     value_choice_bytes: int = 0
+    value_scalar_count: int = -1
 
     def __post_init__(self) -> None:
+        if self.value_scalar_count < 0:
+            object.__setattr__(self, "value_scalar_count", 2 * self.group_tokens)
         if self.key_code_bytes < 0:
             kb = packed_length(self.group_tokens * self.head_dim, self.bits)
             object.__setattr__(self, "key_code_bytes", kb)
@@ -232,7 +237,7 @@ class StoreBuffers:
             "value_sink": sinks * g.value_head_dim * es,
             "value_residual": res * g.value_head_dim * es,
             "value_codes": groups * g.value_code_bytes,
-            "value_scales": groups * 2 * g.group_tokens * es,
+            "value_scales": groups * g.value_scalar_count * es,
         }
         if g.key_payload_bytes:  # only codecs that store one (the seed's dict is pinned)
             out["key_payload"] = groups * g.key_payload_bytes
@@ -270,7 +275,7 @@ class StoreBuffers:
             torch.zeros((batch, h, capacity, g.key_code_bytes), dtype=u8, device=device),
             torch.zeros((batch, h, capacity, g.key_scalar_count), dtype=dt, device=device),
             torch.zeros((batch, h, capacity, g.value_code_bytes), dtype=u8, device=device),
-            torch.zeros((batch, h, capacity, 2 * g.group_tokens), dtype=dt, device=device),
+            torch.zeros((batch, h, capacity, g.value_scalar_count), dtype=dt, device=device),
             torch.zeros((batch, h, capacity, g.key_payload_bytes), dtype=u8, device=device),
         )
 

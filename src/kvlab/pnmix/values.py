@@ -2,7 +2,13 @@
 
 Values are coded per token over the head's channels (asymmetric min-max, KIVI: Liu et al.
 2024): ``bits``-bit codes ``[T, Dv]`` and per-token scalars ``[scale(T) | zero(T)]`` per
-group. Two codecs share that storage layout and differ in the frame they code:
+group. With ``group_channels = c`` (a divisor of ``Dv``; ``c >= Dv`` is one group) each token
+has one scale and zero per ``c`` consecutive channels of the coded frame instead (KIVI's value
+group size):
+``[scale(T, G) | zero(T, G)]``, ``G = Dv / c``, token-major — ``2 + 2·16/c`` bits per value
+channel in float16 at any head_dim, where one pair per token costs ``2 + 32/Dv`` (2.125 bits at
+Gemma 3's 256, 2.5 at 64: kvlab issue 40). The codecs share that storage layout and differ in
+the frame they code:
 
 * :class:`PerTokenValueCodec` — the values themselves (the seed's coding);
 * :class:`HadamardValueCodec` — the values rotated by a fixed orthonormal Hadamard matrix
@@ -60,6 +66,14 @@ def _check_bits(bits: object) -> None:
         raise ValueError(f"bits must be an int in 1..8, got {bits!r}")
 
 
+def _check_group_channels(group_channels: object) -> None:
+    if group_channels is None:
+        return
+    c = group_channels
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise ValueError(f"group_channels must be a positive int or None, got {c!r}")
+
+
 class ValueCodec:
     """A value coding (abstract): per-token min-max codes of the values in some fixed frame.
 
@@ -71,14 +85,28 @@ class ValueCodec:
 
     name: str = "abstract"
     bits: int
+    group_channels: int | None = None
     transforms_output: bool = False
 
+    def channel_groups(self, value_head_dim: int) -> int:
+        """``G``: scale/zero pairs per token (1 without ``group_channels`` or when it is at
+        least ``Dv``)."""
+        c = self.group_channels
+        return 1 if c is None or c >= value_head_dim else value_head_dim // c
+
     def scalar_count(self, group_tokens: int, value_head_dim: int) -> int:
-        """Storage-dtype scalars per (sequence, kv head, group): ``[scale(T) | zero(T)]``."""
-        return 2 * group_tokens
+        """Storage-dtype scalars per (sequence, kv head, group): ``[scale(T, G) | zero(T, G)]``,
+        ``2·T·G``."""
+        return 2 * group_tokens * self.channel_groups(value_head_dim)
 
     def check_head_dim(self, value_head_dim: int) -> None:
-        """Raise ``ValueError`` if the coding cannot code values of ``Dv`` channels."""
+        """Raise ``ValueError`` if the coding cannot code values of ``Dv`` channels (here:
+        ``group_channels`` below ``Dv`` and not a divisor of it)."""
+        c = self.group_channels
+        if c is not None and c < value_head_dim and value_head_dim % c:
+            raise ValueError(
+                f"group_channels {c} does not divide the value head dim {value_head_dim}"
+            )
 
     def frame(self, values: Tensor, storage_dtype: torch.dtype) -> Tensor:
         """The storage-rounded values ``[..., Dv]`` in the frame the codes hold, rounded to the
@@ -89,17 +117,26 @@ class ValueCodec:
         """Code ``N`` groups of storage-rounded values ``[N, T, Dv]``.
 
         Returns:
-            ``(codes, scalars)``: uint8 ``[N, T, Dv]`` and ``[N, 2T]`` (storage dtype,
-            ``[scale(T) | zero(T)]``; possibly non-finite for values beyond the storage range:
-            the caller checks). No device read.
+            ``(codes, scalars)``: uint8 ``[N, T, Dv]`` and ``[N, 2TG]`` (storage dtype,
+            ``[scale(T, G) | zero(T, G)]``; possibly non-finite for values beyond the storage
+            range: the caller checks). No device read.
         """
-        q = minmax_quantize(self.frame(values, storage_dtype), self.bits, -1, storage_dtype)
-        return q.codes, torch.cat([q.scale, q.zero], dim=-1)
+        x = self._blocks(self.frame(values, storage_dtype))
+        q = minmax_quantize(x, self.bits, -1, storage_dtype)
+        return q.codes.flatten(-2), torch.cat([q.scale.flatten(-2), q.zero.flatten(-2)], dim=-1)
 
     def decode(self, codes: Tensor, scalars: Tensor) -> Tensor:
-        """Float32 ``[N, T, Dv]`` in the codes' frame: ``zero_t + code * scale_t``."""
-        t = codes.shape[-2]
-        return minmax_dequantize(codes, scalars[..., :t], scalars[..., t:], -1)
+        """Float32 ``[..., T, Dv]`` in the codes' frame from uint8 codes ``[..., T, Dv]`` and
+        scalars ``[..., 2TG]``: ``zero_tg + code * scale_tg`` (``g``: the channel's group)."""
+        t, dv = codes.shape[-2], codes.shape[-1]
+        g = self.channel_groups(dv)
+        scale = scalars[..., : t * g].unflatten(-1, (t, g))
+        zero = scalars[..., t * g :].unflatten(-1, (t, g))
+        return minmax_dequantize(self._blocks(codes), scale, zero, -1).flatten(-2)
+
+    def _blocks(self, x: Tensor) -> Tensor:
+        """``[..., Dv]`` viewed as ``[..., G, Dv / G]`` (the channels one scale/zero covers)."""
+        return x.unflatten(-1, (self.channel_groups(x.shape[-1]), -1))
 
     def output_transform(self, x: Tensor) -> Tensor:
         """Map a float32 ``[..., Dv]`` combination of decoded values back to the values'
@@ -107,18 +144,29 @@ class ValueCodec:
         return x
 
     def __str__(self) -> str:
-        return self.name
+        c = self.group_channels
+        return self.name if c is None else f"{self.name}(group_channels={c})"
 
 
 @dataclass(frozen=True)
 class PerTokenValueCodec(ValueCodec):
-    """Per-token min-max of the values themselves (KIVI values; the seed's coding)."""
+    """Per-token min-max of the values themselves (KIVI values; the seed's coding).
+
+    Args:
+        bits: code width, 1..8.
+        group_channels: channels per scale and zero (``None``: all of a token's channels).
+
+    Raises:
+        ValueError: ``bits`` or ``group_channels`` out of domain.
+    """
 
     bits: int = 2
+    group_channels: int | None = None
     name = "per_token"
 
     def __post_init__(self) -> None:
         _check_bits(self.bits)
+        _check_group_channels(self.group_channels)
 
 
 @dataclass(frozen=True)
@@ -129,21 +177,25 @@ class HadamardValueCodec(ValueCodec):
     Sylvester matrix (:func:`kvlab.pnmix.hadamard.hadamard_signs`): for float16 values every
     partial sum is exact (multiples of ``2**-24`` below ``2**53``), so the rotated value
     depends on the token alone, not on the batch or how tokens arrived; then rounded to the
-    storage dtype. ``Dv`` must be a power of two.
+    storage dtype. ``Dv`` must be a power of two. The rotation spans all ``Dv`` channels;
+    ``group_channels`` splits only the ranges.
     """
 
     bits: int = 2
+    group_channels: int | None = None
     name = "hadamard"
     transforms_output = True
 
     def __post_init__(self) -> None:
         _check_bits(self.bits)
+        _check_group_channels(self.group_channels)
 
     def check_head_dim(self, value_head_dim: int) -> None:
         if value_head_dim < 1 or value_head_dim & (value_head_dim - 1):
             raise ValueError(
                 f"Hadamard value coding needs a power-of-two value head dim, got {value_head_dim}"
             )
+        super().check_head_dim(value_head_dim)
 
     def frame(self, values: Tensor, storage_dtype: torch.dtype) -> Tensor:
         n = values.shape[-1]
@@ -173,7 +225,7 @@ class MSEHadamardValueCodec(HadamardValueCodec):
     name = "hadamard_mse"
 
     def encode(self, values: Tensor, storage_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        x = self.frame(values, storage_dtype).to(torch.float64)
+        x = self._blocks(self.frame(values, storage_dtype).to(torch.float64))
         levels = float(2**self.bits - 1)
         lo = x.amin(-1, keepdim=True)
         hi = x.amax(-1, keepdim=True)
@@ -195,8 +247,9 @@ class MSEHadamardValueCodec(HadamardValueCodec):
             best_scale = torch.where(better, scale, best_scale)
             best_zero = torch.where(better, zero, best_zero)
             best_error = torch.where(better, error, best_error)
-        scalars = torch.cat([best_scale.squeeze(-1), best_zero.squeeze(-1)], dim=-1)
-        return best_codes.to(torch.uint8), scalars.to(storage_dtype)
+        scale, zero = best_scale.squeeze(-1).flatten(-2), best_zero.squeeze(-1).flatten(-2)
+        scalars = torch.cat([scale, zero], dim=-1)
+        return best_codes.flatten(-2).to(torch.uint8), scalars.to(storage_dtype)
 
 
 @dataclass(frozen=True)
@@ -219,12 +272,12 @@ class AutoHadamardValueCodec(HadamardValueCodec):
     @property
     def minmax(self) -> HadamardValueCodec:
         """The min-max candidate."""
-        return HadamardValueCodec(self.bits)
+        return HadamardValueCodec(self.bits, self.group_channels)
 
     @property
     def mse(self) -> MSEHadamardValueCodec:
         """The squared-error candidate."""
-        return MSEHadamardValueCodec(self.bits)
+        return MSEHadamardValueCodec(self.bits, self.group_channels)
 
     def encode(self, values: Tensor, storage_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Min-max codes (:meth:`HadamardValueCodec.encode`): the choice of a row with none."""
@@ -263,15 +316,16 @@ _NAMED = {
 VALUE_CODING_NAMES: tuple[str, ...] = tuple(_NAMED)
 
 
-def value_codec_from_name(name: str, bits: int) -> ValueCodec:
+def value_codec_from_name(name: str, bits: int, group_channels: int | None = None) -> ValueCodec:
     """The value codec ``name`` (``"per_token"``, ``"hadamard"``, ``"hadamard_mse"`` or
-    ``"hadamard_auto"``) at ``bits`` bits.
+    ``"hadamard_auto"``) at ``bits`` bits, one scale and zero per ``group_channels`` channels
+    (``None``: per token).
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name, or ``bits``/``group_channels`` out of domain.
     """
     if name not in _NAMED:
         raise ValueError(
             f"value_coding must be one of {VALUE_CODING_NAMES} or a ValueCodec, got {name!r}"
         )
-    return _NAMED[name](bits)
+    return _NAMED[name](bits, group_channels)

@@ -80,6 +80,10 @@ PNMIX_METHODS: dict[str, dict[str, Any]] = {
     # 4 + 39 tokens exact (docs/design.md, "Flush rule"); chosen on a reduced protocol
     # (docs/archive/results-history.md, section 9, "At 1/8 of full bytes")
     "pn-mix-lean": {**_PN_MIX, "sink_tokens": 4, "residual_tokens": 8},
+    # pn-mix with one value scale and zero per 64 channels of the Hadamard frame: 2.5 bits per
+    # value channel at any head_dim (pn-mix: 2 + 32 / head_dim; kvlab issue 40, Gemma 3's 256);
+    # no kernel reads that layout yet, so it attends through the torch reference
+    "pn-mix-values64": {**_PN_MIX, "value_group_channels": 64},
 }
 #: ``transformers`` ``QuantizedCache`` rows: name -> (backend, bits, axis_key, axis_value).
 HF_QUANTIZED = {
@@ -133,11 +137,15 @@ def build_pnmix(name: str, context: MethodContext) -> Method:
         settings["key_outlier_fraction"] = config.key_outlier_fraction
     if config.value_coding != "per_token":
         settings["value_coding"] = str(config.value_coding)
+    if config.value_group_channels is not None:
+        settings["value_group_channels"] = config.value_group_channels
     description = f"kvlab PN-Mix cache, {config.bits}-bit, key coding {config.key_coding}"
     if config.key_outlier_fraction:
         description += f" with {config.key_outlier_fraction:.0%} exact key outliers"
     if config.value_coding != "per_token":
         description += f", {config.value_coding} values"
+    if config.value_group_channels is not None:
+        description += f" (a scale and zero per {config.value_group_channels} channels)"
     if calibrated:
         description += (
             f", per-layer groups calibrated within the bytes of groups of {config.group_tokens}"

@@ -89,6 +89,13 @@ CATALOG: tuple[MethodDoc, ...] = (
         True,
     ),
     MethodDoc(
+        "pn-mix-values64",
+        "pn-mix-values64",
+        "`pn-mix` with one value scale and zero per 64 channels (its density at head_dim 64) "
+        "instead of one per token: for head_dim 128–256; the torch path, no kernel yet",
+        _PNMIX + "; value groups as KIVI's",
+    ),
+    MethodDoc(
         "pn-mix-3bit / pn-mix-4bit",
         "pn-mix-4bit",
         "the seed layout (mixed Cartesian / Phase–Norm keys, groups of 128) at 3 or 4 bits",

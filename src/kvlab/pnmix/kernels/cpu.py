@@ -282,6 +282,8 @@ def flush_unsupported(
         return f"key codec {codec} (the compiled flush codes BitAllocCodec keys)"
     if type(value_codec) not in (PerTokenValueCodec, HadamardValueCodec):
         return f"value codec {value_codec}"
+    if value_codec.group_channels is not None:
+        return f"value codec {value_codec} (the compiled flush writes one scale/zero per token)"
     if storage_dtype != torch.float16:
         return (
             f"{storage_dtype} storage (float64 sums of its values are not exact, so their order, "

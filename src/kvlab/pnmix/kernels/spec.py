@@ -100,6 +100,8 @@ class KernelKeyDecode:
 
 
 def _value_step(value_codec: ValueCodec | None) -> bool | str:
+    if value_codec is not None and value_codec.group_channels is not None:
+        return f"value coding {value_codec}: no kernel reads grouped value scalars"
     if value_codec is None or type(value_codec) is PerTokenValueCodec:
         return False
     if type(value_codec) in (HadamardValueCodec, MSEHadamardValueCodec, AutoHadamardValueCodec):
