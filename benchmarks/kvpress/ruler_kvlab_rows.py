@@ -8,10 +8,15 @@ default or ``--text`` haystack) through :func:`kvlab.evaluation.ruler_protocol.r
 checks every row's context and question token counts against them, and writes one row per
 (method, sample) with ``ids_sha256`` — the digest of ``[context_ids, question_ids, outputs]``
 that ruler_side_by_side.py compares with the samples file both tools ran (``--suffix`` renames
-the methods, so two runs of other code can share a table)::
+the methods, so two runs of other code can share a table; ``--method`` keeps only the named
+methods' rows, e.g. an older run's rows beside a newer run's)::
 
     python benchmarks/kvpress/ruler_kvlab_rows.py runs/ruler-qwen05/raw-ruler-cpu.json \\
         --model qwen2.5-coder-0.5b --out runs/ruler-qwen05/kvlab-rows.json
+
+The input may instead be a run's ``tasks/`` folder (or the output folder holding it): the rows
+and the configuration then come from the task files themselves (:func:`raw_from_tasks`), so a
+run whose code is not at hand — an older commit's committed task files — needs no replay.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 
 def _digest(context_ids: list[int], question_ids: list[int], outputs: list[str]) -> str:
@@ -30,9 +36,78 @@ def _digest(context_ids: list[int], question_ids: list[int], outputs: list[str])
     return samples_digest([sample])  # type: ignore[list-item]
 
 
+def raw_from_tasks(folder: Path, model: str) -> dict[str, Any]:
+    """The ``configuration`` and ``results`` of a ``raw-ruler-<device>.json`` rebuilt from a RULER
+    run's task files (``folder/*.json``, or ``folder/tasks/*.json``), each read with
+    :func:`kvlab.evaluation.runfiles.read_sealed` (a sealed file's checksum verified).
+
+    ``samples_per_task`` is the largest index plus one: the rows name their samples, and the
+    regenerated units only serve as a lookup, so a run with gaps in its indices works too.
+
+    Raises:
+        SystemExit: no RULER task file; files of several models, seeds, chat or shared-prefill
+            settings (two runs mixed in one folder); a model other than ``model``; a damaged
+            file (the reason from :class:`~kvlab.evaluation.runfiles.DamagedRunFile`).
+    """
+    from kvlab.evaluation.runfiles import DamagedRunFile, StoredTask, read_sealed
+
+    if (folder / "tasks").is_dir():
+        folder = folder / "tasks"
+    results: dict[str, list[dict[str, Any]]] = {}
+    settings: set[tuple[Any, ...]] = set()
+    tasks: set[str] = set()
+    lengths: set[int] = set()
+    for path in sorted(folder.glob("*.json")):
+        try:
+            document = read_sealed(path, StoredTask, require_checksum=False)
+        except DamagedRunFile as exc:
+            raise SystemExit(str(exc)) from None
+        assert document is not None  # the file exists: glob found it
+        task = document["task"]
+        if task.get("protocol") != "ruler":
+            continue
+        unit, where = task["unit"], task["where"]
+        settings.add((task["model"]["spec"], unit["seed"], unit["chat"], unit["shared_prefill"]))
+        tasks.add(where["task"])
+        lengths.add(int(where["length"]))
+        row = dict(document["result"])
+        row.update(
+            task=where["task"],
+            length=where["length"],
+            index=where["index"],
+            outputs=unit["outputs"],
+            context_tokens=unit["context_tokens"],
+            question_tokens=task["tokens"] - unit["context_tokens"],
+        )
+        results.setdefault(task["method"], []).append(row)
+    if not results:
+        raise SystemExit(f"{folder}: no RULER task file")
+    if len(settings) > 1:
+        raise SystemExit(
+            f"{folder}: task files of {len(settings)} runs (model, seed, chat, shared prefill: "
+            f"{sorted(settings, key=str)}); give one run's folder"
+        )
+    spec, seed, chat, shared_prefill = settings.pop()
+    if spec != model:
+        raise SystemExit(f"{folder}: the run's model is {spec!r}, not --model {model!r}")
+    return {
+        "configuration": {
+            "tasks": sorted(tasks),
+            "lengths": sorted(lengths),
+            "samples_per_task": 1 + max(r["index"] for rows in results.values() for r in rows),
+            "seed": seed,
+            "chat_template": chat,
+            "shared_prefill": shared_prefill,
+        },
+        "results": results,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("raw", type=Path, help="kvlab's raw-ruler-<device>.json")
+    parser.add_argument(
+        "raw", type=Path, help="kvlab's raw-ruler-<device>.json, or the run's tasks/ folder"
+    )
     parser.add_argument("--model", required=True, help="the model spec the run used")
     parser.add_argument("--text", type=Path, help="the --text the run used (default: none)")
     parser.add_argument("--out", type=Path, required=True)
@@ -42,13 +117,27 @@ def main() -> None:
         help="appended to every method name (rows of two code versions in one table, e.g. "
         "' (2dfe3dc)')",
     )
+    parser.add_argument(
+        "--method",
+        action="append",
+        default=[],
+        help="only this method's rows (repeatable; default: every method of the run)",
+    )
     args = parser.parse_args()
 
     from kvlab.data import load_text
     from kvlab.evaluation.ruler_protocol import ruler_units
     from kvlab.models import load_tokenizer
 
-    raw = json.loads(args.raw.read_text())
+    if args.raw.is_dir():
+        raw = raw_from_tasks(args.raw, args.model)
+    else:
+        raw = json.loads(args.raw.read_text())
+    missing = sorted(set(args.method) - set(raw["results"]))
+    if missing:
+        raise SystemExit(
+            f"--method {', '.join(missing)}: not in the run ({', '.join(raw['results'])})"
+        )
     conf = raw["configuration"]
     units = ruler_units(
         load_tokenizer(args.model),
@@ -63,11 +152,15 @@ def main() -> None:
     by_key = {(w["task"], w["length"], w["index"]): (u, ids) for u, w, ids in units}
     rows = []
     for method, results in raw["results"].items():
+        if args.method and method not in args.method:
+            continue
         for r in results:
             unit, ids = by_key[(r["task"], r["length"], r["index"])]
             split = unit["context_tokens"]
             if (split, len(ids) - split) != (r["context_tokens"], r["question_tokens"]):
                 raise SystemExit(f"{method} {r['task']} {r['index']}: not the run's sample")
+            if "outputs" in r and list(r["outputs"]) != list(unit["outputs"]):
+                raise SystemExit(f"{method} {r['task']} {r['index']}: other reference answers")
             rows.append(
                 {
                     "task": r["task"],

@@ -277,6 +277,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json", help="also write the table here")
     parser.add_argument(
+        "--title",
+        help="the plot's title (default: RULER, the paired count, the samples' file name)",
+    )
+    parser.add_argument(
         "--plot",
         help="also draw accuracy against kv/full here (PNG): kvlab's and kvpress's rows, the "
         "kvlab rows' Pareto front (needs kvlab's venv: matplotlib)",
@@ -311,31 +315,38 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
     if args.plot:
-        title = f"RULER, {table['paired_samples']} paired samples ({args.samples})"
+        title = args.title or (
+            f"RULER, {table['paired_samples']} paired samples ({Path(args.samples).name})"
+        )
         print(f"plot: {plot_frontier(table, Path(args.plot), title)}")
 
 
 def plot_frontier(table: dict[str, Any], path: Path, title: str) -> Path:
     """Task-mean accuracy (%) against ``kv/full`` for every row of ``table`` with a
-    ``kv_over_full``: kvlab's rows as circles, kvpress's as triangles, one label each, and the
-    kvlab rows' Pareto front (the best accuracy at or below each size) as a step line. Returns
-    ``path`` (parents created)."""
+    ``kv_over_full``: kvlab's rows as circles, kvpress's as triangles, each point its own colour
+    and numbered, a legend outside the axes naming each number's row with its accuracy and size
+    (labels beside the points overlap where rows sit close), and the kvlab rows' Pareto front
+    (the best accuracy at or below each size) as a step line. Returns ``path`` (parents
+    created)."""
     from kvlab.evaluation.plot import pareto_front, pyplot, save_figure
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=120)
-    points = [
-        (label, row["kv_over_full"], row["mean"])
-        for label, row in table["rows"].items()
-        if row.get("kv_over_full") is not None
-    ]
-    for side, marker in (("kvlab", "o"), ("kvpress", "^")):
-        mine = [p for p in points if p[0].startswith(side + ":")]
-        if mine:
-            ax.scatter([p[1] for p in mine], [p[2] for p in mine], marker=marker, s=22, label=side)
-        for label, x, y in mine:
-            ax.annotate(label.split(":", 1)[1], (x, y), fontsize=6, xytext=(3, 3),
-                        textcoords="offset points")  # fmt: skip
+    points = sorted(
+        (
+            (label, row["kv_over_full"], row["mean"])
+            for label, row in table["rows"].items()
+            if row.get("kv_over_full") is not None
+        ),
+        key=lambda p: (-p[2], p[1], p[0]),
+    )
+    colours = plt.get_cmap("tab20").colors
+    for number, (label, x, y) in enumerate(points, start=1):
+        marker = "^" if label.startswith("kvpress:") else "o"
+        ax.scatter([x], [y], marker=marker, s=26, color=colours[(number - 1) % len(colours)],
+                   label=f"{number}. {label}: {y:.1f} at {x:.3f}", zorder=3)  # fmt: skip
+        below = (3, -8) if marker == "^" else (3, 2)  # kvpress's numbers under their points
+        ax.annotate(str(number), (x, y), fontsize=6, xytext=below, textcoords="offset points")
     ours = [(x, -y) for label, x, y in points if label.startswith("kvlab:")]  # fewer bytes, more %
     front = [(ours[i][0], -ours[i][1]) for i in pareto_front(ours)]
     if len(front) > 1:
@@ -345,7 +356,8 @@ def plot_frontier(table: dict[str, Any], path: Path, title: str) -> Path:
     ax.set_xlim(left=0)
     ax.grid(alpha=0.3)
     if points:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+                  title="kvlab ●  kvpress ▲  (accuracy at kv/full)", title_fontsize=6)  # fmt: skip
     ax.set_title(title, fontsize=8)
     return save_figure(fig, path)
 
