@@ -149,6 +149,8 @@ def flush_cases(draw: st.DrawFn) -> dict:
         "prerope": draw(st.booleans()),
         "scaling": draw(st.sampled_from(range(len(ROPE_SCALINGS)))),
         "value_dim": draw(st.sampled_from([1, 2, 8, 32, 64]) if hadamard else st.integers(1, 20)),
+        # value channels per scale/zero: a divisor of value_dim is kept, others mean one group
+        "value_group": draw(st.sampled_from([None, None, 1, 2, 4, 8, 16, 64])),
         "hadamard": hadamard,
         "dtype": draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
         "key_data": draw(st.sampled_from(DATA)),
@@ -169,8 +171,10 @@ def test_compiled_flush_bytes_equal_the_reference(case: dict) -> None:
         outlier_fraction=case["fraction"],
         prerope=case["prerope"],
     )
+    c = case["value_group"]
+    c = c if c is not None and case["value_dim"] % c == 0 else None
     value_codec: ValueCodec = (
-        HadamardValueCodec(bits) if case["hadamard"] else PerTokenValueCodec(bits)
+        HadamardValueCodec(bits, c) if case["hadamard"] else PerTokenValueCodec(bits, c)
     )
     layout = KeyLayout.for_rotary(d, rotary_dim, case["layout"])
     rotary = RotaryConfig(
@@ -297,6 +301,7 @@ def cache_cases(draw: st.DrawFn) -> dict:
         "coding": coding,
         "fraction": fraction,
         "value_coding": draw(st.sampled_from(["hadamard", "per_token"])),
+        "value_group_channels": draw(st.sampled_from([None, None, 4, 8])),  # divide head_dim
         "group_tokens": draw(st.sampled_from([2, 4, 8, 32])),
         "sink_tokens": draw(st.sampled_from([0, 3])),
         "residual_tokens": draw(st.sampled_from([0, 5])),
@@ -328,6 +333,7 @@ def _run(case: dict, env: str | None, monkeypatch: pytest.MonkeyPatch) -> PNMixC
         key_coding=case["coding"],
         key_outlier_fraction=case["fraction"],
         value_coding=case["value_coding"],
+        value_group_channels=case["value_group_channels"],
         group_tokens=case["group_tokens"],
         sink_tokens=case["sink_tokens"],
         residual_tokens=case["residual_tokens"],
@@ -466,16 +472,19 @@ def test_encode_groups_refuses_bad_buffers() -> None:
     layout = KeyLayout.for_rotary(8, 8)
     empty = torch.empty(0)
     good = torch.zeros(2, 4, 8, dtype=F16)
-    args = (empty, empty, layout.first, layout.second, empty, good, 2, 0, False, empty)
+    args = (empty, empty, layout.first, layout.second, empty, good, 2, 0, False, empty, 1)
     with pytest.raises(RuntimeError, match="float16"):
         module.encode_groups(good.float(), *args)
     with pytest.raises(RuntimeError, match="outliers"):
-        module.encode_groups(good, *args[:7], 32, False, empty)
+        module.encode_groups(good, *args[:7], 32, False, empty, 1)
     with pytest.raises(RuntimeError, match="power-of-two"):
-        module.encode_groups(good, *args[:5], torch.zeros(2, 4, 6, dtype=F16), 2, 0, True, empty)
+        module.encode_groups(good, *args[:5], torch.zeros(2, 4, 6, dtype=F16), 2, 0, True, empty, 1)
     bad_widths = torch.full((2, 4), 9, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="widths"):
         module.encode_groups(good, *args[:4], bad_widths, *args[5:])
     for index in (torch.tensor([[3, 1], [0, 2]]), torch.tensor([[0, 32], [0, 1]])):
         with pytest.raises(RuntimeError, match="outlier_index"):
-            module.encode_groups(good, *args[:7], 2, False, index.to(torch.int32))
+            module.encode_groups(good, *args[:7], 2, False, index.to(torch.int32), 1)
+    for groups in (0, 3, 16):  # value channel groups must divide the 8 value channels
+        with pytest.raises(RuntimeError, match="value groups must divide"):
+            module.encode_groups(good, *args[:10], groups)

@@ -78,6 +78,9 @@ def cases(draw: st.DrawFn) -> Case:
         key_coding=coding,  # type: ignore[arg-type]
         rotary_dim=rotary,
         rotary_layout=draw(st.sampled_from(["half", "interleaved"])),
+        value_group_channels=draw(
+            st.sampled_from([None, None, *(c for c in (2, 3, 4) if dv % c == 0)])
+        ),
     )
     lengths = draw(st.lists(st.integers(1, 60), min_size=b, max_size=b))
     steps = draw(st.integers(0, 6))

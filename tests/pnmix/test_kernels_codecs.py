@@ -89,6 +89,7 @@ def cases(draw: st.DrawFn) -> Case:
         key_coding=coding,  # type: ignore[arg-type]
         key_outlier_fraction=outliers,
         value_coding="hadamard" if hadamard else "per_token",
+        value_group_channels=draw(st.sampled_from([None, None, 2, 4])),  # divisors of every dv
         rotary_dim=rotary_dim,
         rotary_layout=layout,  # type: ignore[arg-type]
     )
@@ -147,7 +148,9 @@ def test_cpu_kernel_matches_the_reference_on_the_issue8_codecs(case: Case) -> No
     assert err <= tol, (err, tol)
 
 
-def _pn_mix_cache(dtype: torch.dtype = torch.float16) -> PNMixCache:
+def _pn_mix_cache(
+    dtype: torch.dtype = torch.float16, value_group_channels: int | None = None
+) -> PNMixCache:
     rotary = RotaryConfig(16, 12, 10000.0, "interleaved")
     cfg = PNMixConfig(
         sink_tokens=2,
@@ -157,19 +160,22 @@ def _pn_mix_cache(dtype: torch.dtype = torch.float16) -> PNMixCache:
         key_coding="bit_alloc",
         key_outlier_fraction=0.02,
         value_coding="hadamard",
+        value_group_channels=value_group_channels,
         rotary_dim=12,
         rotary_layout="interleaved",
     )
     return PNMixCache(cfg, batch_size=2, num_key_value_heads=2, head_dim=16, rotary=rotary)
 
 
+@pytest.mark.parametrize("value_group_channels", [None, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_step_stores_what_append_stores_with_the_pn_mix_codecs(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, value_group_channels: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The fused decode step (one C++ call) on the ``pn-mix`` codecs: the same bytes in every
-    buffer (payload included) and the same output bit for bit as ``append(checks=
-    "deferred")`` then the ``"cpu"`` backend, over flushes and padded rows."""
+    """The fused decode step (one C++ call) on the ``pn-mix`` codecs, with one value scale and
+    zero per token or per 4 channels: the same bytes in every buffer (payload included) and the
+    same output bit for bit as ``append(checks="deferred")`` then the ``"cpu"`` backend, over
+    flushes and padded rows."""
     require_cpu_kernel()
     fused = []
     original = cpu.decode_step_cpu
@@ -180,7 +186,7 @@ def test_decode_step_stores_what_append_stores_with_the_pn_mix_codecs(
 
     monkeypatch.setattr(cpu, "decode_step_cpu", spy)
     gen = torch.Generator().manual_seed(7)
-    a, b = _pn_mix_cache(dtype), _pn_mix_cache(dtype)
+    a, b = (_pn_mix_cache(dtype, value_group_channels) for _ in range(2))
     k, v = torch.randn(2, 2, 30, 16, generator=gen), torch.randn(2, 2, 30, 16, generator=gen)
     q0 = torch.randn(2, 4, 30, 16, generator=gen)
     for cache in (a, b):

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.pnmix import PNMixCache, PNMixConfig
+from kvlab.pnmix.kernels import KernelKeyDecode, dispatch
 from kvlab.pnmix.kernels.cpu import flush_unsupported
 from kvlab.pnmix.kernels.spec import kernel_key_decode
 from kvlab.pnmix.quantizers import minmax_quantize
@@ -126,11 +127,24 @@ def test_cache_stores_one_pair_per_token_and_group():
     torch.testing.assert_close(values[:, :, 4 : 4 + t].float(), expected, rtol=0, atol=2e-3)
 
 
-def test_no_kernel_claims_grouped_value_scalars():
+def test_the_cpu_kernels_read_grouped_value_scalars_and_triton_declines(monkeypatch):
+    """The CPU attention kernel and the compiled flush take channel groups (checked against
+    the torch reference in test_kernels*.py and test_flush_kernel.py); the Triton kernels read
+    one scale and zero per token, so ``"auto"`` on CUDA runs the torch reference and an
+    explicit ``"triton"`` refuses with the reason."""
     cfg = PNMixConfig(key_coding="bit_alloc", value_coding="hadamard", value_group_channels=64)
-    reason = kernel_key_decode(cfg.key_codec, cfg.value_codec, 0)
-    assert isinstance(reason, str) and "grouped value scalars" in reason
-    why = flush_unsupported(cfg.key_codec, cfg.value_codec, torch.float16, 32, 256)
-    assert why is not None and "one scale/zero per token" in why
+    decode = kernel_key_decode(cfg.key_codec, cfg.value_codec, 0)
+    assert isinstance(decode, KernelKeyDecode) and decode.value_group_channels == 64
+    assert dispatch.unsupported("cpu", decode) is None
+    reason = dispatch.unsupported("triton", decode)
+    assert reason is not None and "value_group_channels=64" in reason
+    monkeypatch.setattr(dispatch, "triton_installed", lambda: True)
+    assert dispatch.select_backend("auto", torch.device("cuda"), decode) == "torch"
+    with pytest.raises(ValueError, match="value_group_channels=64"):
+        dispatch.select_backend("triton", torch.device("cuda"), decode)
+    assert flush_unsupported(cfg.key_codec, cfg.value_codec, torch.float16, 32, 256) is None
     plain = PNMixConfig(key_coding="bit_alloc", value_coding="hadamard")
-    assert flush_unsupported(plain.key_codec, plain.value_codec, torch.float16, 32, 256) is None
+    plain_decode = kernel_key_decode(plain.key_codec, plain.value_codec, 0)
+    assert isinstance(plain_decode, KernelKeyDecode)
+    assert plain_decode.value_group_channels is None
+    assert dispatch.unsupported("triton", plain_decode) is None

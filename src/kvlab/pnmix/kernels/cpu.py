@@ -282,8 +282,6 @@ def flush_unsupported(
         return f"key codec {codec} (the compiled flush codes BitAllocCodec keys)"
     if type(value_codec) not in (PerTokenValueCodec, HadamardValueCodec):
         return f"value codec {value_codec}"
-    if value_codec.group_channels is not None:
-        return f"value codec {value_codec} (the compiled flush writes one scale/zero per token)"
     if storage_dtype != torch.float16:
         return (
             f"{storage_dtype} storage (float64 sums of its values are not exact, so their order, "
@@ -366,6 +364,7 @@ def encode_groups_cpu(
         codec.outlier_count(t, d),
         isinstance(value_codec, HadamardValueCodec),
         _EMPTY if outlier_index is None else outlier_index.to(torch.int32).contiguous(),
+        value_codec.channel_groups(values.shape[-1]),
     )
     if not out:
         return None

@@ -150,6 +150,7 @@ void select_outliers(const std::vector<double>& x, int64_t T, int64_t D, int64_t
 
 struct Sizes {
   int64_t N, T, D, Dv, P, bits, K, Kb, Vb, E;
+  int64_t Gv;  // value channel groups: one scale and zero per token and Dv / Gv channels
 };
 
 // Codes one group (index n); false when the result might differ from the reference's.
@@ -243,7 +244,8 @@ bool encode_group(const Sizes& z, int64_t n, const Half* keys, const float* cs, 
   const int64_t levels = (int64_t{1} << z.bits) - 1;
   const Half* v = values + n * T * Dv;
   uint8_t* vc = vcodes + n * z.Vb;
-  Half* vs = vscal + n * 2 * T;
+  const int64_t Gv = z.Gv, C = Dv / Gv;
+  Half* vs = vscal + n * 2 * T * Gv;  // [scale(T, Gv) | zero(T, Gv)], token-major
   std::vector<double> r(Dv);
   const double norm = 1.0 / std::sqrt(static_cast<double>(Dv));
   for (int64_t t = 0; t < T; ++t) {
@@ -268,19 +270,24 @@ bool encode_group(const Sizes& z, int64_t n, const Half* keys, const float* cs, 
         r[j] = f;
       }
     }
-    double lo = r[0], hi = r[0];
-    for (int64_t j = 1; j < Dv; ++j) {
-      lo = r[j] < lo ? r[j] : lo;
-      hi = r[j] > hi ? r[j] : hi;
-    }
-    vs[T + t] = to_half(lo);
-    vs[t] = to_half((hi - lo) / static_cast<double>(levels));
-    const double z64 = static_cast<float>(vs[T + t]), s64 = static_cast<float>(vs[t]);
-    if (!std::isfinite(z64) || !std::isfinite(s64)) return false;
-    if (!(s64 > 0.0)) continue;
-    for (int64_t j = 0; j < Dv; ++j) {
-      const uint8_t c = code_of(r[j], z64, s64, levels);
-      if (c) put_code(vc, (t * Dv + j) * z.bits, c);
+    for (int64_t g = 0; g < Gv; ++g) {  // min-max of each channel group's block
+      const int64_t j0 = g * C, j1 = j0 + C;
+      double lo = r[j0], hi = r[j0];
+      for (int64_t j = j0 + 1; j < j1; ++j) {
+        lo = r[j] < lo ? r[j] : lo;
+        hi = r[j] > hi ? r[j] : hi;
+      }
+      Half& zero = vs[(T + t) * Gv + g];
+      Half& scale = vs[t * Gv + g];
+      zero = to_half(lo);
+      scale = to_half((hi - lo) / static_cast<double>(levels));
+      const double z64 = static_cast<float>(zero), s64 = static_cast<float>(scale);
+      if (!std::isfinite(z64) || !std::isfinite(s64)) return false;
+      if (!(s64 > 0.0)) continue;
+      for (int64_t j = j0; j < j1; ++j) {
+        const uint8_t c = code_of(r[j], z64, s64, levels);
+        if (c) put_code(vc, (t * Dv + j) * z.bits, c);
+      }
     }
   }
   return true;
@@ -303,7 +310,8 @@ std::vector<torch::Tensor> encode_groups(torch::Tensor keys, torch::Tensor rope_
                                          torch::Tensor rope_sin, torch::Tensor pair_first,
                                          torch::Tensor pair_second, torch::Tensor widths,
                                          torch::Tensor values, int64_t bits, int64_t outliers,
-                                         bool hadamard, torch::Tensor outlier_index) {
+                                         bool hadamard, torch::Tensor outlier_index,
+                                         int64_t value_groups) {
   using kvlab_flush::Half;
   TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu(), "keys and values on the CPU");
   TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == at::kHalf && keys.is_contiguous(),
@@ -323,11 +331,13 @@ std::vector<torch::Tensor> encode_groups(torch::Tensor keys, torch::Tensor rope_
   z.Kb = (z.T * z.D * bits + 7) / 8;
   z.Vb = (z.T * z.Dv * bits + 7) / 8;
   z.E = z.K * static_cast<int64_t>(sizeof(Half) + sizeof(int16_t));
+  z.Gv = value_groups;
   TORCH_CHECK(z.T >= 1 && z.T <= 8192 && z.Dv >= 1 && z.Dv <= 8192,
               "group tokens and value head dim must lie in 1..8192");
   TORCH_CHECK(z.K >= 0 && z.K < z.T * z.D && z.T * z.D <= (1 << 15),
               "outliers must lie in 0..T*D-1 with T*D <= 2^15");
   TORCH_CHECK(!hadamard || (z.Dv & (z.Dv - 1)) == 0, "Hadamard values need a power-of-two Dv");
+  TORCH_CHECK(z.Gv >= 1 && z.Dv % z.Gv == 0, "value groups must divide the value head dim");
   TORCH_CHECK(pair_first.scalar_type() == at::kLong && pair_second.scalar_type() == at::kLong &&
                   pair_first.is_contiguous() && pair_second.is_contiguous() &&
                   pair_second.numel() == z.P,
@@ -369,7 +379,7 @@ std::vector<torch::Tensor> encode_groups(torch::Tensor keys, torch::Tensor rope_
   auto kscal = torch::empty({z.N, 2 * z.D}, keys.options());
   auto payload = torch::empty({z.N, z.E}, u8);
   auto vcodes = torch::zeros({z.N, z.Vb}, u8);
-  auto vscal = torch::empty({z.N, 2 * z.T}, keys.options());
+  auto vscal = torch::empty({z.N, 2 * z.T * z.Gv}, keys.options());
   for (int64_t n = 0; n < z.N; ++n) {
     const bool exact = kvlab_flush::encode_group(
         z, n, reinterpret_cast<const Half*>(keys.data_ptr()),

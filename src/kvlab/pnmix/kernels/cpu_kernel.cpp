@@ -85,30 +85,35 @@ inline float lane_sum(const float* x, int64_t n) {
          tail;
 }
 
-// acc[0, n) += sum_t w[t] * x[t, 0, n): 64 output channels at a time in eight registers
-// (independent chains), then 8 at a time, then one
-inline void accumulate(const float* w, const float* x, int64_t rows, int64_t n, float* acc) {
+// acc[0, n) += sum_t w[t] * x[t * ld + (0, n)] (ld: the row stride, n when omitted): 64 output
+// channels at a time in eight registers (independent chains), then 8 at a time, then one
+inline void accumulate(const float* w, const float* x, int64_t rows, int64_t n, float* acc,
+                       int64_t ld) {
   int64_t d = 0;
   for (; d + 64 <= n; d += 64) {
     v8f a[8];
     for (int j = 0; j < 8; ++j) a[j] = load8(acc + d + 8 * j);
     for (int64_t t = 0; t < rows; ++t) {
       const float wt = w[t];
-      const float* xt = x + t * n + d;
+      const float* xt = x + t * ld + d;
       for (int j = 0; j < 8; ++j) a[j] += wt * load8(xt + 8 * j);
     }
     for (int j = 0; j < 8; ++j) store8(acc + d + 8 * j, a[j]);
   }
   for (; d + 8 <= n; d += 8) {
     v8f a = load8(acc + d);
-    for (int64_t t = 0; t < rows; ++t) a += w[t] * load8(x + t * n + d);
+    for (int64_t t = 0; t < rows; ++t) a += w[t] * load8(x + t * ld + d);
     store8(acc + d, a);
   }
   for (; d < n; ++d) {
     float a = acc[d];
-    for (int64_t t = 0; t < rows; ++t) a += w[t] * x[t * n + d];
+    for (int64_t t = 0; t < rows; ++t) a += w[t] * x[t * ld + d];
     acc[d] = a;
   }
+}
+
+inline void accumulate(const float* w, const float* x, int64_t rows, int64_t n, float* acc) {
+  accumulate(w, x, rows, n, acc, n);
 }
 
 inline uint32_t load_le32(const uint8_t* p) {
@@ -169,7 +174,7 @@ struct Inputs {
   const uint8_t* key_codes;
   const S* key_scalars;
   const uint8_t* value_codes;
-  const S* value_scalars;
+  const S* value_scalars;    // [.., 2 T Gv]: [scale(T, Gv) | zero(T, Gv)], token-major
   const int64_t* sink_len;   // [B * H]
   const int64_t* group_cnt;  // [B * H]
   const int64_t* res_len;    // [B * H]
@@ -189,26 +194,30 @@ struct Inputs {
   int64_t mode_first, mode_second, key_kind;
   int64_t res_extra;  // tokens to add to every residual count (a decode step's own token)
   int64_t B, H, M, Q, rep, D, Dv, S_cap, R_cap, G_cap, T, bits, Kb, Vb, Sk, P;
+  int64_t Gv;  // value channel groups: one scale and zero per token and Dv / Gv channels
   bool causal;
   float softcap;  // <= 0: none
 };
 
 // Softmax partials of one task: running max m, sum l, the quantized groups' code accumulator
-// acc [M, Dv] and zero-point accumulator accz [M] (their values: acc + accz, in the value
-// codec's frame), and the exact tokens' accumulator acce [M, Dv] (docs/design.md "Attention").
+// acc [M, Dv] and zero-point accumulator accz [M, Gv] (their values: acc + accz of the
+// channel's group, in the value codec's frame), and the exact tokens' accumulator acce [M, Dv]
+// (docs/design.md "Attention").
 struct Partial {
   std::vector<float> m, l, acc, accz, acce;
-  void init(int64_t M, int64_t Dv) {
+  int64_t Gv = 1;
+  void init(int64_t M, int64_t Dv, int64_t groups) {
+    Gv = groups;
     m.assign(M, kNegInf);
     l.assign(M, 0.f);
     acc.assign(M * Dv, 0.f);
-    accz.assign(M, 0.f);
+    accz.assign(M * Gv, 0.f);
     acce.assign(M * Dv, 0.f);
   }
   // multiply row m's sums by a (a new running maximum)
   void rescale(int64_t row, int64_t Dv, float a) {
     l[row] *= a;
-    accz[row] *= a;
+    for (int64_t g = 0; g < Gv; ++g) accz[row * Gv + g] *= a;
     float* o = acc.data() + row * Dv;
     float* e = acce.data() + row * Dv;
     for (int64_t d = 0; d < Dv; ++d) {
@@ -218,18 +227,19 @@ struct Partial {
   }
 };
 
-// accz[m] += sum_t p[m * T + t] * zero[t] for every row m: each row's sum in token order, as
-// a multiply, then an add (what the compiled row loop does: GCC keeps a loop's single chain of
-// multiply-adds unfused on Zen), the rows' chains interleaved so they overlap
+// accz[m * stride] += sum_t p[m * T + t] * zero[t] for every row m: each row's sum in token
+// order, as a multiply, then an add (what the compiled row loop does: GCC keeps a loop's single
+// chain of multiply-adds unfused on Zen), the rows' chains interleaved so they overlap
 __attribute__((optimize("fp-contract=off"))) void zero_sums(const float* p, const float* zero,
-                                                            int64_t M, int64_t T, float* accz) {
+                                                            int64_t M, int64_t T, float* accz,
+                                                            int64_t stride) {
   float z[64];
   for (int64_t m0 = 0; m0 < M; m0 += 64) {
     const int64_t rows = std::min<int64_t>(64, M - m0);
     for (int64_t m = 0; m < rows; ++m) z[m] = 0.f;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t m = 0; m < rows; ++m) z[m] = z[m] + p[(m0 + m) * T + t] * zero[t];
-    for (int64_t m = 0; m < rows; ++m) accz[m0 + m] += z[m];
+    for (int64_t m = 0; m < rows; ++m) accz[(m0 + m) * stride] += z[m];
   }
 }
 
@@ -410,20 +420,25 @@ class RowTask {
         centre();
       }
       if (!score(T, out)) continue;
-      // values: acc += (p * s) @ codes, accz += p . z
+      // values, per channel group j (channels [j C, (j + 1) C), C = Dv / Gv):
+      // acc[:, group j] += (p * s_j) @ codes[:, group j], accz[:, j] += p . z_j
       unpack_codes(in.value_codes + slot * in.Vb, T * Dv, static_cast<int>(in.bits), codes_.data());
-      const S* vs = in.value_scalars + slot * 2 * T;
-      for (int64_t t = 0; t < T; ++t) {
-        scale_[t] = static_cast<float>(vs[t]);
-        zero_[t] = static_cast<float>(vs[T + t]);
+      const int64_t Gv = in.Gv, C = Dv / Gv;
+      const S* vs = in.value_scalars + slot * 2 * T * Gv;
+      for (int64_t j = 0; j < Gv; ++j) {
+        for (int64_t t = 0; t < T; ++t) {
+          scale_[t] = static_cast<float>(vs[t * Gv + j]);
+          zero_[t] = static_cast<float>(vs[(T + t) * Gv + j]);
+        }
+        // w = p * s for every row, the zero-point sums (each row's in token order, the rows'
+        // chains interleaved), then each row's weighted sum of the codes (the tile is in L1)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t t = 0; t < T; ++t) w_[m * T + t] = p_[m * T + t] * scale_[t];
+        zero_sums(p_.data(), zero_.data(), M, T, out.accz.data() + j, Gv);
+        for (int64_t m = 0; m < M; ++m)
+          accumulate(w_.data() + m * T, codes_.data() + j * C, T, C, out.acc.data() + m * Dv + j * C,
+                     Dv);
       }
-      // w = p * s for every row, the zero-point sums (each row's in token order, the rows'
-      // chains interleaved), then each row's weighted sum of the codes (the tile is in L1)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t t = 0; t < T; ++t) w_[m * T + t] = p_[m * T + t] * scale_[t];
-      zero_sums(p_.data(), zero_.data(), M, T, out.accz.data());
-      for (int64_t m = 0; m < M; ++m)
-        accumulate(w_.data() + m * T, codes_.data(), T, Dv, out.acc.data() + m * Dv);
     }
   }
 
@@ -435,13 +450,14 @@ class RowTask {
     for (int64_t m = 0; m < in.M; ++m) {
       float s = in.sink_logits[h * in.rep + m / in.Q];
       if (!(in.softcap > 0.f)) s -= q_mu_[m];  // into the centred logits' frame
-      merge_segment(out, m, s, 1.f, nullptr, 0.f, nullptr);
+      merge_segment(out, m, s, 1.f, nullptr, nullptr, nullptr);
     }
   }
 
-  // merge a segment (max sm, sum sl, accumulators) into out's row m
-  void merge_segment(Partial& out, int64_t m, float sm, float sl, const float* acc, float accz,
-                     const float* acce) {
+  // merge a segment (max sm, sum sl, accumulators: acc [Dv], accz [Gv], acce [Dv], each
+  // nullptr for zeros) into out's row m
+  void merge_segment(Partial& out, int64_t m, float sm, float sl, const float* acc,
+                     const float* accz, const float* acce) {
     const int64_t Dv = in_.Dv;
     const float cur = out.m[m];
     const float top = std::max(cur, sm);
@@ -449,7 +465,8 @@ class RowTask {
     const float a = std::exp(cur - top);
     const float b = std::exp(sm - top);
     out.l[m] = out.l[m] * a + sl * b;
-    out.accz[m] = out.accz[m] * a + accz * b;
+    for (int64_t j = 0; j < out.Gv; ++j)
+      out.accz[m * out.Gv + j] = out.accz[m * out.Gv + j] * a + (accz ? accz[j] * b : 0.f);
     float* o = out.acc.data() + m * Dv;
     for (int64_t d = 0; d < Dv; ++d) o[d] = o[d] * a + (acc ? acc[d] * b : 0.f);
     float* e = out.acce.data() + m * Dv;
@@ -779,14 +796,15 @@ class RowTask {
   std::vector<float> q_mu_;
 };
 
-// out row m = (T(acc + accz) + acce) / l, T the value output transform (x @ H^T; H is
-// symmetric) or the identity
+// out row m = (T(acc + accz) + acce) / l (accz: the channel's group's), T the value output
+// transform (x @ H^T; H is symmetric) or the identity
 void finish(const Partial& part, int64_t M, int64_t Dv, const float* hadamard, float* out) {
   const float tiny = std::numeric_limits<float>::min();
+  const int64_t Gv = part.Gv, C = Dv / Gv;
   std::vector<float> coded(Dv), mapped(Dv);
   for (int64_t m = 0; m < M; ++m) {
     const float l = std::max(part.l[m], tiny);
-    for (int64_t d = 0; d < Dv; ++d) coded[d] = part.acc[m * Dv + d] + part.accz[m];
+    for (int64_t d = 0; d < Dv; ++d) coded[d] = part.acc[m * Dv + d] + part.accz[m * Gv + d / C];
     if (hadamard != nullptr) {
       std::fill(mapped.begin(), mapped.end(), 0.f);
       accumulate(coded.data(), hadamard, Dv, Dv, mapped.data());
@@ -813,7 +831,7 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
       int64_t most = 0;
       for (int64_t row = begin; row < end; ++row) {
         tasks.emplace_back(in, row, scratch);
-        parts[row - begin].init(M, Dv);
+        parts[row - begin].init(M, Dv, in.Gv);
         tasks.back().exact(parts[row - begin]);
         most = std::max(most, tasks.back().groups());
       }
@@ -839,7 +857,7 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
       const int64_t row = task_id / splits, split = task_id % splits;
       RowTask<S> task(in, row, scratch);
       Partial& part = parts[task_id];
-      part.init(M, Dv);
+      part.init(M, Dv, in.Gv);
       const int64_t n = task.groups();
       const int64_t per = (n + splits - 1) / splits;
       const int64_t g0 = std::min(n, split * per), g1 = std::min(n, g0 + per);
@@ -855,8 +873,8 @@ void run(const Inputs<S>& in, int64_t splits, float* out) {
       for (int64_t s = 1; s < splits; ++s) {
         const Partial& p = parts[row * splits + s];
         for (int64_t m = 0; m < M; ++m)
-          task.merge_segment(total, m, p.m[m], p.l[m], p.acc.data() + m * Dv, p.accz[m],
-                             p.acce.data() + m * Dv);
+          task.merge_segment(total, m, p.m[m], p.l[m], p.acc.data() + m * Dv,
+                             p.accz.data() + m * in.Gv, p.acce.data() + m * Dv);
       }
       task.sinks(total);
       finish(total, M, Dv, in.hadamard, out + row * M * Dv);
@@ -925,7 +943,9 @@ struct Layer {
                 "pair indices must be contiguous int64 [P]");
     TORCH_CHECK(key_codes.size(3) == (T * D * bits + 7) / 8, "key_codes bytes mismatch");
     TORCH_CHECK(value_codes.size(3) == (T * Dv * bits + 7) / 8, "value_codes bytes mismatch");
-    TORCH_CHECK(value_scalars.size(3) == 2 * T, "value_scalars must be [.., 2T]");
+    TORCH_CHECK(T >= 1 && value_scalars.size(3) % (2 * T) == 0 && value_scalars.size(3) > 0 &&
+                    Dv % (value_scalars.size(3) / (2 * T)) == 0,
+                "value_scalars must be [.., 2 T G] with G value channel groups dividing Dv");
     TORCH_CHECK(key_scalars.size(3) == (key_kind == kKeysPerToken ? 2 * T : 2 * D),
                 "key scalars must be [.., 2T] (per token) or [.., 2D] (per channel)");
     TORCH_CHECK(sink_logits.numel() == 0 || (sink_logits.scalar_type() == at::kFloat &&
@@ -1035,6 +1055,7 @@ void attend(const Layer& layer, const float* q, const float* mu, int64_t M, int6
     in.bits = layer.bits;
     in.Kb = layer.key_codes.size(3);
     in.Vb = layer.value_codes.size(3);
+    in.Gv = layer.value_scalars.size(3) / (2 * layer.group_tokens);
     in.Sk = layer.key_scalars.size(3);
     in.P = layer.pair_first.numel();
     in.causal = causal;

@@ -89,6 +89,11 @@ class KernelKeyDecode:
             none.
         value_hadamard: values are coded in the Hadamard frame; the quantized groups'
             weighted sums are mapped back with ``H^T`` once per query row.
+        value_group_channels: the value codec's ``group_channels`` (``None``: one scale and
+            zero per token): its scalars are ``[scale(T, G) | zero(T, G)]``, one pair per token
+            and ``Dv / G`` channels. The CPU kernel reads ``G`` from the scalars' width; the
+            Triton kernels read one pair per token only (:func:`~kvlab.pnmix.kernels.dispatch.
+            unsupported`).
     """
 
     kind: int
@@ -97,11 +102,10 @@ class KernelKeyDecode:
     rotate_to_position: bool = False
     payload_bytes: int = 0
     value_hadamard: bool = False
+    value_group_channels: int | None = None
 
 
 def _value_step(value_codec: ValueCodec | None) -> bool | str:
-    if value_codec is not None and value_codec.group_channels is not None:
-        return f"value coding {value_codec}: no kernel reads grouped value scalars"
     if value_codec is None or type(value_codec) is PerTokenValueCodec:
         return False
     if type(value_codec) in (HadamardValueCodec, MSEHadamardValueCodec, AutoHadamardValueCodec):
@@ -153,7 +157,8 @@ def kernel_key_decode(
     PhaseNormCodec` (and classes added by :func:`register_pair_mode`) and mixes of two of
     them, rotated or pre-RoPE; :class:`~kvlab.pnmix.codecs.PerTokenCodec`;
     :class:`~kvlab.pnmix.width_codec.BitAllocCodec` (any widths, pre-RoPE or not, with or
-    without outliers); values per-token min-max or Hadamard. Exact classes only.
+    without outliers); values per-token min-max or Hadamard, with or without channel groups
+    (``group_channels``; the CPU kernel only). Exact classes only.
     """
     hadamard = _value_step(value_codec)
     if isinstance(hadamard, str):
@@ -161,4 +166,9 @@ def kernel_key_decode(
     described = _key_decode(codec, int(payload_bytes))
     if isinstance(described, str):
         return described
-    return dataclasses.replace(described, payload_bytes=int(payload_bytes), value_hadamard=hadamard)
+    return dataclasses.replace(
+        described,
+        payload_bytes=int(payload_bytes),
+        value_hadamard=hadamard,
+        value_group_channels=None if value_codec is None else value_codec.group_channels,
+    )
