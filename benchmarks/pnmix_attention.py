@@ -44,7 +44,7 @@ from kvlab.pnmix.attention import pnmix_attention
 from kvlab.pnmix.cache import PNMixCache, PNMixConfig
 from kvlab.rope import RotaryConfig, apply_rotary
 
-HEADS_Q, HEADS_KV, HEAD_DIM = 9, 3, 64
+HEADS_Q, HEADS_KV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M; --head-dim changes the last
 
 
 def _median_seconds(fn, min_run_time: float) -> float:
@@ -69,10 +69,13 @@ def run(
     group_tokens: int = 128,
     backends: tuple[str, ...] = ("torch",),
     codings: tuple[str, ...] = ("seed",),
+    head_dim: int = HEAD_DIM,
 ) -> list[dict]:
     rows = []
     for coding in codings:
-        rows += _run_coding(coding, contexts, device, min_run_time, group_tokens, backends)
+        rows += _run_coding(
+            coding, contexts, device, min_run_time, group_tokens, backends, head_dim
+        )
     return rows
 
 
@@ -83,32 +86,33 @@ def _run_coding(
     min_run_time: float,
     group_tokens: int,
     backends: tuple[str, ...],
+    head_dim: int = HEAD_DIM,
 ) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
-    rotary = RotaryConfig(head_dim=HEAD_DIM, base=100000.0)
+    rotary = RotaryConfig(head_dim=head_dim, base=100000.0)
     config = coding_config(coding, group_tokens)
     for length in contexts:
         positions = torch.arange(length)
         keys = apply_rotary(
-            torch.randn(1, HEADS_KV, length, HEAD_DIM, generator=gen), positions, rotary
+            torch.randn(1, HEADS_KV, length, head_dim, generator=gen), positions, rotary
         ).to(device)
-        values = torch.randn(1, HEADS_KV, length, HEAD_DIM, generator=gen).to(device)
+        values = torch.randn(1, HEADS_KV, length, head_dim, generator=gen).to(device)
         query = apply_rotary(
-            torch.randn(1, HEADS_Q, 1, HEAD_DIM, generator=gen), torch.tensor([length - 1]), rotary
+            torch.randn(1, HEADS_Q, 1, head_dim, generator=gen), torch.tensor([length - 1]), rotary
         ).to(device)
         cache = PNMixCache(
             config,
             batch_size=1,
             num_key_value_heads=HEADS_KV,
-            head_dim=HEAD_DIM,
+            head_dim=head_dim,
             device=device,
             rotary=rotary,
         )
         prefill_queries = None
         if config.key_codec.table_bits:  # query-aware tables read the prefill's queries
             prefill_queries = apply_rotary(
-                torch.randn(1, HEADS_Q, length, HEAD_DIM, generator=gen), positions, rotary
+                torch.randn(1, HEADS_Q, length, head_dim, generator=gen), positions, rotary
             ).to(device)
         start = time.perf_counter()
         cache.append(keys, values, queries=prefill_queries)
@@ -133,8 +137,12 @@ def _run_coding(
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
         reference = dequant()
+        # a sanity check against gross errors (tests/pnmix pins the kernels' rounding): float32
+        # sums over the Hadamard output transform's Dv products and the context's groups differ
+        # in order, about 1e-4 at head_dim 64 and growing with it (8e-5 at 256 and 16K tokens)
+        atol = 1e-4 * max(1.0, head_dim / 64)
         for backend in backends:
-            assert torch.allclose(packed(backend), reference, atol=1e-4, rtol=1e-4), backend
+            assert torch.allclose(packed(backend), reference, atol=atol, rtol=1e-4), backend
         times = {
             f"pnmix_{b}": _median_seconds(lambda b=b: packed(b), min_run_time) for b in backends
         }
@@ -191,6 +199,12 @@ def main() -> None:
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per row")
     parser.add_argument("--group-tokens", type=int, default=128, help="PN-Mix key group (tokens)")
     parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=HEAD_DIM,
+        help="key and value head_dim (default 64, SmolLM2's; Gemma 3's is 256)",
+    )
+    parser.add_argument(
         "--backends",
         default=None,
         help="packed-attention backends to time, comma-separated (default: torch,cpu on the "
@@ -211,7 +225,9 @@ def main() -> None:
     default = "torch,triton" if device.type == "cuda" else "torch,cpu"
     backends = tuple(b.strip() for b in (args.backends or default).split(","))
     codings = tuple(c.strip() for c in args.codings.split(","))
-    rows = run(contexts, device, args.min_run_time, args.group_tokens, backends, codings)
+    rows = run(
+        contexts, device, args.min_run_time, args.group_tokens, backends, codings, args.head_dim
+    )
     machine = {
         "accelerator": accelerator_info(device).label,
         "processor": platform.machine(),
@@ -220,7 +236,7 @@ def main() -> None:
         "shape": {
             "num_attention_heads": HEADS_Q,
             "num_key_value_heads": HEADS_KV,
-            "head_dim": HEAD_DIM,
+            "head_dim": args.head_dim,
             "batch": 1,
             "query_tokens": 1,
         },
