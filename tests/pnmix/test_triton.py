@@ -174,19 +174,22 @@ def test_triton_splits_merge_like_one_split() -> None:
         assert float((out - ref).abs().max()) <= kernel_tolerance(query, cache)
 
 
-# (key_coding, key_outlier_fraction, value_coding, rotary layout, storage dtype, relayed)
+# (key_coding, key_outlier_fraction, value_coding, rotary layout, storage dtype, relayed,
+#  value_group_channels of the 8 value channels)
 ISSUE8 = [
-    ("bit_alloc", 0.05, "hadamard", "half", torch.float16, False),
-    ("bit_alloc", 0.0, "per_token", "interleaved", torch.bfloat16, True),
-    ("prerope_cartesian", 0.05, "hadamard", "interleaved", torch.float16, True),
-    ("prerope_mix", 0.0, "hadamard", "half", torch.bfloat16, False),
-    ("cartesian", 0.05, "per_token", "half", torch.float16, False),
+    ("bit_alloc", 0.05, "hadamard", "half", torch.float16, False, None),
+    ("bit_alloc", 0.0, "per_token", "interleaved", torch.bfloat16, True, None),
+    ("prerope_cartesian", 0.05, "hadamard", "interleaved", torch.float16, True, None),
+    ("prerope_mix", 0.0, "hadamard", "half", torch.bfloat16, False, None),
+    ("cartesian", 0.05, "per_token", "half", torch.float16, False, None),
+    ("bit_alloc", 0.05, "hadamard", "half", torch.float16, False, 4),  # pn-mix-values64's shape
+    ("bit_alloc", 0.0, "per_token", "interleaved", torch.bfloat16, True, 2),
 ]
 
 
 def issue8_cache(case: int) -> tuple[PNMixCache, torch.Generator]:
     """The cache of ISSUE8 row ``case`` (rows of 40 and 27 tokens) and the generator after it."""
-    coding, outliers, values_coding, layout, dtype, relayed = ISSUE8[case]
+    coding, outliers, values_coding, layout, dtype, relayed, value_groups = ISSUE8[case]
     d, dv, rotary_dim = 16, 8, 12
     rotary = RotaryConfig(d, rotary_dim, 10000.0, layout)  # type: ignore[arg-type]
     cfg = PNMixConfig(
@@ -197,6 +200,7 @@ def issue8_cache(case: int) -> tuple[PNMixCache, torch.Generator]:
         key_coding=coding,  # type: ignore[arg-type]
         key_outlier_fraction=outliers,
         value_coding=values_coding,  # type: ignore[arg-type]
+        value_group_channels=value_groups,
         rotary_dim=rotary_dim,
         rotary_layout=layout,  # type: ignore[arg-type]
     )

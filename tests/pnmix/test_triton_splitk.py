@@ -206,14 +206,16 @@ def test_choose_splits_and_unsupported_reasons() -> None:
 
 
 # (key_coding, key_outlier_fraction, value_coding, rotary layout, storage dtype, relayed,
-#  group tokens, block_t)
+#  group tokens, value_group_channels of the 16 value channels, block_t)
 PNMIX_CASES = [
-    ("bit_alloc", 0.05, "hadamard", "half", torch.float16, True, 16, None),  # pn-mix's coding
-    ("bit_alloc", 0.02, "hadamard", "interleaved", torch.float16, False, 32, 16),
-    ("bit_alloc", 0.0, "per_token", "interleaved", torch.bfloat16, True, 16, None),
-    ("prerope_cartesian", 0.05, "hadamard", "interleaved", torch.bfloat16, True, 16, None),
-    ("prerope_mix", 0.0, "hadamard", "half", torch.float16, False, 16, None),
-    ("cartesian", 0.05, "per_token", "half", torch.float16, False, 32, 16),
+    ("bit_alloc", 0.05, "hadamard", "half", torch.float16, True, 16, None, None),  # pn-mix's
+    ("bit_alloc", 0.02, "hadamard", "interleaved", torch.float16, False, 32, None, 16),
+    ("bit_alloc", 0.0, "per_token", "interleaved", torch.bfloat16, True, 16, None, None),
+    ("prerope_cartesian", 0.05, "hadamard", "interleaved", torch.bfloat16, True, 16, None, None),
+    ("prerope_mix", 0.0, "hadamard", "half", torch.float16, False, 16, None, None),
+    ("cartesian", 0.05, "per_token", "half", torch.float16, False, 32, None, 16),
+    ("bit_alloc", 0.05, "hadamard", "half", torch.float16, True, 16, 4, None),  # 4 value groups
+    ("bit_alloc", 0.0, "per_token", "interleaved", torch.bfloat16, False, 32, 8, 16),
 ]
 
 
@@ -222,7 +224,7 @@ def pnmix_cache(case: int) -> tuple[PNMixCache, torch.Generator]:
     Dv = 16, full rotary; tables from prefill queries; optionally moved position offsets."""
     from kvlab.rope import RotaryConfig, apply_rotary
 
-    coding, outliers, values, layout, dtype, relayed, group, _ = PNMIX_CASES[case]
+    coding, outliers, values, layout, dtype, relayed, group, value_groups, _ = PNMIX_CASES[case]
     d, dv = 32, 16
     rotary = RotaryConfig(d, d, 10000.0, layout)  # type: ignore[arg-type]
     cfg = PNMixConfig(
@@ -233,6 +235,7 @@ def pnmix_cache(case: int) -> tuple[PNMixCache, torch.Generator]:
         key_coding=coding,  # type: ignore[arg-type]
         key_outlier_fraction=outliers,
         value_coding=values,  # type: ignore[arg-type]
+        value_group_channels=value_groups,
         rotary_layout=layout,  # type: ignore[arg-type]
     )
     cache = PNMixCache(

@@ -127,24 +127,18 @@ def test_cache_stores_one_pair_per_token_and_group():
     torch.testing.assert_close(values[:, :, 4 : 4 + t].float(), expected, rtol=0, atol=2e-3)
 
 
-def test_the_cpu_kernels_read_grouped_value_scalars_and_triton_declines(monkeypatch):
-    """The CPU attention kernel and the compiled flush take channel groups (checked against
-    the torch reference in test_kernels*.py and test_flush_kernel.py); the Triton kernels read
-    one scale and zero per token, so ``"auto"`` on CUDA runs the torch reference and an
-    explicit ``"triton"`` refuses with the reason."""
+def test_every_compiled_kernel_takes_grouped_value_scalars(monkeypatch):
+    """The kernels read the group count from the scalars' width (``2·T·G``), so a grouped cache
+    has the same kernel description as an ungrouped one and no backend declines it; the CPU
+    attention kernel, the compiled flush and both Triton kernels are checked against the torch
+    reference with channel groups in test_kernels*.py, test_flush_kernel.py and test_triton*.py."""
     cfg = PNMixConfig(key_coding="bit_alloc", value_coding="hadamard", value_group_channels=64)
-    decode = kernel_key_decode(cfg.key_codec, cfg.value_codec, 0)
-    assert isinstance(decode, KernelKeyDecode) and decode.value_group_channels == 64
-    assert dispatch.unsupported("cpu", decode) is None
-    reason = dispatch.unsupported("triton", decode)
-    assert reason is not None and "value_group_channels=64" in reason
-    monkeypatch.setattr(dispatch, "triton_installed", lambda: True)
-    assert dispatch.select_backend("auto", torch.device("cuda"), decode) == "torch"
-    with pytest.raises(ValueError, match="value_group_channels=64"):
-        dispatch.select_backend("triton", torch.device("cuda"), decode)
-    assert flush_unsupported(cfg.key_codec, cfg.value_codec, torch.float16, 32, 256) is None
     plain = PNMixConfig(key_coding="bit_alloc", value_coding="hadamard")
-    plain_decode = kernel_key_decode(plain.key_codec, plain.value_codec, 0)
-    assert isinstance(plain_decode, KernelKeyDecode)
-    assert plain_decode.value_group_channels is None
-    assert dispatch.unsupported("triton", plain_decode) is None
+    decode = kernel_key_decode(cfg.key_codec, cfg.value_codec, 0)
+    assert isinstance(decode, KernelKeyDecode)
+    assert decode == kernel_key_decode(plain.key_codec, plain.value_codec, 0)
+    for backend in ("cpu", "triton"):
+        assert dispatch.unsupported(backend, decode) is None
+    monkeypatch.setattr(dispatch, "triton_installed", lambda: True)
+    assert dispatch.select_backend("auto", torch.device("cuda"), decode) == "triton"
+    assert flush_unsupported(cfg.key_codec, cfg.value_codec, torch.float16, 32, 256) is None

@@ -80,8 +80,8 @@ class PNMixConfig:
             token over all channels, ``2 + 32 / head_dim`` bits per value channel in float16.
             Only with a named ``value_coding`` (a :class:`~kvlab.pnmix.values.ValueCodec`
             carries its own ``group_channels``).
-            The CPU kernels read grouped value scalars; the Triton kernels do not (on CUDA such
-            a cache attends through the torch reference: docs/design.md, "Value codecs").
+            The compiled kernels (CPU and Triton) read grouped value scalars
+            (docs/design.md, "Value codecs").
         rotary_dim: rotary channels of a key (even; ``None`` = the head_dim); channels
             ``rotary_dim .. head_dim - 1`` are always Cartesian.
         rotary_layout: ``"half"`` pairs ``(i, i + rotary_dim/2)``, ``"interleaved"`` pairs

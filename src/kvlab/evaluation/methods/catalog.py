@@ -92,7 +92,7 @@ CATALOG: tuple[MethodDoc, ...] = (
         "pn-mix-values64",
         "pn-mix-values64",
         "`pn-mix` with one value scale and zero per 64 channels (its density at head_dim 64) "
-        "instead of one per token: for head_dim 128–256; CPU kernels, no Triton kernel yet",
+        "instead of one per token: for head_dim 128–256",
         _PNMIX + "; value groups as KIVI's",
     ),
     MethodDoc(

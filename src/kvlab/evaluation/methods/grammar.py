@@ -35,9 +35,8 @@ The names
   values. ``kivi-2bit-hadamard``: KIVI keys with Hadamard values (values alone).
 * ``pn-mix-values64`` — ``pn-mix`` with one value scale and zero per 64 channels of the
   Hadamard frame (``PNMixConfig(value_group_channels=64)``): 2.5 bits per value channel at any
-  head_dim, where ``pn-mix`` spends ``2 + 32 / head_dim`` (2.125 at Gemma 3's 256). The CPU
-  kernels read grouped value scalars; on CUDA it attends through the torch reference (no
-  Triton kernel reads them yet).
+  head_dim, where ``pn-mix`` spends ``2 + 32 / head_dim`` (2.125 at Gemma 3's 256); the CPU
+  and Triton kernels read the grouped value scalars.
 * ``pn-mix-v1`` — the previous ``pn-mix``: Cartesian / Phase–Norm mix by first-group saliency,
   one group size per layer chosen by
   :func:`~kvlab.integrations.pnmix_calibration.calibrate_group_tokens` on the package's own

@@ -77,17 +77,12 @@ def triton_installed() -> bool:
 
 def unsupported(backend: str, decode: KernelKeyDecode | str) -> str | None:
     """Why compiled ``backend`` cannot run a cache whose codecs ``decode`` describes, or
-    ``None`` when it can (docs/design.md, "Kernels", "Capabilities"). ``"cpu"`` runs every
-    :class:`KernelKeyDecode`; ``"triton"`` every one without value channel groups
-    (``value_group_channels``); a backend that lags behind a new decode step says so here.
+    ``None`` when it can (docs/design.md, "Kernels", "Capabilities"). Each compiled backend
+    has a kernel in :data:`KERNELS` that runs every :class:`KernelKeyDecode` today (``"cpu"``;
+    ``"triton"``'s older kernel); a backend that lags behind a new decode step says so here.
     Which of a backend's kernels runs a given store is :func:`kernel_entry`'s."""
     if isinstance(decode, str):
         return decode
-    if backend == "triton" and decode.value_group_channels is not None:
-        return (
-            f"value_group_channels={decode.value_group_channels}: the Triton kernels read one "
-            "value scale and zero per token (the CPU kernel reads channel groups)"
-        )
     return None
 
 

@@ -89,11 +89,6 @@ class KernelKeyDecode:
             none.
         value_hadamard: values are coded in the Hadamard frame; the quantized groups'
             weighted sums are mapped back with ``H^T`` once per query row.
-        value_group_channels: the value codec's ``group_channels`` (``None``: one scale and
-            zero per token): its scalars are ``[scale(T, G) | zero(T, G)]``, one pair per token
-            and ``Dv / G`` channels. The CPU kernel reads ``G`` from the scalars' width; the
-            Triton kernels read one pair per token only (:func:`~kvlab.pnmix.kernels.dispatch.
-            unsupported`).
     """
 
     kind: int
@@ -102,7 +97,6 @@ class KernelKeyDecode:
     rotate_to_position: bool = False
     payload_bytes: int = 0
     value_hadamard: bool = False
-    value_group_channels: int | None = None
 
 
 def _value_step(value_codec: ValueCodec | None) -> bool | str:
@@ -158,7 +152,8 @@ def kernel_key_decode(
     them, rotated or pre-RoPE; :class:`~kvlab.pnmix.codecs.PerTokenCodec`;
     :class:`~kvlab.pnmix.width_codec.BitAllocCodec` (any widths, pre-RoPE or not, with or
     without outliers); values per-token min-max or Hadamard, with or without channel groups
-    (``group_channels``; the CPU kernel only). Exact classes only.
+    (``group_channels``: the kernels read the group count from the scalars' width, ``2·T·G``).
+    Exact classes only.
     """
     hadamard = _value_step(value_codec)
     if isinstance(hadamard, str):
@@ -166,9 +161,4 @@ def kernel_key_decode(
     described = _key_decode(codec, int(payload_bytes))
     if isinstance(described, str):
         return described
-    return dataclasses.replace(
-        described,
-        payload_bytes=int(payload_bytes),
-        value_hadamard=hadamard,
-        value_group_channels=None if value_codec is None else value_codec.group_channels,
-    )
+    return dataclasses.replace(described, payload_bytes=int(payload_bytes), value_hadamard=hadamard)

@@ -198,6 +198,7 @@ def triton_launcher(
         ROTATE=bool(decode.rotate_to_position),
         BF16=kv.sink_keys.dtype == torch.bfloat16,
         BLOCK_K=pow2(n_out, 16),
+        VGROUPS=kv.value_scalars.shape[-1] // (2 * t),
         DOT=dot,
         **extra,
     )

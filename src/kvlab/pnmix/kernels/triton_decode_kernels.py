@@ -185,6 +185,7 @@ def split_kernel(
     BF16: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT: tl.constexpr,
+    VGROUPS: tl.constexpr = 1,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -304,7 +305,7 @@ def split_kernel(
             vbase = vcodes + slot * Vb
             sbase = kscal + slot * Sk
             pbase = payload_ptr + slot * E
-            vsbase = vscal + slot * (2 * T)
+            vsbase = vscal + slot * (2 * T * VGROUPS)  # [scale(T, G) | zero(T, G)]
             step = tl.zeros([BLOCK_D], dtype=tl.float32)
             if has_pn:
                 span = tl.load(sbase + ch_s, mask=d_ok, other=0.0).to(tl.float32)
@@ -392,14 +393,24 @@ def split_kernel(
                 m_run, l_run, acc, accz, p = online(s, m_run, l_run, acc, accz)
                 v_ok = t_ok[:, None] & dv_ok[None, :]
                 vc = _codes(vbase, t[:, None] * DV + offs_dv[None, :], v_ok, Vb, BITS)
-                v_scale = tl.load(vsbase + t, mask=t_ok, other=0.0).to(tl.float32)
-                v_zero = tl.load(vsbase + T + t, mask=t_ok, other=0.0).to(tl.float32)
-                w = p * v_scale[None, :]
-                if DOT:
-                    acc += tl.dot(w, vc, input_precision="ieee")
-                else:
-                    acc += tl.sum(w[:, :, None] * vc[None, :, :], axis=1)
-                accz += tl.sum(p * v_zero[None, :], axis=1)
+                if VGROUPS == 1:  # one scale and zero per token: p s @ codes + p . z
+                    v_scale = tl.load(vsbase + t, mask=t_ok, other=0.0).to(tl.float32)
+                    v_zero = tl.load(vsbase + T + t, mask=t_ok, other=0.0).to(tl.float32)
+                    w = p * v_scale[None, :]
+                    if DOT:
+                        acc += tl.dot(w, vc, input_precision="ieee")
+                    else:
+                        acc += tl.sum(w[:, :, None] * vc[None, :, :], axis=1)
+                    accz += tl.sum(p * v_zero[None, :], axis=1)
+                else:  # per token and channel group: p @ (zero + codes * scale), decoded tile
+                    at_g = t[:, None] * VGROUPS + (offs_dv // (DV // VGROUPS))[None, :]
+                    v_scale = tl.load(vsbase + at_g, mask=v_ok, other=0.0).to(tl.float32)
+                    v_zero = tl.load(vsbase + T * VGROUPS + at_g, mask=v_ok, other=0.0)
+                    v = v_zero.to(tl.float32) + vc * v_scale
+                    if DOT:
+                        acc += tl.dot(p, v, input_precision="ieee")
+                    else:
+                        acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
     base = (row * (NS + 1) + split) * M + offs_m
     tl.store(part_m + base, m_run, mask=m_ok)
     tl.store(part_l + base, l_run, mask=m_ok)

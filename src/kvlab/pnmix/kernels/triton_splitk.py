@@ -240,6 +240,7 @@ def splitk_launches(
         HAS_MASK=has_mask,
         BLOCK_M=block_m,
         BLOCK_T=bt,
+        VGROUPS=kv.value_scalars.shape[-1] // (2 * t),
         **common,
         **extra,
     )

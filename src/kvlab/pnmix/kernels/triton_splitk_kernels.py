@@ -196,6 +196,7 @@ def quantized_kernel(
     BLOCK_T: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT: tl.constexpr,
+    VGROUPS: tl.constexpr = 1,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -347,11 +348,17 @@ def quantized_kernel(
         m_run, l_run, acc, accz, p = online(s, m_run, l_run, acc, accz)
         vw = tl.load(vwords + slot * (T * VW) + t[:, None] * VW + tl.arange(0, VW)[None, :])
         vc = _unpack(vw, 0, BITS, CPW, BITS)
-        vsbase = vscal + slot * (2 * T)
-        v_scale = tl.load(vsbase + t).to(tl.float32)
-        v_zero = tl.load(vsbase + T + t).to(tl.float32)
-        acc += _pv(p * v_scale[None, :], vc, DOT, PRECISION)
-        accz += tl.sum(p * v_zero[None, :], axis=1)
+        vsbase = vscal + slot * (2 * T * VGROUPS)  # [scale(T, G) | zero(T, G)]
+        if VGROUPS == 1:  # one scale and zero per token: p s @ codes + p . z
+            v_scale = tl.load(vsbase + t).to(tl.float32)
+            v_zero = tl.load(vsbase + T + t).to(tl.float32)
+            acc += _pv(p * v_scale[None, :], vc, DOT, PRECISION)
+            accz += tl.sum(p * v_zero[None, :], axis=1)
+        else:  # per token and channel group: p @ (zero + codes * scale), decoded tile
+            at_g = t[:, None] * VGROUPS + (offs_dv // (DV // VGROUPS))[None, :]
+            v_scale = tl.load(vsbase + at_g).to(tl.float32)
+            v_zero = tl.load(vsbase + T * VGROUPS + at_g).to(tl.float32)
+            acc += _pv(p, v_zero + vc * v_scale, DOT, PRECISION)
     base = (row * (NS + 1) + split) * M + offs_m
     tl.store(part_m + base, m_run, mask=m_ok)
     tl.store(part_l + base, l_run, mask=m_ok)
