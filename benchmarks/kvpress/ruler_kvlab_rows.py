@@ -14,7 +14,7 @@ methods' rows, e.g. an older run's rows beside a newer run's)::
     python benchmarks/kvpress/ruler_kvlab_rows.py runs/ruler-qwen05/raw-ruler-cpu.json \\
         --model qwen2.5-coder-0.5b --out runs/ruler-qwen05/kvlab-rows.json
 
-The input may instead be a run's ``tasks/`` folder (or the output folder holding it): the rows
+The input may instead be a run's output folder (or its ``tasks/`` folder): the rows
 and the configuration then come from the task files themselves (:func:`raw_from_tasks`), so a
 run whose code is not at hand — an older commit's committed task files — needs no replay.
 """
@@ -103,10 +103,43 @@ def raw_from_tasks(folder: Path, model: str) -> dict[str, Any]:
     }
 
 
+def load_run(path: Path, model: str) -> dict[str, Any]:
+    """The raw file at ``path`` (``configuration`` and ``results``), or one rebuilt from the
+    task files when ``path`` is a run's output folder or its ``tasks/`` folder
+    (:func:`raw_from_tasks`).
+
+    Raises:
+        SystemExit: no such path; a file that is not a kvlab RULER raw file (not JSON, another
+            protocol, missing fields); a run of another model than ``model``; the errors of
+            :func:`raw_from_tasks`.
+    """
+    if path.is_dir():
+        return raw_from_tasks(path, model)
+    if not path.exists():
+        raise SystemExit(f"{path}: no such file or folder")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"{path}: not a kvlab raw-ruler JSON file ({exc})") from None
+    if not (
+        isinstance(raw, dict)
+        and raw.get("protocol") == "ruler"
+        and isinstance(raw.get("configuration"), dict)
+        and isinstance(raw.get("results"), dict)
+    ):
+        raise SystemExit(f"{path}: not a kvlab raw-ruler file (protocol, configuration, results)")
+    ran = raw["configuration"].get("model")
+    if ran is not None and ran != model:
+        raise SystemExit(f"{path}: the run's model is {ran!r}, not --model {model!r}")
+    return raw
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "raw", type=Path, help="kvlab's raw-ruler-<device>.json, or the run's tasks/ folder"
+        "raw",
+        type=Path,
+        help="kvlab's raw-ruler-<device>.json, or the run's output folder (or its tasks/)",
     )
     parser.add_argument("--model", required=True, help="the model spec the run used")
     parser.add_argument("--text", type=Path, help="the --text the run used (default: none)")
@@ -124,15 +157,14 @@ def main() -> None:
         help="only this method's rows (repeatable; default: every method of the run)",
     )
     args = parser.parse_args()
+    if not args.out.parent.is_dir():
+        raise SystemExit(f"--out {args.out}: its folder does not exist")
 
     from kvlab.data import load_text
     from kvlab.evaluation.ruler_protocol import ruler_units
     from kvlab.models import load_tokenizer
 
-    if args.raw.is_dir():
-        raw = raw_from_tasks(args.raw, args.model)
-    else:
-        raw = json.loads(args.raw.read_text())
+    raw = load_run(args.raw, args.model)
     missing = sorted(set(args.method) - set(raw["results"]))
     if missing:
         raise SystemExit(
@@ -174,6 +206,7 @@ def main() -> None:
                     "ids_sha256": _digest(ids[:split], ids[split:], list(unit["outputs"])),
                 }
             )
+    rows.sort(key=lambda r: (r["method"], r["task"], r["length"], r["index"]))  # either input
     args.out.write_text(json.dumps({"rows": rows}, indent=1))
     print(f"{len(rows)} rows -> {args.out}")
 

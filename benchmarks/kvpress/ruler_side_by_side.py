@@ -222,7 +222,16 @@ def render(table: dict[str, Any]) -> str:
     tasks = table["tasks"]
     head = "| method | " + " | ".join(tasks) + " | mean | kv/full |"
     lines = [head, "|---|" + "---:|" * (len(tasks) + 2)]
-    for label, entry in table["rows"].items():
+    # the no-press rows first, then by size (largest first), then by name
+    order = sorted(
+        table["rows"].items(),
+        key=lambda item: (
+            not item[0].endswith(":full"),
+            -item[1].get("kv_over_full", 0.0),
+            item[0],
+        ),
+    )
+    for label, entry in order:
         cells = [f"{entry['per_task'][t]:.1f}" for t in tasks]
         kv = f"{entry['kv_over_full']:.3f}" if "kv_over_full" in entry else ""
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {entry['mean']:.1f} | {kv} |")

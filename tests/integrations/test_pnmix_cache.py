@@ -569,3 +569,21 @@ def test_deepcopy_decodes_like_the_original(make_llama, monkeypatch, backend):
         original = _score_one_at_a_time(model, ids[:, 39:], cache, 1)
     assert cache.layers[0].store.quantized_tokens > 0
     assert torch.equal(copied, original)
+
+
+def test_a_configuration_the_model_shape_refuses_fails_when_the_cache_is_built() -> None:
+    """``value_group_channels`` that does not divide the model's head_dim (24 here) is refused
+    by the model cache's constructor with PN-Mix's message, not inside the first forward;
+    the composed cache does the same; a dividing group size is accepted."""
+    from tiny_models import tiny_llama_config
+
+    from kvlab.integrations import ComposedModelCache
+    from kvlab.relay.config import EvictionConfig
+
+    config = tiny_llama_config(head_dim=24)
+    bad = PNMixConfig(value_group_channels=16, **SMALL)
+    with pytest.raises(ValueError, match="does not divide the value head dim 24"):
+        PNMixModelCache(config, bad)
+    with pytest.raises(ValueError, match="does not divide the value head dim 24"):
+        ComposedModelCache(config, EvictionConfig(ratio=0.5), pnmix=bad)
+    PNMixModelCache(config, PNMixConfig(value_group_channels=8, **SMALL))

@@ -62,11 +62,10 @@ from typing import Any, ClassVar
 
 from kvlab.integrations.composed_layer import ComposedLayer, ComposedView
 from kvlab.integrations.forward import ForwardState
-from kvlab.integrations.model_support import layer_rotary
-from kvlab.integrations.pnmix_cache import pnmix_config_for_model
+from kvlab.integrations.pnmix_cache import check_pnmix_fits_model, pnmix_config_for_model
 from kvlab.integrations.relay_cache import RelayModelCache
 from kvlab.integrations.relay_layer import RelayLayer
-from kvlab.pnmix import PNMixCache, PNMixConfig
+from kvlab.pnmix import PNMixConfig
 from kvlab.relay.config import EvictionConfig, EvictionEvent
 from kvlab.rope import RotaryConfig
 
@@ -121,23 +120,8 @@ class ComposedModelCache(RelayModelCache):
             config = pnmix_config_for_model(text_config, config)
         self.pnmix_config = config
         self.record_kept = record_kept
-        self._check_pnmix(text_config)
+        check_pnmix_fits_model(text_config, config)
         super().__init__(model_config, eviction, rotary=rotary)
-
-    def _check_pnmix(self, text_config: Any) -> None:
-        """Build an empty one-row PN-Mix cache of the model's head shape, so that a
-        configuration PN-Mix refuses fails here, before any forward."""
-        heads = text_config.num_attention_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-        codec = self.pnmix_config.key_codec
-        PNMixCache(
-            self.pnmix_config,
-            batch_size=1,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rotary=layer_rotary(text_config) if codec.position_aware else None,
-        )
 
     def _full_layer(self, index: int, state: ForwardState) -> ComposedLayer:
         uses_rope = self.plan.layers[index].uses_rope

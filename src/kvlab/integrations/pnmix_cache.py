@@ -62,10 +62,16 @@ from typing import Any, ClassVar
 from kvlab.integrations.model_cache import KVLabModelCache
 from kvlab.integrations.model_support import layer_rotary, plan_model
 from kvlab.integrations.pnmix_layer import PNMixLayer, PNMixState, PNMixView
-from kvlab.pnmix import PNMixConfig
+from kvlab.pnmix import PNMixCache, PNMixConfig
 from kvlab.pnmix.kernels.dispatch import requested_backend
 
-__all__ = ["PNMixLayer", "PNMixModelCache", "PNMixView", "pnmix_config_for_model"]
+__all__ = [
+    "PNMixLayer",
+    "PNMixModelCache",
+    "PNMixView",
+    "check_pnmix_fits_model",
+    "pnmix_config_for_model",
+]
 
 
 def pnmix_config_for_model(model_config: Any, base: PNMixConfig | None = None) -> PNMixConfig:
@@ -80,6 +86,28 @@ def pnmix_config_for_model(model_config: Any, base: PNMixConfig | None = None) -
     base = base or PNMixConfig()
     rotary = layer_rotary(model_config)  # model-matrix: per-layer-type RoPE (Gemma 3)
     return dataclasses.replace(base, rotary_dim=rotary.rotary_dim, rotary_layout=rotary.layout)
+
+
+def check_pnmix_fits_model(text_config: Any, config: PNMixConfig) -> None:
+    """Build an empty one-row :class:`~kvlab.pnmix.PNMixCache` of the model's head shape
+    (``num_key_value_heads``, ``head_dim`` or ``hidden_size / num_attention_heads``, its RoPE for
+    a position-aware key codec), so that a configuration PN-Mix refuses for this model fails
+    when a model cache is built, not inside the first forward.
+
+    Raises:
+        ValueError: what ``PNMixCache`` raises for that shape (e.g. ``value_group_channels``
+            not dividing the head_dim, Hadamard values at a head_dim that is no power of two).
+    """
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    PNMixCache(
+        config,
+        batch_size=1,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rotary=layer_rotary(text_config) if config.key_codec.position_aware else None,
+    )
 
 
 class PNMixModelCache(KVLabModelCache):
@@ -104,7 +132,8 @@ class PNMixModelCache(KVLabModelCache):
         ValueError: a model :func:`kvlab.integrations.model_support.plan_model` marks
             unsupported (linear-attention or KV-sharing layers, latent attention), a RoPE that
             :class:`kvlab.rope.RotaryConfig` does not support, ``layer_group_tokens`` of the
-            wrong length or with a value PNMixConfig rejects, or an unknown
+            wrong length or with a value PNMixConfig rejects, a configuration PN-Mix refuses
+            at the model's head shape (:func:`check_pnmix_fits_model`), or an unknown
             ``KVLAB_PNMIX_BACKEND`` (:func:`kvlab.pnmix.kernels.dispatch.requested_backend`).
     """
 
@@ -128,6 +157,7 @@ class PNMixModelCache(KVLabModelCache):
         config = config or PNMixConfig()
         if match_rotary:
             config = pnmix_config_for_model(text_config, config)
+        check_pnmix_fits_model(text_config, config)
         self.pnmix_config = config
         n_layers = text_config.num_hidden_layers
         groups = [config.group_tokens] * n_layers

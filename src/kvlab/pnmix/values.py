@@ -105,7 +105,8 @@ class ValueCodec:
         c = self.group_channels
         if c is not None and c < value_head_dim and value_head_dim % c:
             raise ValueError(
-                f"group_channels {c} does not divide the value head dim {value_head_dim}"
+                f"value group_channels {c} (PNMixConfig.value_group_channels) does not divide "
+                f"the value head dim {value_head_dim}"
             )
 
     def frame(self, values: Tensor, storage_dtype: torch.dtype) -> Tensor:
