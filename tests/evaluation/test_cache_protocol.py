@@ -20,6 +20,7 @@ from kvlab.evaluation.metrics import cache_storage
 from kvlab.evaluation.protocols import cache_details, position_kwargs, rope_position_of
 from kvlab.integrations import use_attention
 from kvlab.integrations.cache_protocol import CacheStorage, KVLabCache
+from kvlab.pnmix.kernels import cpu as pnmix_cpu
 
 LAYERS, KV_HEADS, HEAD_DIM, F32 = 2, 2, 16, 4
 TOKEN_KV = 2 * HEAD_DIM  # key + value elements of one token in one kv head
@@ -137,8 +138,13 @@ def test_pnmix_cache_before_its_first_group(llama):
     assert cache.storage() == cache_storage(cache)
     assert used(cache.storage()) == CacheStorage(exact, exact, 0)
     assert exact == cache.nbytes()
-    # the prefill attends exactly; the decode step reads the packed storage once per layer
-    assert cache_details(cache) == {"packed_attention_calls": LAYERS}
+    # the prefill attends exactly; the decode step reads the packed storage once per layer, on
+    # the compiled CPU kernel where it is built
+    ran = "cpu" if pnmix_cpu.load() is not None else "torch"
+    assert cache_details(cache) == {
+        "packed_attention_calls": LAYERS,
+        "packed_attention_backends": {ran: LAYERS},
+    }
     assert position_kwargs(cache, 1) == {}
     assert rope_position_of(cache) == 21
     assert cache.position_ids(2).tolist() == [[21, 22]]
@@ -192,6 +198,13 @@ def test_relay_stream_positions_are_the_caches_own(llama):
     )
 
 
+def test_details_name_the_torch_reference_when_it_attends(llama, monkeypatch):
+    monkeypatch.setenv("KVLAB_PNMIX_BACKEND", "torch")
+    cache = parse_method("pn-mix").make_cache(llama.config)
+    _feed(llama, cache, "kvlab", [20, 1, 1])
+    assert cache_details(cache)["packed_attention_backends"] == {"torch": 2 * LAYERS}
+
+
 def test_composed_cache_reports_eviction_and_packed_storage(llama):
     # 24-token prefill, half evicted: each kept stream is below pn-mix-lean's 4 sinks + 8
     # residual + one 32-token group, so every kept token is exact float16
@@ -210,8 +223,10 @@ def test_composed_cache_reports_eviction_and_packed_storage(llama):
         "first_eviction_tokens_per_head",
         "prompt_forwards",
         "packed_attention_calls",
+        "packed_attention_backends",
     ]
     assert details["evictions"] == LAYERS and details["packed_attention_calls"] == LAYERS
+    assert sum(details["packed_attention_backends"].values()) == LAYERS
     assert details["next_position"] == details["stream_length"] == 25
     assert position_kwargs(cache, 1)["position_ids"].tolist() == [[25]]
 

@@ -62,7 +62,11 @@ from typing import Any, ClassVar
 
 from kvlab.integrations.composed_layer import ComposedLayer, ComposedView
 from kvlab.integrations.forward import ForwardState
-from kvlab.integrations.pnmix_cache import check_pnmix_fits_model, pnmix_config_for_model
+from kvlab.integrations.pnmix_cache import (
+    check_pnmix_fits_model,
+    pnmix_config_for_model,
+    sum_backends,
+)
 from kvlab.integrations.relay_cache import RelayModelCache
 from kvlab.integrations.relay_layer import RelayLayer
 from kvlab.pnmix import PNMixConfig
@@ -194,10 +198,19 @@ class ComposedModelCache(RelayModelCache):
             for layer in self._composed_layers()
         )
 
+    def attention_backends(self) -> dict[str, int]:
+        """Packed-attention calls over all layers by the backend that ran them."""
+        return sum_backends(
+            layer.pnmix.attention_backends
+            for layer in self._composed_layers()
+            if layer.pnmix is not None
+        )
+
     # ---------------- evaluation protocol (kvlab.integrations.cache_protocol.KVLabCache)
     def details(self) -> dict[str, Any]:
-        """:meth:`RelayModelCache.details` and ``packed_attention_calls``
-        (:meth:`attention_calls`)."""
+        """:meth:`RelayModelCache.details`, ``packed_attention_calls`` and
+        ``packed_attention_backends`` (:meth:`attention_calls`, :meth:`attention_backends`)."""
         details = super().details()
         details["packed_attention_calls"] = self.attention_calls()
+        details["packed_attention_backends"] = self.attention_backends()
         return details

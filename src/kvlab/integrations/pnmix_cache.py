@@ -56,7 +56,7 @@ them (the view hands them to the commit; docs/design.md, "Per-pair tables").
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 from kvlab.integrations.model_cache import KVLabModelCache
@@ -71,6 +71,7 @@ __all__ = [
     "PNMixView",
     "check_pnmix_fits_model",
     "pnmix_config_for_model",
+    "sum_backends",
 ]
 
 
@@ -86,6 +87,15 @@ def pnmix_config_for_model(model_config: Any, base: PNMixConfig | None = None) -
     base = base or PNMixConfig()
     rotary = layer_rotary(model_config)  # model-matrix: per-layer-type RoPE (Gemma 3)
     return dataclasses.replace(base, rotary_dim=rotary.rotary_dim, rotary_layout=rotary.layout)
+
+
+def sum_backends(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Per-backend call counts summed over layers, backends in name order."""
+    total: dict[str, int] = {}
+    for one in counts:
+        for backend, calls in one.items():
+            total[backend] = total.get(backend, 0) + calls
+    return dict(sorted(total.items()))
 
 
 def check_pnmix_fits_model(text_config: Any, config: PNMixConfig) -> None:
@@ -202,7 +212,17 @@ class PNMixModelCache(KVLabModelCache):
         stores = [getattr(layer, "store", None) for layer in self.layers]  # window layers: None
         return sum(0 if store is None else store.attention_calls for store in stores)
 
+    def attention_backends(self) -> dict[str, int]:
+        """Packed-attention calls over all layers by the backend that ran them."""
+        stores = [getattr(layer, "store", None) for layer in self.layers]  # window layers: None
+        return sum_backends(store.attention_backends for store in stores if store is not None)
+
     # ---------------- evaluation protocol (kvlab.integrations.cache_protocol.KVLabCache)
     def details(self) -> dict[str, Any]:
-        """``{"packed_attention_calls": ...}`` (:meth:`attention_calls`)."""
-        return {"packed_attention_calls": self.attention_calls()}
+        """``{"packed_attention_calls": ..., "packed_attention_backends": {backend: calls}}``
+        (:meth:`attention_calls`, :meth:`attention_backends`: whether the compiled kernels or
+        the torch reference attended)."""
+        return {
+            "packed_attention_calls": self.attention_calls(),
+            "packed_attention_backends": self.attention_backends(),
+        }

@@ -100,7 +100,8 @@ def pnmix_attention(
     Returns:
         ``[B, H_q, Q, Dv]`` in ``query``'s dtype and device, computed in float32. Agrees with
         ``cache.dequantize()`` followed by standard attention up to float32 rounding of the
-        logits and outputs. Increments ``cache.attention_calls`` by one. Reads no device
+        logits and outputs. Increments ``cache.attention_calls`` by one (and
+        ``cache.attention_backends`` for the backend that ran). Reads no device
         value back to the host.
 
     Raises:
@@ -166,7 +167,7 @@ def pnmix_attention(
             logit_softcap=logit_softcap,
             sink_logits=sink_logits,
         )
-    cache.note_attention_call()
+    cache.note_attention_call(chosen)
     return out.to(device=query.device, dtype=query.dtype)
 
 
@@ -246,7 +247,7 @@ def pnmix_decode_step(
                     sink_logits=sink_logits,
                 )
                 cache.commit_single_token()
-                cache.note_attention_call()
+                cache.note_attention_call(chosen)
                 return out if out.dtype == query.dtype else out.to(query.dtype)
     # the forward's queries feed a query-aware per-pair table computed by this append (a row's
     # first flush), exactly as the two-call path of the model integration passes them

@@ -199,6 +199,7 @@ class PNMixCache(CacheFlush, CacheDecode):
         )
         self._saliency_computations = 0
         self._attention_calls = 0
+        self._attention_backends = {}
         self._reset_storage(dev)
 
     # ------------------------------------------------------------------ writing

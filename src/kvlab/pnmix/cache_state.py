@@ -136,6 +136,7 @@ class CacheState:
     _pending_ok: Tensor | None
     _saliency_computations: int
     _attention_calls: int
+    _attention_backends: dict[str, int]
 
     def _reset_storage(self, device: torch.device) -> None:
         """Empty storage on ``device`` and fresh derived table copies (construction, and the
@@ -409,10 +410,17 @@ class CacheState:
         """Calls of :func:`kvlab.pnmix.attention.pnmix_attention` on this cache."""
         return self._attention_calls
 
-    def note_attention_call(self) -> None:
-        """Count one attention call (:func:`kvlab.pnmix.attention.pnmix_attention` and the
-        fused decode step call it)."""
+    @property
+    def attention_backends(self) -> dict[str, int]:
+        """Attention calls by the backend that ran them (``"torch"``, ``"cpu"``, ``"triton"``):
+        whether a compiled kernel or the torch reference attended (a copy)."""
+        return dict(self._attention_backends)
+
+    def note_attention_call(self, backend: str) -> None:
+        """Count one attention call run by ``backend`` (:func:`kvlab.pnmix.attention.
+        pnmix_attention` and the fused decode step call it)."""
         self._attention_calls += 1
+        self._attention_backends[backend] = self._attention_backends.get(backend, 0) + 1
 
     # ------------------------------------------------------------------ bytes
     def nbytes(self) -> dict[str, int]:
