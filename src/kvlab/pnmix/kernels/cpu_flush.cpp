@@ -5,7 +5,8 @@
 // (kvlab.rope.rotate_by_delta, with the cos/sin the Python side takes from kvlab.rope), then
 // BitAllocCodec.encode_groups and BitAllocCodec.pack (per-channel min-max with a code width per
 // rotary pair, exact sparse outliers, the width layout), the value codec's encode (per-token
-// min-max of the values or of their Hadamard rotation) and pack_codes. The same IEEE
+// min-max of the values or of their Hadamard rotation, over each block of Dv / G channels when
+// the codec has G channel groups) and pack_codes. The same IEEE
 // operations in the same precisions: float32 rotation (no fused multiply-add), float64
 // code arithmetic, every conversion to float16 through float32 as Tensor.to converts float64.
 // Sums are the one place where torch's order could matter; for float16 inputs every float64
@@ -240,7 +241,8 @@ bool encode_group(const Sizes& z, int64_t n, const Half* keys, const float* cs, 
       if (c) put_code(kc, t * z.bits * D + off[d], c);
     }
   }
-  // ---- values: per-token min-max of the values or of v H (values.HadamardValueCodec.frame)
+  // ---- values: per-token (and per channel group) min-max of the values or of v H
+  // (values.HadamardValueCodec.frame)
   const int64_t levels = (int64_t{1} << z.bits) - 1;
   const Half* v = values + n * T * Dv;
   uint8_t* vc = vcodes + n * z.Vb;
@@ -301,10 +303,12 @@ bool encode_group(const Sizes& z, int64_t n, const Half* keys, const float* cs, 
 //   pair_first/pair_second int64 [P], widths uint8 [N, P] (per-pair code widths) or empty
 //   (every channel `bits`), values [N, T, Dv] float16 (Dv a power of two when hadamard),
 //   outliers K per group, outlier_index int32 [N, K] (each group's outliers as the flush
-//   would select them: table_terms' second output) or empty (selected here).
+//   would select them: table_terms' second output) or empty (selected here), value_groups G
+//   (one value scale and zero per token and Dv / G channels; G divides Dv).
 // Returns {key_codes uint8 [N, ceil(T D bits / 8)], key_scalars float16 [N, 2D] ([scale |
 //   zero]), payload uint8 [N, K * 4] ([values | int16 indices]), value_codes uint8 [N, ceil(T
-//   Dv bits / 8)], value_scalars float16 [N, 2T]}, or an empty list when the reference must
+//   Dv bits / 8)], value_scalars float16 [N, 2TG] ([scale(T, G) | zero(T, G)])}, or an empty
+//   list when the reference must
 //   code these groups (a negative zero or non-finite input, a non-finite stored scalar).
 std::vector<torch::Tensor> encode_groups(torch::Tensor keys, torch::Tensor rope_cos,
                                          torch::Tensor rope_sin, torch::Tensor pair_first,
